@@ -1,0 +1,48 @@
+"""The controller's three rings, each in its own region on its own handshake port."""
+
+from __future__ import annotations
+
+import logging
+
+from rings.config import RING_NAMES, DisaggConfig
+from rings.host import RingHost
+from rings.ring import Ring
+
+log = logging.getLogger("diffring.controller")
+
+
+class ControllerRings:
+    """Starts and stops the request, phase1 and phase2 ring hosts of one controller."""
+
+    def __init__(self, disagg: DisaggConfig, token: str) -> None:
+        self.disagg = disagg
+        self.hosts: dict[str, RingHost] = {}
+        for name in RING_NAMES:
+            host, port = disagg.ring_address(name)
+            self.hosts[name] = RingHost(
+                disagg.layout(name),
+                host=host,
+                port=port,
+                token=token,
+                claim_timeout_s=disagg.claim_timeout_s,
+            )
+        # The controller's own access goes through the same verbs as any peer's.
+        self.local: dict[str, Ring] = {n: Ring(h.local) for n, h in self.hosts.items()}
+
+    async def start(self) -> None:
+        started: list[RingHost] = []
+        try:
+            for host in self.hosts.values():
+                await host.start()
+                started.append(host)
+        except BaseException:
+            for host in started:
+                await host.close()
+            raise
+
+    async def close(self) -> None:
+        for host in self.hosts.values():
+            await host.close()
+
+    def ports(self) -> dict[str, int]:
+        return {name: host.port for name, host in self.hosts.items()}

@@ -1,0 +1,213 @@
+"""``python -m rings inspect``: a read-only look at a controller's rings.
+
+It joins each ring as an ``inspect`` peer, which the host lets read and nothing else, and
+reads the header, the counters and the stamps (one READ), plus each slot's payload header
+with ``--slots``. It never claims or changes anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+import time
+from typing import Any
+
+from rings import payload as pl
+from rings.config import DEFAULT_TOKEN, RING_NAMES, DisaggConfig
+from rings.errors import DiffringError, PayloadCorrupt
+from rings.layout import (
+    OFF_FREED,
+    OFF_HEAD,
+    OFF_REVOKED,
+    OFF_TAIL,
+    OFF_TOMBSTONES,
+    STAMPS_OFFSET,
+    RingLayout,
+    SlotState,
+    unpack_stamp,
+)
+from rings.verbs import READ, Verbs, connect
+
+DEFAULT_PORTS = {"request": 5566, "phase1": 5567, "phase2": 5568}
+
+
+def _summary(item: dict[str, Any]) -> str:
+    keys = ("kind", "task_id", "task", "stage", "attempt", "id")
+    parts = [f"{k}={item[k]}" for k in keys if k in item]
+    if not parts:
+        parts = [f"keys={','.join(sorted(item)[:6])}"]
+    return " ".join(parts)
+
+
+def snapshot(verbs: Verbs, with_slots: bool = False) -> dict[str, Any]:
+    """Read one ring's state through ``verbs`` (reads only)."""
+    lay: RingLayout = verbs.layout
+    raw = verbs.read(0, lay.payloads_offset)
+    layout = RingLayout.from_header(raw)
+    head, tail, tomb, freed, revoked = (
+        struct.unpack_from("<Q", raw, off)[0]
+        for off in (OFF_HEAD, OFF_TAIL, OFF_TOMBSTONES, OFF_FREED, OFF_REVOKED)
+    )
+    counts = {s.name.lower(): 0 for s in SlotState}
+    slots: list[dict[str, Any]] = []
+    stamps = []
+    for i in range(layout.slot_count):
+        (word,) = struct.unpack_from("<Q", raw, STAMPS_OFFSET + 8 * i)
+        pos, state, holder = unpack_stamp(word)
+        counts[state.name.lower()] += 1
+        stamps.append((i, pos, state, holder))
+    if with_slots:
+        ops = [(READ, layout.payload_offset(pos), pl.HEADER_SIZE) for _, pos, _, _ in stamps]
+        headers = verbs.batch(ops) if ops else []
+        for (i, pos, state, holder), head_bytes in zip(stamps, headers, strict=True):
+            row: dict[str, Any] = {
+                "slot": i,
+                "position": pos,
+                "state": state.name.lower(),
+                "holder": holder or None,
+                "payload_bytes": None,
+                "summary": "",
+            }
+            if state == SlotState.PUBLISHED:
+                length = pl.peek(head_bytes)[0]
+                row["payload_bytes"] = length
+                size = min(pl.HEADER_SIZE + length, layout.slot_size)
+                data = verbs.read(layout.payload_offset(pos), size)
+                try:
+                    row["summary"] = _summary(pl.unframe(data, pos, ring=layout.name))
+                except PayloadCorrupt as exc:
+                    row["summary"] = f"CORRUPT: {exc}"
+            slots.append(row)
+    out: dict[str, Any] = {
+        "ring": layout.name,
+        "slot_count": layout.slot_count,
+        "slot_size": layout.slot_size,
+        "head": head,
+        "tail": tail,
+        "depth": tail - head,
+        "published": counts["published"],
+        "claimed": counts["claimed_push"] + counts["claimed_pop"],
+        "claimed_push": counts["claimed_push"],
+        "claimed_pop": counts["claimed_pop"],
+        "tombstones": counts["tombstone"],
+        "repairs": {"tombstoned": tomb, "freed": freed, "peers_revoked": revoked},
+    }
+    if with_slots:
+        out["slots"] = slots
+    return out
+
+
+def _table(snaps: list[dict[str, Any]], with_slots: bool) -> str:
+    cols = [
+        ("ring", "ring"),
+        ("slots", "slot_count"),
+        ("slot_size", "slot_size"),
+        ("head", "head"),
+        ("tail", "tail"),
+        ("depth", "depth"),
+        ("published", "published"),
+        ("claimed", "claimed"),
+        ("tombstones", "tombstones"),
+    ]
+    rows = [[name for name, _ in cols] + ["repairs (tomb/freed/revoked)"]]
+    for s in snaps:
+        if "error" in s:
+            rows.append([s["ring"], f"unreachable: {s['error']}"])
+            continue
+        r = s["repairs"]
+        rows.append(
+            [str(s[key]) for _, key in cols]
+            + [f"{r['tombstoned']}/{r['freed']}/{r['peers_revoked']}"]
+        )
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    if with_slots:
+        for s in snaps:
+            if "slots" not in s:
+                continue
+            lines.append("")
+            lines.append(f"[{s['ring']}]  slot  position  state         holder  bytes  summary")
+            for row in s["slots"]:
+                lines.append(
+                    f"  {row['slot']:>10}  {row['position']:>8}  {row['state']:<12}  "
+                    f"{row['holder'] or '-':>6}  {row['payload_bytes'] or '-':>5}  "
+                    f"{row['summary']}"
+                )
+    return "\n".join(lines)
+
+
+def inspect_rings(
+    host: str,
+    ports: dict[str, int],
+    token: str,
+    with_slots: bool,
+    hosts: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    snaps = []
+    for ring in RING_NAMES:
+        try:
+            with connect(
+                "tcp",
+                (hosts or {}).get(ring, host),
+                ports[ring],
+                layout=None,
+                ring=ring,
+                token=token,
+                role="inspect",
+                timeout=5.0,
+            ) as verbs:
+                snaps.append(snapshot(verbs, with_slots))
+        except DiffringError as exc:
+            snaps.append({"ring": ring, "error": str(exc)})
+    return snaps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rings inspect", description=__doc__)
+    parser.add_argument("--controller", default=None, help="controller address (127.0.0.1)")
+    parser.add_argument("--config", help="service config JSON; its disagg_config gives the ports")
+    for ring in RING_NAMES:
+        parser.add_argument(f"--{ring}-port", type=int, default=None)
+    parser.add_argument("--token", default=None, help="cluster token (or DIFFRING_CLUSTER_TOKEN)")
+    parser.add_argument("--slots", action="store_true", help="a row per slot")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--watch", type=float, default=None, metavar="SECONDS")
+    args = parser.parse_args(argv)
+
+    disagg = DisaggConfig()
+    if args.config:
+        with open(args.config) as f:
+            cfg = json.load(f)
+        disagg = DisaggConfig.from_dict(cfg.get("disagg_config"))
+    ports = {r: disagg.ring_address(r)[1] for r in RING_NAMES}
+    hosts = {r: disagg.ring_address(r)[0] for r in RING_NAMES}
+    for ring in RING_NAMES:
+        override = getattr(args, f"{ring}_port")
+        if override is not None:
+            ports[ring] = override
+    if args.controller:
+        hosts = dict.fromkeys(RING_NAMES, args.controller)
+    token = (
+        args.token
+        or disagg.cluster_token
+        or os.environ.get("DIFFRING_CLUSTER_TOKEN")
+        or DEFAULT_TOKEN
+    )
+    while True:
+        snaps = inspect_rings(hosts["request"], ports, token, args.slots, hosts)
+        if args.json:
+            print(json.dumps(snaps, indent=2))
+        else:
+            if args.watch:
+                print("\x1b[2J\x1b[H" + time.strftime("%H:%M:%S"))
+            print(_table(snaps, args.slots))
+        sys.stdout.flush()
+        if not args.watch:
+            return 1 if all("error" in s for s in snaps) else 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0

@@ -1,0 +1,238 @@
+"""The verbs interface: the seam between the ring algorithm and the transports.
+
+A peer touches a ring region only with four one-sided verbs, exactly what an RDMA RC queue
+pair offers: READ, WRITE, 8-byte compare-and-swap and 8-byte fetch-and-add. ``batch`` posts
+several *independent* verbs together and returns when all completed, in one round trip, as
+RDMA posts a list of work requests; verbs of one batch take effect in the order given.
+
+Backends are registered here by name and imported lazily, so that ``import rings`` never
+pulls in pyverbs (or anything heavy).
+"""
+
+from __future__ import annotations
+
+import importlib
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from rings.errors import ConfigError, VerbAlignmentError, VerbRangeError, VerbsError
+from rings.layout import RingLayout
+
+READ = 1
+WRITE = 2
+CAS = 3
+FAA = 4
+
+# An op is a plain tuple, because a ring operation builds several per round trip and tuples
+# are the cheapest thing Python builds:
+#   (READ, offset, nbytes) -> bytes
+#   (WRITE, offset, data) -> None
+#   (CAS, offset, expected, new) -> old value
+#   (FAA, offset, delta) -> old value
+Op = tuple[Any, ...]
+
+U64 = (1 << 64) - 1
+_Q = struct.Struct("<Q")
+
+
+def op_read(offset: int, nbytes: int) -> Op:
+    return (READ, offset, nbytes)
+
+
+def op_write(offset: int, data: bytes) -> Op:
+    return (WRITE, offset, data)
+
+
+def op_cas(offset: int, expected: int, new: int) -> Op:
+    return (CAS, offset, expected, new)
+
+
+def op_faa(offset: int, delta: int) -> Op:
+    return (FAA, offset, delta)
+
+
+def check_op(op: Op, size: int, writable_from: int = 0) -> None:
+    """Validate one op against a region of ``size`` bytes; raise the matching VerbsError.
+
+    ``writable_from``: offsets below it are read-only for this peer (the immutable header).
+    """
+    code, offset = op[0], op[1]
+    if code == READ or code == WRITE:
+        n = op[2] if code == READ else len(op[2])
+        if offset < 0 or n < 0 or offset + n > size:
+            raise VerbRangeError(
+                f"{'read' if code == READ else 'write'} of {n} bytes at offset {offset} is "
+                f"outside the region (size {size})",
+                offset=offset,
+            )
+        if code == WRITE and offset < writable_from:
+            raise VerbRangeError(
+                f"write at offset {offset} touches the read-only header "
+                f"(writable from {writable_from})",
+                offset=offset,
+            )
+    elif code == CAS or code == FAA:
+        name = "compare_and_swap" if code == CAS else "fetch_and_add"
+        if offset % 8:
+            raise VerbAlignmentError(
+                f"{name} at offset {offset} is not 8-byte aligned", offset=offset
+            )
+        if offset < 0 or offset + 8 > size:
+            raise VerbRangeError(
+                f"{name} at offset {offset} is outside the region (size {size})", offset=offset
+            )
+        if offset < writable_from:
+            raise VerbRangeError(
+                f"{name} at offset {offset} touches the read-only header", offset=offset
+            )
+        for v in op[2:]:
+            if not isinstance(v, int) or not -(1 << 63) <= v <= U64:
+                raise VerbsError(f"{name} operand {v!r} is not a 64-bit integer", offset=offset)
+    else:
+        raise VerbsError(f"unknown verb code {code!r}", offset=offset)
+
+
+def execute_ops(buf: bytearray, ops: Sequence[Op]) -> list[Any]:
+    """Execute already-validated ops on ``buf`` in order (the caller serialises calls)."""
+    out: list[Any] = []
+    for op in ops:
+        code, offset = op[0], op[1]
+        if code == READ:
+            out.append(bytes(buf[offset : offset + op[2]]))
+        elif code == WRITE:
+            data = op[2]
+            buf[offset : offset + len(data)] = data
+            out.append(None)
+        elif code == CAS:
+            (old,) = _Q.unpack_from(buf, offset)
+            if old == op[2] & U64:
+                _Q.pack_into(buf, offset, op[3] & U64)
+            out.append(old)
+        else:  # FAA
+            (old,) = _Q.unpack_from(buf, offset)
+            _Q.pack_into(buf, offset, (old + op[2]) & U64)
+            out.append(old)
+    return out
+
+
+class Verbs(ABC):
+    """One peer's access to one ring region."""
+
+    layout: RingLayout
+    """The layout agreed at handshake (validated against the region's header)."""
+    peer_id: int
+    """Holder id the host assigned to this peer; written into the stamps it claims."""
+    read_only: bool = False
+
+    @abstractmethod
+    def batch(self, ops: Sequence[Op]) -> list[Any]:
+        """Post independent verbs together; one round trip; results in order."""
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        result: bytes = self.batch([(READ, offset, nbytes)])[0]
+        return result
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.batch([(WRITE, offset, bytes(data))])
+
+    def compare_and_swap(self, offset: int, expected: int, new: int) -> int:
+        old: int = self.batch([(CAS, offset, expected, new)])[0]
+        return old
+
+    def fetch_and_add(self, offset: int, delta: int) -> int:
+        old: int = self.batch([(FAA, offset, delta)])[0]
+        return old
+
+    def close(self) -> None:  # noqa: B027 - optional for backends without resources
+        """Release the connection; further verbs fail."""
+
+    def __enter__(self) -> Verbs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Region:
+    """A ring region in this process's memory; verbs on it are serialised by a lock.
+
+    The lock makes every batch atomic with respect to every other batch in the process
+    (the tcp server's and the host's own), which is what makes the tcp transport's atomics
+    linearizable.
+    """
+
+    def __init__(self, layout: RingLayout) -> None:
+        self.layout = layout
+        self.buf = layout.initial_region()
+        self.lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        return len(self.buf)
+
+    def execute(self, ops: Sequence[Op], writable_from: int = 0) -> list[Any]:
+        for op in ops:
+            check_op(op, len(self.buf), writable_from)
+        with self.lock:
+            return execute_ops(self.buf, ops)
+
+
+class LocalVerbs(Verbs):
+    """In-process access to a :class:`Region` (unit tests, and the host's own pushes)."""
+
+    def __init__(self, region: Region, peer_id: int) -> None:
+        self.region = region
+        self.layout = region.layout
+        self.peer_id = peer_id
+        self._closed = False
+
+    def batch(self, ops: Sequence[Op]) -> list[Any]:
+        if self._closed:
+            raise VerbsError("local verbs used after close")
+        return self.region.execute(ops)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+# name -> "module:factory". Factories take (host, port, layout, token, **options).
+TRANSPORTS: dict[str, str] = {
+    "tcp": "rings.tcp:connect",
+    "rdma": "rings.rdma:connect",
+}
+
+
+def connect(
+    transport: str,
+    host: str,
+    port: int,
+    *,
+    layout: RingLayout | None,
+    ring: str,
+    token: str,
+    **options: Any,
+) -> Verbs:
+    """Open a peer connection to a ring served at host:port over ``transport``.
+
+    ``transport`` is ``tcp``, ``rdma`` or ``auto`` (rdma where a device exists, else tcp).
+    ``layout`` is what the caller expects; None (inspection only) accepts the server's.
+    """
+    if transport == "auto":
+        from rings.rdma import rdma_available
+
+        transport = "rdma" if rdma_available() else "tcp"
+    target = TRANSPORTS.get(transport)
+    if target is None:
+        raise ConfigError(
+            f"unknown ring transport {transport!r}; choose one of "
+            f"{', '.join([*TRANSPORTS, 'auto'])}"
+        )
+    module_name, func = target.split(":")
+    module = importlib.import_module(module_name)
+    verbs: Verbs = getattr(module, func)(
+        host, port, layout=layout, ring=ring, token=token, **options
+    )
+    return verbs

@@ -1,0 +1,93 @@
+"""Start one diffring service.
+
+    python run_service.py --service controller|encoder|transformer|decoder|all [--config FILE]
+
+The environment is read here, once, and handed down; nothing below reads it again.
+Precedence: command line > environment > config file > defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from rings.config import ServiceConfig
+from rings.errors import DiffringError
+
+SERVICES = ("controller", "encoder", "transformer", "decoder", "all")
+_MODE_ALIASES = {"decode": "decoder", "encode": "encoder"}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--service", choices=SERVICES, help="role; defaults to the file's disagg_mode")
+    p.add_argument("--config", help="JSON config file (LightX2V field names)")
+    p.add_argument("--host", help="front-door bind address (controller, all)")
+    p.add_argument("--port", type=int, help="front-door port (controller, all)")
+    p.add_argument("--metric_port", "--metric-port", type=int, help="Prometheus metrics port")
+    p.add_argument("--model_path", "--model-path", help="model folder (workers, all)")
+    p.add_argument("--device", help="cpu or cuda:N (workers, all)")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, ServiceConfig]:
+    """Merge command line > environment > file > defaults into (service, config)."""
+    import dataclasses
+
+    cfg = ServiceConfig.load(args.config or env.get("DIFFRING_CONFIG"))
+    service = args.service or _MODE_ALIASES.get(cfg.disagg_mode or "", cfg.disagg_mode)
+    if service not in SERVICES:
+        raise DiffringError(
+            f"no service given: pass --service {'|'.join(SERVICES)} or set disagg_mode in the "
+            "config file"
+        )
+    server = cfg.server
+    if args.host or args.port is not None or args.metric_port is not None:
+        server = dataclasses.replace(
+            server,
+            host=args.host or server.host,
+            port=args.port if args.port is not None else server.port,
+            metric_port=args.metric_port if args.metric_port is not None else server.metric_port,
+        )
+    changes: dict[str, object] = {"server": server}
+    if args.model_path or env.get("DIFFRING_MODEL_PATH"):
+        changes["model_path"] = args.model_path or env["DIFFRING_MODEL_PATH"]
+    if args.device:
+        changes["device"] = args.device
+    if env.get("MOONCAKE_CONFIG_PATH") and not cfg.mooncake_config_path:
+        changes["mooncake_config_path"] = env["MOONCAKE_CONFIG_PATH"]
+    return service, dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    env = dict(os.environ)
+    try:
+        service, cfg = build_config(args, env)
+        token = cfg.disagg_config.resolve_token(env)
+        if service == "controller":
+            from controller.main import run_controller
+
+            return run_controller(cfg, token, env)
+        if service == "all":
+            from controller.main import run_all
+
+            return run_all(cfg, token, env)
+        from workers.main import run_worker
+
+        return run_worker(service, cfg, token, env)
+    except DiffringError as exc:
+        logging.getLogger("diffring").error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

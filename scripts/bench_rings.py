@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Ring throughput and claim latency over tcp on loopback, against the raw verb floor.
+
+    python scripts/bench_rings.py --clients 1,4,16,32 [--seconds 3] [--capacity 128]
+
+For each client count, in one run and against one host process per point:
+  raw RT/s     round trips per second the host answers (each client: one 8-byte READ per
+               round trip, back to back) — the floor every ring operation is built from;
+  ring ops/s   push and pop operations per second (each client alternates push and pop;
+               the ring is half full at the start, so pops rarely find it empty);
+  RT/op        round trips per ring operation, measured (the protocol's minimum is 2);
+  target       0.8 x raw RT/s / 2 (the issue's bar: 80% of the floor divided by the round
+               trips on one operation's critical path);
+  p50/p99      claim latency: from an operation's first verb to its winning CAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rings.layout import OFF_HEAD
+from rings.ring import Ring
+from rings.soak import open_ring, start_ring_host, stop_process
+from rings.verbs import READ
+
+CRITICAL_PATH_RTS = 2
+
+
+def _raw_client(port: int, cap: int, start: float, seconds: float, out: mp.Queue) -> None:
+    ring = open_ring(port, cap, 512)
+    verbs = ring.verbs
+    ops = [(READ, OFF_HEAD, 8)]
+    while time.time() < start:
+        time.sleep(0.001)
+    n = 0
+    end = start + seconds
+    while time.time() < end:
+        verbs.batch(ops)
+        n += 1
+    out.put(n)
+    verbs.close()
+
+
+def _ring_client(port: int, cap: int, start: float, seconds: float, out: mp.Queue) -> None:
+    ring: Ring = open_ring(port, cap, 512)
+    item = {"task_id": "bench", "data": b"x" * 200}
+    lat: list[float] = []
+    while time.time() < start:
+        time.sleep(0.001)
+    n = 0
+    end = start + seconds
+    rt0 = ring.stats.round_trips
+    while time.time() < end:
+        if ring.try_push(item) is None:
+            lat.append(ring.stats.last_claim_s)
+            n += 1
+        if ring.try_pop() is not None:
+            lat.append(ring.stats.last_claim_s)
+            n += 1
+    out.put((n, ring.stats.round_trips - rt0, lat[::4]))
+    ring.verbs.close()
+
+
+def _run(kind: str, clients: int, capacity: int, seconds: float) -> list[object]:
+    host, port = start_ring_host(capacity, 512)
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    target = _raw_client if kind == "raw" else _ring_client
+    start = time.time() + 1.0 + 0.05 * clients  # let every client connect first
+    procs = [
+        ctx.Process(target=target, args=(port, capacity, start, seconds, q)) for _ in range(clients)
+    ]
+    try:
+        if kind == "ring":
+            # Keep the ring half full, so a pop measures claiming an item rather than
+            # polling an empty ring.
+            feeder = open_ring(port, capacity, 512)
+            for _ in range(capacity // 2):
+                feeder.push({"task_id": "prefill"}, timeout=5)
+            feeder.verbs.close()
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=seconds + 120) for _ in procs]
+        for p in procs:
+            p.join(30)
+        return results
+    finally:
+        for p in procs:
+            stop_process(p)
+        stop_process(host)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--clients", default="1,4,16,32")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--capacity", type=int, default=128)
+    args = ap.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    header = (
+        f"{'clients':>7} {'raw RT/s':>9} {'ring ops/s':>10} {'RT/op':>6} {'target':>8} "
+        f"{'vs target':>9} {'p50 claim':>10} {'p99 claim':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for c in counts:
+        raw = sum(int(r) for r in _run("raw", c, args.capacity, args.seconds)) / args.seconds  # type: ignore[call-overload]
+        res = _run("ring", c, args.capacity, args.seconds)
+        ops = sum(r[0] for r in res) / args.seconds  # type: ignore[index]
+        rts = sum(r[1] for r in res)  # type: ignore[index]
+        lat = sorted(x for r in res for x in r[2])  # type: ignore[index]
+        rt_per_op = rts / max(1, sum(r[0] for r in res))  # type: ignore[index]
+        target = 0.8 * raw / CRITICAL_PATH_RTS
+        p50 = statistics.median(lat) * 1e6 if lat else float("nan")
+        p99 = lat[int(0.99 * (len(lat) - 1))] * 1e6 if lat else float("nan")
+        print(
+            f"{c:>7} {raw:>9.0f} {ops:>10.0f} {rt_per_op:>6.2f} {target:>8.0f} "
+            f"{ops / target:>8.0%} {p50:>8.0f}us {p99:>8.0f}us",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Shared fixtures: processes started by a test are stopped by it, by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TOKEN = "test-cluster-token"
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held open together while choosing)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def stop(proc: subprocess.Popen[Any], timeout: float = 15) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Controller:
+    proc: subprocess.Popen[str]
+    config_path: Path
+    config: dict[str, Any]
+    ports: dict[str, int]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def controller_config(
+    tmp: Path, slots: int = 8, slot_size: int = 4096, **disagg: Any
+) -> dict[str, Any]:
+    ctl, req, p1, p2, http = free_ports(5)
+    return {
+        "disagg_mode": "controller",
+        "disagg_config": {
+            "control_port": ctl,
+            "rdma_request_handshake_port": req,
+            "rdma_phase1_handshake_port": p1,
+            "rdma_phase2_handshake_port": p2,
+            "rdma_buffer_slots": slots,
+            "rdma_buffer_slot_size": slot_size,
+            "cluster_token": TOKEN,
+            **disagg,
+        },
+        "server": {"host": "127.0.0.1", "port": http},
+    }
+
+
+def start_controller(
+    tmp: Path, cfg: dict[str, Any], extra_args: list[str] | None = None
+) -> Controller:
+    path = tmp / f"controller-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(cfg))
+    log_path = path.with_suffix(".log")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "run_service.py"),
+            "--service",
+            "controller",
+            "--config",
+            str(path),
+        ]
+        + (extra_args or []),
+        stdout=log_path.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(ROOT),
+        env=env,
+    )
+    d = cfg["disagg_config"]
+    ports = {
+        "request": d["rdma_request_handshake_port"],
+        "phase1": d["rdma_phase1_handshake_port"],
+        "phase2": d["rdma_phase2_handshake_port"],
+    }
+    try:
+        for port in ports.values():
+            wait_port(port, proc)
+    except Exception:
+        stop(proc)
+        raise RuntimeError(f"controller did not start:\n{log_path.read_text()}") from None
+    return Controller(proc, path, cfg, ports, log_path)
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[Controller]:
+    ctl = start_controller(tmp_path, controller_config(tmp_path, slots=3, slot_size=512))
+    try:
+        yield ctl
+    finally:
+        stop(ctl.proc)
