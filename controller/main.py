@@ -32,20 +32,12 @@ def run_async(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
 
 
 def run_controller(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
-    from controller.rings_host import ControllerRings
+    from controller.app import run_controller_async
 
-    async def main(stop: asyncio.Event) -> None:
-        rings = ControllerRings(cfg.disagg_config, token)
-        await rings.start()
-        log.info("controller ready: rings %s", rings.ports())
-        try:
-            await stop.wait()
-        finally:
-            log.info("controller shutting down")
-            await rings.close()
-
-    return run_async(main)
+    return run_async(lambda stop: run_controller_async(cfg, token, env, stop))
 
 
 def run_all(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
-    raise NotImplementedError("--service all arrives with the end-to-end pipeline")
+    from controller.app import run_all_async
+
+    return run_async(lambda stop: run_all_async(cfg, token, env, stop))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from rings.config import RING_NAMES, DisaggConfig
-from rings.host import RingHost
+from rings.errors import ConfigError
+from rings.host import RdmaJoin, RingHost
 from rings.ring import Ring
 
 log = logging.getLogger("diffring.controller")
@@ -17,6 +18,19 @@ class ControllerRings:
     def __init__(self, disagg: DisaggConfig, token: str) -> None:
         self.disagg = disagg
         self.hosts: dict[str, RingHost] = {}
+        rdma_join: RdmaJoin | None = None
+        if disagg.ring_transport != "tcp":
+            from rings.rdma import make_rdma_join
+
+            rdma_join = make_rdma_join(
+                disagg.rdma_device_name, disagg.rdma_ib_port, disagg.rdma_gid_index
+            )
+            if rdma_join is None and disagg.ring_transport == "rdma":
+                raise ConfigError(
+                    "ring_transport is 'rdma' but this machine has no usable RDMA device "
+                    "(or no pyverbs); set disagg_config.ring_transport to 'tcp' or 'auto'"
+                )
+            log.info("ring transport: %s", "rdma and tcp" if rdma_join else "tcp (no RDMA device)")
         for name in RING_NAMES:
             host, port = disagg.ring_address(name)
             self.hosts[name] = RingHost(
@@ -25,6 +39,7 @@ class ControllerRings:
                 port=port,
                 token=token,
                 claim_timeout_s=disagg.claim_timeout_s,
+                rdma_join=rdma_join,
             )
         # The controller's own access goes through the same verbs as any peer's.
         self.local: dict[str, Ring] = {n: Ring(h.local) for n, h in self.hosts.items()}

@@ -139,6 +139,12 @@ class DisaggConfig:
     environment (read at start-up), else a development default (a warning is logged)."""
     claim_timeout_s: float = 30.0
     """A ring claim held longer than this gets its holder revoked and the slot repaired."""
+    rdma_device_name: str | None = None
+    """RDMA device for the ring transport (None: the first one found)."""
+    rdma_ib_port: int = 1
+    """Port of that device."""
+    rdma_gid_index: int = 0
+    """GID index (RoCE)."""
 
     def __post_init__(self) -> None:
         if not self.decentralized_queue:
@@ -170,6 +176,14 @@ class DisaggConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> DisaggConfig:
         return from_mapping(cls, data, "disagg_config", ignored=_LIGHTX2V_IGNORED)
+
+    def rdma_options(self) -> dict[str, Any]:
+        """Options the rdma transport takes, for ``rings.verbs.connect``."""
+        return {
+            "device_name": self.rdma_device_name,
+            "ib_port": self.rdma_ib_port,
+            "gid_index": self.rdma_gid_index,
+        }
 
     def layout(self, ring: str) -> RingLayout:
         return RingLayout(ring, self.rdma_buffer_slots, self.rdma_buffer_slot_size)

@@ -28,7 +28,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rings import wire
 from rings.errors import VerbsError
@@ -45,7 +45,7 @@ from rings.layout import (
     stamp,
     unpack_stamp,
 )
-from rings.verbs import READ, LocalVerbs, Region, check_op, execute_ops
+from rings.verbs import READ, LocalVerbs, Region, Verbs, check_op, execute_ops
 
 log = logging.getLogger("diffring.rings.host")
 
@@ -73,9 +73,18 @@ class RepairCounts:
     revoked: int
 
 
-# Hook that lets the rdma transport take over a JOIN asking for transport "rdma".
-# Signature: (host, peer, join) -> extra WELCOME fields; raise VerbsError to refuse.
-RdmaJoin = Callable[["RingHost", PeerInfo, dict[str, Any]], dict[str, Any]]
+class RdmaJoin(Protocol):
+    """What the rdma transport plugs into a host (``rings.rdma.make_rdma_join``)."""
+
+    def __call__(self, host: RingHost, peer: PeerInfo, join: dict[str, Any]) -> dict[str, Any]:
+        """Take over a JOIN asking for transport "rdma": the extra WELCOME fields (it sets
+        ``peer.revoke_hook``); raise VerbsError to refuse."""
+
+    def loopback(self, host: RingHost) -> Verbs:
+        """The host's own verbs on its region through the NIC (see ``start``)."""
+
+    def release(self, region: Region) -> None:
+        """Tear down every queue pair onto ``region`` and deregister it."""
 
 
 class RingHost:
@@ -100,17 +109,22 @@ class RingHost:
         self.scan_interval_s = scan_interval_s
         self.rdma_join = rdma_join
         self.region = Region(layout)
-        self.local = LocalVerbs(self.region, HOLDER_LOCAL)
+        # The host's own verbs. With rdma, start() swaps in a loopback queue pair: a NIC's
+        # atomics are not atomic with respect to CPU updates made under region.lock.
+        self.local: Verbs = LocalVerbs(self.region, HOLDER_LOCAL)
         self.peers: dict[int, PeerInfo] = {}
         self._protocols: dict[int, _PeerProtocol] = {}
         self._next_id = HOLDER_LOCAL + 1
         self._first_seen: dict[tuple[int, int], float] = {}
+        self._pending_revoke: dict[int, PeerInfo] = {}
         self._server: asyncio.base_events.Server | None = None
         self._scanner: asyncio.Task[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.rdma_join is not None:
+            self.local = self.rdma_join.loopback(self)
         try:
             self._server = await loop.create_server(
                 lambda: _PeerProtocol(self), self.host, self.port, reuse_address=True
@@ -142,6 +156,9 @@ class RingHost:
             proto.drop()
         if self._server is not None:
             await self._server.wait_closed()
+        if self.rdma_join is not None:
+            self.local.close()
+            self.rdma_join.release(self.region)
 
     # -- peers ---------------------------------------------------------------------------
     def _allocate_id(self) -> int:
@@ -174,14 +191,13 @@ class RingHost:
         holds = self._holds_any(peer_id)
         if peer is not None and not peer.revoked:
             peer.revoked = True
-            if peer.revoke_hook is not None:
-                try:
-                    peer.revoke_hook()
-                except Exception:  # a failing hook must not stop the repair
-                    log.exception(
-                        "ring %s: revoke hook of peer %d failed", self.layout.name, peer_id
-                    )
-            if holds or timed_out:
+            counted = holds or timed_out
+            if peer.revoke_hook is not None and not self._run_revoke_hook(peer):
+                # Its queue pair may still be able to write: repair only once the hook
+                # succeeds (retried by the scanner), never while the peer can write.
+                self._pending_revoke[peer_id] = peer
+                holds = False
+            if counted:
                 self.local.fetch_and_add(OFF_REVOKED, 1)
                 log.warning(
                     "ring %s: revoked peer %d (%s, %s): %s",
@@ -197,6 +213,19 @@ class RingHost:
             proto.drop()
         if holds:
             self.repair(peer_id)
+
+    def _run_revoke_hook(self, peer: PeerInfo) -> bool:
+        assert peer.revoke_hook is not None
+        try:
+            peer.revoke_hook()
+        except Exception:
+            log.exception(
+                "ring %s: revoke hook of peer %d failed; repair deferred",
+                self.layout.name,
+                peer.peer_id,
+            )
+            return False
+        return True
 
     def repair(self, peer_id: int) -> int:
         """Turn ``peer_id``'s claimed slots into tombstones / free slots; returns count."""
@@ -234,6 +263,10 @@ class RingHost:
     def scan_once(self, now: float | None = None) -> None:
         """Time every claim; revoke holders of over-age claims and repair orphaned ones."""
         now = time.monotonic() if now is None else now
+        for pid, peer in list(self._pending_revoke.items()):
+            if self._run_revoke_hook(peer):
+                del self._pending_revoke[pid]
+                self.repair(pid)
         seen: dict[tuple[int, int], float] = {}
         stale: set[int] = set()
         for slot, pos, state, holder in self._stamps():
@@ -241,6 +274,8 @@ class RingHost:
                 continue
             if holder == HOLDER_LOCAL:
                 continue
+            if holder in self._pending_revoke:
+                continue  # not yet cut off: must not be repaired
             if holder not in self.peers:
                 # The holder is gone (its revoke raced with this claim's verb, or it was
                 # never a live peer): nobody can write this slot any more, repair it.
@@ -487,7 +522,13 @@ class _PeerProtocol(asyncio.Protocol):
                     )
         except VerbsError as exc:
             return wire.encode_error(wire.error_kind(exc), str(exc))
-        with region.lock:
-            results = execute_ops(region.buf, ops)
+        if self.host.rdma_join is None:
+            with region.lock:
+                results = execute_ops(region.buf, ops)
+        else:  # rdma peers' NICs touch the region too: go through the host's loopback
+            try:
+                results = self.host.local.batch(ops)
+            except VerbsError as exc:
+                return wire.encode_error(wire.error_kind(exc), str(exc))
         peer.verbs_served += len(ops)
         return wire.encode_response(ops, results)

@@ -14,8 +14,18 @@ import signal
 import sys
 
 from rings.config import DEFAULT_TOKEN
-from rings.host import RingHost
+from rings.errors import TransportUnavailable
+from rings.host import RdmaJoin, RingHost
 from rings.layout import RingLayout
+
+
+def _rdma_join() -> RdmaJoin:
+    from rings.rdma import make_rdma_join
+
+    join = make_rdma_join()
+    if join is None:
+        raise TransportUnavailable("--rdma given, but this machine has no usable RDMA device")
+    return join
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -26,6 +36,7 @@ async def _serve(args: argparse.Namespace) -> None:
         token=args.token or os.environ.get("DIFFRING_CLUSTER_TOKEN") or DEFAULT_TOKEN,
         claim_timeout_s=args.claim_timeout,
         scan_interval_s=args.scan_interval,
+        rdma_join=_rdma_join() if args.rdma else None,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -49,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=None)
     p.add_argument("--claim-timeout", type=float, default=30.0)
     p.add_argument("--scan-interval", type=float, default=0.2)
+    p.add_argument("--rdma", action="store_true", help="also serve rdma peers (needs a device)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)

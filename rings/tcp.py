@@ -141,6 +141,7 @@ def connect(
     peer_name: str | None = None,
     timeout: float = 10.0,
     verb_timeout: float = 30.0,
+    **_: Any,  # options of other transports (device_name, ib_port, ...) under "auto"
 ) -> TcpVerbs:
     """Connect to the ring ``ring`` served at host:port and complete the handshake."""
     sock = open_socket(host, port, timeout)

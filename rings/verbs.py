@@ -12,14 +12,24 @@ pulls in pyverbs (or anything heavy).
 from __future__ import annotations
 
 import importlib
+import logging
 import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-from rings.errors import ConfigError, VerbAlignmentError, VerbRangeError, VerbsError
+from rings.errors import (
+    ConfigError,
+    HandshakeError,
+    TransportUnavailable,
+    VerbAlignmentError,
+    VerbRangeError,
+    VerbsError,
+)
 from rings.layout import RingLayout
+
+log = logging.getLogger("diffring.rings.verbs")
 
 READ = 1
 WRITE = 2
@@ -223,7 +233,16 @@ def connect(
     if transport == "auto":
         from rings.rdma import rdma_available
 
-        transport = "rdma" if rdma_available() else "tcp"
+        if not rdma_available():
+            transport = "tcp"
+        else:
+            try:
+                return connect("rdma", host, port, layout=layout, ring=ring, token=token, **options)
+            except (TransportUnavailable, HandshakeError) as exc:
+                # A device that cannot be used, or a host that serves no rdma: tcp still
+                # works (a refusal that is not about rdma is repeated by tcp).
+                log.warning("ring %s at %s:%d: rdma unusable, using tcp: %s", ring, host, port, exc)
+                transport = "tcp"
     target = TRANSPORTS.get(transport)
     if target is None:
         raise ConfigError(

@@ -136,3 +136,39 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
         yield ctl
     finally:
         stop(ctl.proc)
+
+
+def _load_tiny_builder() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_models", ROOT / "scripts" / "make_tiny_models.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random-weight models of the four pipelines, built once per session (offline)."""
+    env = os.environ.get("DIFFRING_TINY_MODELS")
+    out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
+    _load_tiny_builder().build_all(out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def input_png() -> bytes:
+    """A deterministic, non-square 40x48 input image (gradients in each channel)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:48, 0:40]
+    rgb = np.stack([x * 6, y * 5, (x * y) % 251], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return buf.getvalue()

@@ -1,0 +1,210 @@
+"""The control channel server: workers register, heartbeat, claim, report progress and
+results (message layouts: :mod:`rings.messages`).
+
+Same framing and the same token handshake as the ring ports (:mod:`rings.wire`). A worker's
+connection is its liveness: when it drops, every lease the worker holds is revoked at once
+and its tasks are put back in play.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import struct
+from typing import Any
+
+from controller.coordinator import ControlError, Coordinator, WorkerInfo
+from rings import wire
+from rings.messages import CONTROL_RING, Op
+
+log = logging.getLogger("diffring.controller.control")
+
+MAX_CONTROL_FRAME = 512 << 20  # results travel on this channel (a long MP4 can be large)
+
+
+class ControlServer:
+    def __init__(self, coordinator: Coordinator, host: str, port: int, token: str) -> None:
+        self.coordinator = coordinator
+        self.host = host
+        self.port = port
+        self.token = token
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._next_conn = 1
+
+    async def start(self) -> None:
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        except OSError as exc:
+            raise ControlError(
+                f"control channel cannot listen on {self.host}:{self.port}: {exc}"
+            ) from exc
+        if self.port == 0:
+            self.port = self._server.sockets[0].getsockname()[1]
+        log.info("control channel on %s:%d", self.host, self.port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._conns):
+            t.cancel()
+        for t in list(self._conns):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _read(self, reader: asyncio.StreamReader, limit: int) -> bytes:
+        (n,) = wire.LEN.unpack(await reader.readexactly(4))
+        if n > limit:
+            raise ValueError(f"frame of {n} bytes exceeds the limit of {limit}")
+        return await reader.readexactly(n)
+
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> dict[str, Any] | None:
+        nonce = secrets.token_bytes(32)
+        writer.write(
+            wire.pack_msg({"proto": wire.PROTO, "version": wire.PROTO_VERSION, "nonce": nonce})
+        )
+        join = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
+        cnonce = join.get("client_nonce")
+        ring = join.get("ring")
+        error = None
+        if not isinstance(cnonce, bytes) or ring != CONTROL_RING:
+            error = f"this port is the control channel, peer asked for {ring!r}"
+        elif not wire.hmac.compare_digest(
+            join.get("mac") or b"", wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
+        ):
+            error = (
+                "authentication failed: the worker did not prove the cluster token "
+                "(check that every service is configured with the same token)"
+            )
+        if error is not None:
+            writer.write(wire.pack_msg({"ok": False, "error": error}))
+            await writer.drain()
+            log.warning("control: refused %s: %s", writer.get_extra_info("peername"), error)
+            return None
+        assert isinstance(cnonce, bytes) and isinstance(ring, str)
+        conn_id = self._next_conn
+        self._next_conn += 1
+        writer.write(
+            wire.pack_msg(
+                {
+                    "ok": True,
+                    "peer_id": conn_id,
+                    "layout": None,
+                    "mac": wire.mac(self.token, b"welcome", cnonce, nonce, ring.encode()),
+                }
+            )
+        )
+        await writer.drain()
+        return join
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        worker: WorkerInfo | None = None
+        reason = "control connection dropped"
+        try:
+            join = await asyncio.wait_for(self._handshake(reader, writer), wire.HANDSHAKE_TIMEOUT_S)
+            if join is None:
+                return
+            while True:
+                msg = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
+                seq = msg.get("seq")
+                try:
+                    reply, worker = self._dispatch(msg, worker)
+                    out = {"seq": seq, "ok": True, **reply}
+                except (ControlError, KeyError, TypeError, ValueError) as exc:
+                    out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
+                writer.write(wire.pack_msg(out))
+                await writer.drain()
+                if msg.get("op") in (Op.BYE, Op.FATAL):
+                    reason = (
+                        "deregistered"
+                        if msg.get("op") == Op.BYE
+                        else f"reported a fatal error: {msg.get('error')}"
+                    )
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        except (ValueError, struct.error) as exc:
+            log.warning("control: dropping a peer after a malformed message: %s", exc)
+        except asyncio.CancelledError:
+            reason = "controller shutting down"
+        finally:
+            self._conns.discard(task)
+            if worker is not None:
+                self.coordinator.on_gone(worker, reason)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _dispatch(
+        self, msg: dict[str, Any], worker: WorkerInfo | None
+    ) -> tuple[dict[str, Any], WorkerInfo | None]:
+        co = self.coordinator
+        op = msg.get("op")
+        if op == Op.REGISTER:
+            if worker is not None:
+                raise ControlError("already registered on this connection")
+            worker = co.on_register(
+                str(msg["role"]),
+                str(msg["name"]),
+                int(msg["pid"]),
+                str(msg["pipeline"]),
+                str(msg.get("segment", "")),
+            )
+            return {
+                "worker_id": worker.worker_id,
+                "heartbeat_interval_s": co.heartbeat_interval_s,
+                "lease_timeout_s": co.lease_timeout_s,
+            }, worker
+        if worker is None:
+            raise ControlError(f"{op!r} before register")
+        if op == Op.HEARTBEAT:
+            staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
+            cancel, drop = co.on_heartbeat(worker, list(msg.get("tasks", [])), staged)
+            return {"cancel": cancel, "drop": drop}, worker
+        if op == Op.CLAIM:
+            ok, why = co.on_claim(worker, str(msg["task_id"]), int(msg["attempt"]))
+            return {"proceed": ok, "reason": why}, worker
+        if op == Op.PROGRESS:
+            stop = co.on_progress(
+                worker,
+                str(msg["task_id"]),
+                int(msg["attempt"]),
+                int(msg["step"]),
+                int(msg["steps"]),
+            )
+            return {"cancel": stop}, worker
+        if op == Op.HANDOFF:
+            co.on_handoff(worker, str(msg["task_id"]), int(msg["attempt"]))
+            return {}, worker
+        if op == Op.COMPLETE:
+            accepted = co.on_complete(
+                worker,
+                str(msg["task_id"]),
+                int(msg["attempt"]),
+                str(msg["extension"]),
+                str(msg["media_type"]),
+                bytes(msg["data"]),
+            )
+            return {"accepted": accepted}, worker
+        if op == Op.FAIL:
+            co.on_fail(
+                worker,
+                str(msg["task_id"]),
+                int(msg["attempt"]),
+                str(msg["error"]),
+                str(msg.get("error_type", "error")),
+                bool(msg.get("retryable", False)),
+            )
+            return {}, worker
+        if op in (Op.FATAL, Op.BYE):
+            return {}, worker
+        raise ControlError(f"unknown control op {op!r}")

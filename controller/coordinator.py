@@ -1,0 +1,365 @@
+"""The controller's coordination logic: tasks in, worker events, leases, requeue, results.
+
+It owns the task table, the controller's own handle on the request ring, the worker
+registry, and the result folder. The front door calls ``submit`` / ``cancel``; the control
+server calls the ``on_*`` handlers; a sweeper calls ``sweep`` periodically. Everything runs
+on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.tasks import TERMINAL, Stage, Task, TaskTable
+from rings.errors import DiffringError
+from rings.ring import Ring
+
+log = logging.getLogger("diffring.controller")
+
+
+class QueueFull(DiffringError):
+    """The request ring (or the in-flight limit) has no room: answer 429."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ControlError(DiffringError):
+    """A control-channel request that cannot be honoured (reply ok: False)."""
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: int
+    role: str
+    name: str
+    pid: int
+    segment: str
+    pipeline: str
+    connected_at: float = field(default_factory=time.time)
+    last_heartbeat: float = field(default_factory=time.time)
+    state: str = "running"
+    tasks: set[str] = field(default_factory=set)
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "name": self.name,
+            "pid": self.pid,
+            "state": self.state,
+            "connected_at": self.connected_at,
+            "last_heartbeat": self.last_heartbeat,
+            "current_tasks": sorted(self.tasks),
+        }
+
+
+class Coordinator:
+    """Task lifecycle glue between the front door, the rings and the workers."""
+
+    def __init__(
+        self,
+        *,
+        pipeline: str,
+        request_ring: Ring,
+        output_dir: Path,
+        lease_timeout_s: float,
+        heartbeat_interval_s: float,
+        max_pending: int,
+        stage_image: Callable[[bytes], dict[str, Any]] | None = None,
+        release_image: Callable[[Task], None] | None = None,
+        journal: Path | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.request_ring = request_ring
+        self.output_dir = output_dir
+        self.lease_timeout_s = lease_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.max_pending = max_pending
+        self.stage_image = stage_image
+        self.release_image = release_image
+        self.table = TaskTable(journal)
+        self.workers: dict[int, WorkerInfo] = {}
+        self._next_worker = 1
+        self._requeue: collections.deque[str] = collections.deque()
+        self.listeners: list[Callable[[str, Task], None]] = []
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _emit(self, event: str, task: Task) -> None:
+        for fn in self.listeners:
+            fn(event, task)
+        if task.stage in TERMINAL:
+            if self.release_image is not None and task.image:
+                self.release_image(task)
+            task.image = None
+            task.image_bytes = None
+
+    def retry_after(self) -> float:
+        """Seconds until a slot is likely free, from the measured completion rate."""
+        rate = self.table.completion_rate()
+        backlog = max(1, self.table.in_flight() - self.max_pending + 1)
+        if not rate:
+            return 5.0
+        return round(min(300.0, max(1.0, backlog / rate)), 1)
+
+    def _push(self, task: Task) -> bool:
+        return self.request_ring.try_push(task.descriptor()) is None
+
+    # -- front door ------------------------------------------------------------------------
+    def submit(self, task: Task) -> None:
+        """Accept a task and queue it, or raise QueueFull and keep nothing of it."""
+        if self.table.in_flight() >= self.max_pending:
+            raise QueueFull(
+                f"{self.table.in_flight()} tasks in flight (limit {self.max_pending})",
+                self.retry_after(),
+            )
+        body = self.request_ring.encode(task.descriptor())  # PayloadTooLarge before accepting
+        del body
+        self.table.add(task)
+        if not self._push(task):
+            del self.table.tasks[task.task_id]
+            raise QueueFull("the request ring is full", self.retry_after())
+        self.table.queued(task)
+        log.info("task %s stage=queued pipeline=%s", task.task_id, task.pipeline)
+        self._emit("queued", task)
+
+    def cancel(self, task: Task) -> str:
+        """Cancel a task: queued ones never start, running ones stop at the next step."""
+        if task.stage in TERMINAL:
+            return "do_nothing"
+        task.cancel_requested = True
+        if task.worker_id is None:
+            # Nobody works on it: it waits in a ring (or for a requeue). Whoever claims it
+            # next is told to drop it, and releases the buffers its descriptor names.
+            self.table.cancelled(task, f"cancelled by the client while {task.stage.value}")
+            self._emit("cancelled", task)
+        log.info("task %s cancel requested (stage=%s)", task.task_id, task.stage.value)
+        return "success"
+
+    # -- control channel -------------------------------------------------------------------
+    def on_register(
+        self, role: str, name: str, pid: int, pipeline: str, segment: str
+    ) -> WorkerInfo:
+        if pipeline != self.pipeline:
+            raise ControlError(
+                f"this controller serves pipeline {self.pipeline!r}; worker {name} is "
+                f"configured for {pipeline!r}"
+            )
+        if role not in ("encoder", "transformer", "decoder"):
+            raise ControlError(f"unknown worker role {role!r}")
+        wid = self._next_worker
+        self._next_worker += 1
+        info = WorkerInfo(wid, role, name, pid, segment, pipeline)
+        self.workers[wid] = info
+        log.info("worker %d registered: %s %s pid=%d segment=%s", wid, role, name, pid, segment)
+        return info
+
+    def on_heartbeat(
+        self, worker: WorkerInfo, tasks: list[str], staged: list[tuple[str, int]]
+    ) -> tuple[list[str], list[str]]:
+        """Renew the worker's leases. Returns (tasks to cancel, staged outputs to free).
+
+        ``staged``: (task_id, attempt) whose outputs the worker still holds in its pool for
+        the next stage. The consumer normally releases them after its pull; these are the
+        ones nobody will pull any more (task over, attempt superseded, or already past the
+        consumer), so the producer frees them itself instead of leaking pool memory.
+        """
+        worker.last_heartbeat = time.time()
+        self.table.renew(worker.worker_id, self.lease_timeout_s)
+        cancel = []
+        for tid in tasks:
+            t = self.table.get(tid)
+            if t is None or t.cancel_requested or t.stage in TERMINAL:
+                cancel.append(tid)
+        past = {"encoder": (Stage.PHASE2, Stage.DECODING), "transformer": ()}
+        drop = []
+        for tid, attempt in staged:
+            t = self.table.get(tid)
+            if (
+                t is None
+                or t.stage in TERMINAL
+                or t.attempt != attempt
+                or t.stage in past.get(worker.role, ())
+            ):
+                drop.append(tid)
+        return cancel, drop
+
+    def on_claim(self, worker: WorkerInfo, task_id: str, attempt: int) -> tuple[bool, str]:
+        ok, reason = self.table.claim(
+            task_id, attempt, worker.role, worker.name, worker.worker_id, self.lease_timeout_s
+        )
+        task = self.table.get(task_id)
+        if ok and task is not None:
+            worker.tasks.add(task_id)
+            log.info(
+                "task %s stage=%s worker=%s attempt=%d",
+                task_id,
+                task.stage.value,
+                worker.name,
+                attempt,
+            )
+            self._emit("claimed", task)
+        elif task is not None and task.stage == Stage.CANCELLED:
+            self._emit("cancelled", task)
+        else:
+            log.info("task %s claim by %s refused: %s", task_id, worker.name, reason)
+        return ok, reason
+
+    def _held(self, worker: WorkerInfo, task_id: str, attempt: int) -> Task | None:
+        task = self.table.get(task_id)
+        if task is None or not self.table.holds(task, attempt, worker.worker_id):
+            return None
+        return task
+
+    def on_progress(
+        self, worker: WorkerInfo, task_id: str, attempt: int, step: int, steps: int
+    ) -> bool:
+        """Record a denoising step; returns True when the worker should stop (cancel)."""
+        task = self._held(worker, task_id, attempt)
+        if task is None:
+            return True
+        self.table.progress(task, step, steps)
+        self._emit("progress", task)
+        return task.cancel_requested
+
+    def on_handoff(self, worker: WorkerInfo, task_id: str, attempt: int) -> None:
+        worker.tasks.discard(task_id)
+        task = self._held(worker, task_id, attempt)
+        if task is None:
+            return
+        self.table.handoff(task, worker.role)
+        log.info("task %s stage=%s from worker=%s", task_id, task.stage.value, worker.name)
+        self._emit("handoff", task)
+
+    def on_complete(
+        self,
+        worker: WorkerInfo,
+        task_id: str,
+        attempt: int,
+        extension: str,
+        media_type: str,
+        data: bytes,
+    ) -> bool:
+        worker.tasks.discard(task_id)
+        task = self.table.get(task_id)
+        if task is None or task.stage in TERMINAL:
+            return False
+        path = self.result_path(task, extension)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        accepted = self.table.complete(task, str(path), media_type)
+        if accepted:
+            log.info(
+                "task %s stage=completed worker=%s attempt=%d result=%s (%d bytes)",
+                task_id,
+                worker.name,
+                attempt,
+                path,
+                len(data),
+            )
+            self._emit("completed", task)
+        return accepted
+
+    def result_path(self, task: Task, extension: str) -> Path:
+        rel = task.save_result_path or f"{task.task_id}.{extension}"
+        if not Path(rel).suffix:
+            rel = f"{rel}.{extension}"
+        return self.output_dir / rel
+
+    def on_fail(
+        self,
+        worker: WorkerInfo,
+        task_id: str,
+        attempt: int,
+        error: str,
+        error_type: str,
+        retryable: bool,
+    ) -> None:
+        worker.tasks.discard(task_id)
+        task = self.table.get(task_id)
+        if task is None or task.attempt != attempt or task.stage in TERMINAL:
+            return
+        log.warning(
+            "task %s failed at worker=%s attempt=%d (%s): %s",
+            task_id,
+            worker.name,
+            attempt,
+            error_type,
+            error,
+        )
+        if error_type == "cancelled" or task.cancel_requested:
+            self.table.cancelled(task, "cancelled by the client while running")
+            self._emit("cancelled", task)
+        elif retryable:
+            self._retry(task, f"{worker.role} {worker.name}: {error}")
+        else:
+            self.table.failed(task, error, error_type)
+            self._emit("failed", task)
+
+    def on_gone(self, worker: WorkerInfo, reason: str) -> None:
+        """A worker's control connection dropped or it reported a fatal error."""
+        if self.workers.pop(worker.worker_id, None) is None:
+            return
+        worker.state = "gone"
+        held = self.table.held_by(worker.worker_id)
+        log.warning(
+            "worker %d (%s %s) gone: %s; %d task(s) back in play",
+            worker.worker_id,
+            worker.role,
+            worker.name,
+            reason,
+            len(held),
+        )
+        for task in held:
+            self._retry(task, f"{worker.role} {worker.name} {reason} while {task.stage.value}")
+
+    def _retry(self, task: Task, reason: str) -> None:
+        if self.table.retry(task, reason):
+            if task.image_bytes is not None and self.stage_image is not None:
+                # The encoder of the failed attempt may have released the staged copy
+                # already; stage the kept bytes afresh (freeing the old block is safe: it
+                # only frees the allocation the descriptor names, if still live).
+                if self.release_image is not None and task.image:
+                    self.release_image(task)
+                task.image = self.stage_image(task.image_bytes)
+            self._requeue.append(task.task_id)
+            self._drain_requeue()
+        else:
+            self._emit("failed" if task.stage == Stage.FAILED else "cancelled", task)
+
+    def _drain_requeue(self) -> None:
+        while self._requeue:
+            task = self.table.get(self._requeue[0])
+            if task is None or task.stage != Stage.ACCEPTED:
+                self._requeue.popleft()
+                continue
+            if not self._push(task):
+                return  # ring full: try again at the next sweep
+            self._requeue.popleft()
+            self.table.queued(task)
+            self._emit("queued", task)
+
+    # -- periodic --------------------------------------------------------------------------
+    def sweep(self) -> None:
+        """Expire leases whose worker stopped heartbeating; push pending requeues."""
+        now = time.monotonic()
+        for task in self.table.expired(now):
+            worker = self.workers.get(task.worker_id or -1)
+            name = worker.name if worker else "?"
+            self._retry(task, f"lease of worker {name} expired while {task.stage.value}")
+        self._drain_requeue()
+
+    def workers_by_role(self) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {"encoder": [], "transformer": [], "decoder": []}
+        for w in self.workers.values():
+            out.setdefault(w.role, []).append(w.public())
+        return out

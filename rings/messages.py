@@ -1,0 +1,81 @@
+"""Message layouts shared by the controller and the workers (one definition each).
+
+Ring payloads are msgpack maps (framed by :mod:`rings.payload`); the ``kind`` field says
+which one. Control-channel messages are msgpack maps in length-prefixed frames; ``op`` says
+which one. Field names are part of the protocol: add fields, never reuse one for a new
+meaning, and bump ``CONTROL_VERSION`` on an incompatible change.
+
+Ring payloads
+    request ring  {kind: "task", task_id, attempt, pipeline, request, image}
+    phase1 ring   {kind: "phase1", task_id, attempt, pipeline, request, tensors, producer}
+    phase2 ring   {kind: "phase2", task_id, attempt, pipeline, request, tensors, producer}
+  ``request`` is the generation request as a map; ``image`` a tensor descriptor map or None;
+  ``tensors`` a list of tensor descriptor maps (segment, address, bytes, dtype, shape,
+  checksum, release word); ``producer`` the producing worker's name (for error messages).
+
+Control channel (worker -> controller; every request gets one reply with the same ``seq``)
+    register  {role, name, pid, pipeline, segment}  -> {worker_id, heartbeat_interval_s,
+                                                          lease_timeout_s}
+    heartbeat {tasks: [task_id], staged: [[task_id, attempt]]}
+                                                    -> {cancel: [task_id], drop: [task_id]}
+    claim     {task_id, attempt, stage}             -> {proceed: bool, reason}
+    progress  {task_id, attempt, step, steps}       -> {cancel: bool}
+    handoff   {task_id, attempt, stage}             -> {}
+    complete  {task_id, attempt, extension, media_type, data, worker_path} -> {accepted}
+    fail      {task_id, attempt, stage, error, error_type, retryable} -> {}
+    fatal     {error}                               -> {}   the worker is about to exit
+    bye       {}                                    -> {}   graceful deregistration
+  reply: {seq, ok: True, ...} or {seq, ok: False, error}
+
+Leases: a claim starts a lease on the task for the claiming worker; heartbeats renew every
+lease the worker holds; a handoff, completion or failure ends it. A lease that expires, or
+whose worker's control connection drops, puts the task back in play (a new attempt).
+"""
+
+from __future__ import annotations
+
+import enum
+
+CONTROL_RING = "control"
+CONTROL_VERSION = 1
+
+
+class Kind(enum.StrEnum):
+    TASK = "task"
+    PHASE1 = "phase1"
+    PHASE2 = "phase2"
+
+
+class Op(enum.StrEnum):
+    REGISTER = "register"
+    HEARTBEAT = "heartbeat"
+    CLAIM = "claim"
+    PROGRESS = "progress"
+    HANDOFF = "handoff"
+    COMPLETE = "complete"
+    FAIL = "fail"
+    FATAL = "fatal"
+    BYE = "bye"
+
+
+class Stage(enum.StrEnum):
+    """Pipeline stages, by the ring a worker of that stage consumes."""
+
+    ENCODER = "encoder"
+    TRANSFORMER = "transformer"
+    DECODER = "decoder"
+
+
+# Which ring each stage pulls from and pushes to (None: the decoder writes a result).
+STAGE_RINGS: dict[Stage, tuple[str, str | None]] = {
+    Stage.ENCODER: ("request", "phase1"),
+    Stage.TRANSFORMER: ("phase1", "phase2"),
+    Stage.DECODER: ("phase2", None),
+}
+
+# Ring payload kind each stage consumes.
+STAGE_INPUT_KIND: dict[Stage, Kind] = {
+    Stage.ENCODER: Kind.TASK,
+    Stage.TRANSFORMER: Kind.PHASE1,
+    Stage.DECODER: Kind.PHASE2,
+}

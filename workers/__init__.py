@@ -1,0 +1,1 @@
+"""diffring workers: pull loops of the encoder, transformer and decoder stages."""

@@ -1,0 +1,458 @@
+"""Qwen-Image text-to-image and Qwen-Image-Edit, split into three stages.
+
+This follows diffusers' ``QwenImagePipeline`` and ``QwenImageEditPipeline`` (0.42.1) operation
+by operation, so that for a seed the three stages give the same pixels as the one-process
+pipeline (given a CPU generator seeded with the same seed).
+
+Tensors between the stages (batch size 1):
+
+encoder -> transformer
+    ``prompt_embeds``                (1, L, D), text-encoder dtype: last hidden states of
+                                     Qwen2.5-VL after the pipeline's system-prompt cut
+    ``prompt_embeds_mask``           (1, L) int64; all ones for one prompt (the transformer
+                                     stage then passes no mask, as the pipeline does)
+    ``negative_prompt_embeds`` / ``negative_prompt_embeds_mask``
+                                     same, present when ``true_cfg_scale > 1``
+    ``image_latents``                (1, z, 1, h', w'), Edit only: normalised VAE latents of
+                                     the input image resized to ~1 megapixel
+transformer -> decoder
+    ``latents``                      (1, z, 1, h, w) in the transformer's dtype: unpacked
+                                     (VAE layout), normalised (VAE stats not applied)
+
+with h, w = height / 8, width / 8 for the published VAE. Edit requests without a size get
+the pipeline's default, the condition image's ~1 megapixel size, which the transformer stage
+reads from ``image_latents``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Qwen2VLProcessor
+
+from ._common import (
+    check_schedule,
+    cpu_generator,
+    fresh_scheduler,
+    latent_stats,
+    load_diffusers_model,
+    load_scheduler,
+    load_transformers_model,
+)
+from .attention import apply_attention_backend
+from .base import (
+    DecoderAdapter,
+    EncoderAdapter,
+    GenerationRequest,
+    InvalidRequestError,
+    StageInputError,
+    StepCallback,
+    StopCheck,
+    TransformerAdapter,
+    check_request_task,
+    require_tensor,
+)
+from .media import decode_image
+
+logger = logging.getLogger(__name__)
+
+# Qwen-Image-Edit sizes its condition image to this many pixels (diffusers: 1024 * 1024).
+_EDIT_CONDITION_AREA = 1024 * 1024
+
+
+class QwenEditProcessor(Qwen2VLProcessor):
+    """Qwen2-VL processor made of an image processor and a tokenizer only.
+
+    transformers 5's ``Qwen2VLProcessor`` also insists on a video processor, which needs
+    torchvision; Qwen-Image-Edit never feeds video, so this subclass drops that part. It loads
+    from the ``processor`` folder of a Qwen-Image-Edit checkpoint.
+    """
+
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=chat_template,
+            **kwargs,
+        )
+
+
+@cache
+def prompt_template(edit: bool) -> tuple[str, int]:
+    """(template, number of leading hidden states to drop) of diffusers' pipeline, read from
+    the pipeline class itself so that they cannot drift from the installed diffusers."""
+    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+
+    bare: Any
+    if edit:
+        bare = QwenImageEditPipeline(
+            scheduler=None,
+            vae=None,
+            text_encoder=None,
+            tokenizer=None,
+            processor=None,
+            transformer=None,
+        )
+    else:
+        bare = QwenImagePipeline(
+            scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
+        )
+    return bare.prompt_template_encode, bare.prompt_template_encode_start_idx
+
+
+def _vae_scale_factor(vae_config: Mapping[str, Any]) -> int:
+    # As the pipelines compute it: one spatial halving per temporal-downsample entry.
+    return int(2 ** len(vae_config.get("temperal_downsample", [False, True, True])))
+
+
+class QwenEncoder(EncoderAdapter):
+    """Qwen2.5-VL prompt encoding; for Edit also the vision-language prompt with the input
+    image and the VAE latents of that image."""
+
+    # The pipelines' tokenizer limit before the system-prompt cut.
+    tokenizer_max_length = 1024
+
+    def _load(self) -> None:
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        self.edit = self.spec.needs_image
+        self.template, self.drop = prompt_template(self.edit)
+        if self.edit:
+            from diffusers import AutoencoderKLQwenImage
+            from diffusers.image_processor import VaeImageProcessor
+
+            self.processor: Any = self._component(
+                lambda p: QwenEditProcessor.from_pretrained(p, local_files_only=True),
+                "processor",
+            )
+            self.vae: Any = self._component(
+                lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.dtype, self.device),
+                "vae",
+            )
+            self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
+            self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        else:
+            self.tokenizer: Any = self._component(
+                lambda p: Qwen2Tokenizer.from_pretrained(p, local_files_only=True), "tokenizer"
+            )
+        self.text_encoder: Any = self._component(
+            lambda p: load_transformers_model(
+                Qwen2_5_VLForConditionalGeneration, p, self.dtype, self.device
+            ),
+            "text_encoder",
+        )
+
+    def encode(
+        self, req: GenerationRequest, image_bytes: bytes | None = None
+    ) -> dict[str, torch.Tensor]:
+        self._require_loaded()
+        check_request_task(req, self.task, self.role)
+        assert req.true_cfg_scale is not None and req.negative_prompt is not None
+        cfg = req.true_cfg_scale > 1.0
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            if self.edit:
+                from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
+                    calculate_dimensions,
+                )
+
+                image = decode_image(image_bytes, self.task)
+                width, height = image.size
+                cond_w, cond_h, _ = calculate_dimensions(_EDIT_CONDITION_AREA, width / height)
+                image = self.image_processor.resize(image, cond_h, cond_w)
+                pixels = self.image_processor.preprocess(image, cond_h, cond_w).unsqueeze(2)
+                embeds, mask = self._embeds(req.prompt, image)
+                out["prompt_embeds"], out["prompt_embeds_mask"] = embeds, mask
+                if cfg:
+                    neg, neg_mask = self._embeds(req.negative_prompt, image)
+                    out["negative_prompt_embeds"] = neg
+                    out["negative_prompt_embeds_mask"] = neg_mask
+                out["image_latents"] = self._image_latents(pixels.to(self.device, embeds.dtype))
+            else:
+                if image_bytes is not None:
+                    raise StageInputError(f"{self.task} takes no input image, but one was given")
+                assert req.max_sequence_length is not None
+                limit = req.max_sequence_length
+                embeds, mask = self._embeds(req.prompt, None)
+                out["prompt_embeds"], out["prompt_embeds_mask"] = embeds[:, :limit], mask[:, :limit]
+                if cfg:
+                    neg, neg_mask = self._embeds(req.negative_prompt, None)
+                    out["negative_prompt_embeds"] = neg[:, :limit]
+                    out["negative_prompt_embeds_mask"] = neg_mask[:, :limit]
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def _embeds(self, prompt: str, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        text = [self.template.format(prompt)]
+        if self.edit:
+            inputs = self.processor(text=text, images=image, padding=True, return_tensors="pt")
+            inputs = inputs.to(self.device)
+            result = self.text_encoder(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                pixel_values=inputs.get("pixel_values"),
+                image_grid_thw=inputs.get("image_grid_thw"),
+                output_hidden_states=True,
+            )
+            attention = inputs["attention_mask"]
+        else:
+            inputs = self.tokenizer(
+                text,
+                max_length=self.tokenizer_max_length + self.drop,
+                padding=True,
+                truncation=True,
+                return_tensors="pt",
+            ).to(self.device)
+            result = self.text_encoder(
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                output_hidden_states=True,
+            )
+            attention = inputs.attention_mask
+        hidden = result.hidden_states[-1]
+        # Keep the valid positions of the one prompt, minus the system prompt the pipeline cuts.
+        valid = hidden[attention.bool()]
+        kept = valid[self.drop :]
+        if kept.shape[0] == 0:
+            raise InvalidRequestError(f"{self.task} prompt left no tokens after the template cut")
+        embeds = kept.unsqueeze(0).to(dtype=self.text_encoder.dtype, device=self.device)
+        mask = torch.ones(1, kept.shape[0], dtype=torch.long, device=kept.device)
+        return embeds, mask
+
+    def _image_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_latents
+
+        latents = retrieve_latents(self.vae.encode(pixels), generator=None, sample_mode="argmax")
+        mean, std = latent_stats(self.vae.config, latents)
+        return (latents - mean) / std
+
+
+class QwenTransformer(TransformerAdapter):
+    """QwenImageTransformer2DModel + FlowMatchEuler scheduler with resolution-dependent shift."""
+
+    def _load(self) -> None:
+        from diffusers import QwenImageTransformer2DModel
+
+        self.edit = self.spec.needs_image
+        self.vae_scale_factor = _vae_scale_factor(self._config("vae"))  # config only
+        self.transformer: Any = self._component(
+            lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.dtype, self.device),
+            "transformer",
+        )
+        self.scheduler: Any = self._component(load_scheduler, "scheduler")
+        config = self.transformer.config
+        apply_attention_backend(
+            self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim
+        )
+
+    def _output_size(
+        self, req: GenerationRequest, image_latents: torch.Tensor | None
+    ) -> tuple[int, int]:
+        if req.height is not None and req.width is not None:
+            height, width = req.height, req.width
+        else:
+            # Edit without a size: the condition image's size, as the pipeline defaults to.
+            assert image_latents is not None
+            height = image_latents.shape[-2] * self.vae_scale_factor
+            width = image_latents.shape[-1] * self.vae_scale_factor
+        multiple = self.vae_scale_factor * 2
+        if height % multiple or width % multiple:
+            raise InvalidRequestError(
+                f"{self.task} request does not fit the model: height/width must be multiples "
+                f"of {multiple}, got {height}x{width}"
+            )
+        return height, width
+
+    def denoise(
+        self,
+        req: GenerationRequest,
+        tensors: Mapping[str, torch.Tensor],
+        on_step: StepCallback | None = None,
+        should_stop: StopCheck | None = None,
+    ) -> dict[str, torch.Tensor]:
+        from diffusers import QwenImagePipeline
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+        from diffusers.utils.torch_utils import randn_tensor
+
+        self._require_loaded()
+        check_request_task(req, self.task, self.role)
+        assert req.true_cfg_scale is not None
+        true_cfg = req.true_cfg_scale
+        cfg = true_cfg > 1.0
+        dtype = self.transformer.dtype
+
+        def text(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+            embeds = require_tensor(tensors, name, self.role, ndim=3).to(self.device).to(dtype)
+            mask = require_tensor(tensors, f"{name}_mask", self.role, ndim=2).to(self.device)
+            # The pipeline passes no mask when every position is valid; a mask of ones would
+            # take a different (masked) attention path and change the numbers.
+            return embeds, (None if bool(mask.all()) else mask)
+
+        prompt_embeds, prompt_mask = text("prompt_embeds")
+        negative_embeds, negative_mask = text("negative_prompt_embeds") if cfg else (None, None)
+        image_latents = None
+        if self.edit:
+            image_latents = require_tensor(tensors, "image_latents", self.role, ndim=5)
+            image_latents = image_latents.to(self.device, dtype=prompt_embeds.dtype)
+        height, width = self._output_size(req, image_latents)
+
+        vsf = self.vae_scale_factor
+        channels = self.transformer.config.in_channels // 4
+        lat_h, lat_w = 2 * (height // (vsf * 2)), 2 * (width // (vsf * 2))
+        shapes: list[tuple[int, int, int]] = [(1, height // vsf // 2, width // vsf // 2)]
+        if image_latents is not None:
+            if image_latents.shape[1] != channels:
+                raise StageInputError(
+                    f"transformer stage input 'image_latents' has {image_latents.shape[1]} "
+                    f"channels, the DiT expects {channels}"
+                )
+            cond_h, cond_w = image_latents.shape[-2:]
+            image_latents = QwenImagePipeline._pack_latents(
+                image_latents, 1, channels, cond_h, cond_w
+            )
+            shapes.append((1, cond_h // 2, cond_w // 2))
+        img_shapes = [shapes]  # one list of (frames, rows, cols) token grids per batch item
+
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            if req.guidance_scale is None:
+                raise InvalidRequestError(
+                    f"{self.task}: this checkpoint is guidance-distilled; set guidance_scale"
+                )
+            guidance = torch.full([1], req.guidance_scale, device=self.device, dtype=torch.float32)
+            guidance = guidance.expand(1)
+        elif req.guidance_scale is not None:
+            logger.warning("guidance_scale ignored: this checkpoint is not guidance-distilled")
+
+        scheduler = fresh_scheduler(self.scheduler)
+        with torch.no_grad():
+            latents = randn_tensor(
+                (1, 1, channels, lat_h, lat_w),
+                generator=cpu_generator(req.seed),
+                device=self.device,
+                dtype=prompt_embeds.dtype,
+            )
+            latents = QwenImagePipeline._pack_latents(latents, 1, channels, lat_h, lat_w)
+            steps = req.infer_steps
+            assert steps is not None
+            sigmas = np.linspace(1.0, 1 / steps, steps)
+            mu = calculate_shift(
+                latents.shape[1],
+                scheduler.config.get("base_image_seq_len", 256),
+                scheduler.config.get("max_image_seq_len", 4096),
+                scheduler.config.get("base_shift", 0.5),
+                scheduler.config.get("max_shift", 1.15),
+            )
+            with np.errstate(divide="ignore", invalid="ignore"):  # checked just below
+                timesteps, _ = retrieve_timesteps(
+                    scheduler,
+                    steps,
+                    self.device,
+                    sigmas=sigmas,  # type: ignore[arg-type]  # an ndarray, as the pipeline's
+                    mu=mu,
+                )
+            check_schedule(scheduler, steps, self.task)
+            scheduler.set_begin_index(0)
+            total = len(timesteps)
+
+            def predict(
+                model_input: torch.Tensor,
+                timestep: torch.Tensor,
+                embeds: torch.Tensor,
+                mask: torch.Tensor | None,
+                branch: str,
+            ) -> torch.Tensor:
+                with self.transformer.cache_context(branch):
+                    pred = self.transformer(
+                        hidden_states=model_input,
+                        timestep=timestep / 1000,
+                        guidance=guidance,
+                        encoder_hidden_states_mask=mask,
+                        encoder_hidden_states=embeds,
+                        img_shapes=img_shapes,
+                        attention_kwargs={},
+                        return_dict=False,
+                    )[0]
+                # Edit: the DiT also returns the condition image's tokens; keep the target's.
+                return pred[:, : latents.size(1)] if self.edit else pred
+
+            for i, t in enumerate(timesteps):
+                self._check_stop(should_stop, i, total)
+                model_input = latents
+                if image_latents is not None:
+                    model_input = torch.cat([latents, image_latents], dim=1)
+                timestep = t.expand(latents.shape[0]).to(latents.dtype)
+                noise_pred = predict(model_input, timestep, prompt_embeds, prompt_mask, "cond")
+                if cfg:
+                    assert negative_embeds is not None
+                    neg_pred = predict(
+                        model_input, timestep, negative_embeds, negative_mask, "uncond"
+                    )
+                    combined = neg_pred + true_cfg * (noise_pred - neg_pred)
+                    # Rescale the guided prediction back to the conditional one's norm.
+                    cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+                    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+                    noise_pred = combined * (cond_norm / combined_norm)
+                latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                if on_step is not None:
+                    on_step(i + 1, total)
+            latents = QwenImagePipeline._unpack_latents(latents, height, width, vsf)
+        return {"latents": latents.contiguous()}
+
+
+class QwenDecoder(DecoderAdapter):
+    """AutoencoderKLQwenImage decode to an RGB image."""
+
+    def _load(self) -> None:
+        from diffusers import AutoencoderKLQwenImage
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.vae: Any = self._component(
+            lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.dtype, self.device),
+            "vae",
+        )
+        self.image_processor = VaeImageProcessor(
+            vae_scale_factor=2 ** len(self.vae.temperal_downsample) * 2
+        )
+
+    def decode_float(
+        self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+    ) -> np.ndarray:
+        self._require_loaded()
+        check_request_task(req, self.task, self.role)
+        latents = require_tensor(tensors, "latents", self.role, ndim=5)
+        if latents.shape[1] != self.vae.config.z_dim or latents.shape[2] != 1:
+            raise StageInputError(
+                f"decoder stage input 'latents' has shape {tuple(latents.shape)}, expected "
+                f"(1, {self.vae.config.z_dim}, 1, h, w)"
+            )
+        with torch.no_grad():
+            latents = latents.to(self.device).to(self.vae.dtype)
+            mean, std = latent_stats(self.vae.config, latents)
+            latents = latents / (1.0 / std) + mean
+            image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+            pixels = self.image_processor.postprocess(image, output_type="np")
+        return np.asarray(pixels[0])
+
+
+__all__ = [
+    "QwenDecoder",
+    "QwenEditProcessor",
+    "QwenEncoder",
+    "QwenTransformer",
+    "prompt_template",
+]

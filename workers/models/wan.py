@@ -1,0 +1,351 @@
+"""Wan2.1 text-to-video and image-to-video, split into three stages.
+
+This follows diffusers' ``WanPipeline`` and ``WanImageToVideoPipeline`` (0.42.1) operation by
+operation, so that for a seed the three stages give the same pixels as the one-process
+pipeline (given a CPU generator seeded with the same seed).
+
+Tensors between the stages (batch size 1):
+
+encoder -> transformer
+    ``prompt_embeds``           (1, L, text_dim), text-encoder dtype; zero past the prompt
+    ``negative_prompt_embeds``  same, present when ``guidance_scale > 1``
+    ``image_embeds``            (1, N, image_dim), I2V only: CLIP penultimate hidden states
+    ``condition``               (1, 4 + z, T, h, w) float32, I2V only: first-frame mask +
+                                normalised VAE latents of the input image followed by zeros
+transformer -> decoder
+    ``latents``                 (1, z, T, h, w) float32, normalised (VAE stats not applied)
+
+with L = ``max_sequence_length`` (512), T = (num_frames - 1) / 4 + 1, h, w = height / 8,
+width / 8 for the published VAE. Wan2.2 checkpoints (two experts, ``expand_timesteps``) are
+refused at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._common import (
+    check_schedule,
+    cpu_generator,
+    fresh_scheduler,
+    latent_stats,
+    load_diffusers_model,
+    load_scheduler,
+    load_transformers_model,
+)
+from .attention import apply_attention_backend
+from .base import (
+    DecoderAdapter,
+    EncoderAdapter,
+    GenerationRequest,
+    InvalidRequestError,
+    ModelLoadError,
+    StageInputError,
+    StepCallback,
+    StopCheck,
+    TransformerAdapter,
+    check_request_task,
+    read_model_index,
+    require_tensor,
+)
+from .media import decode_image
+
+
+def _geometry_error(task: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{task} request does not fit the model: {message}")
+
+
+class WanEncoder(EncoderAdapter):
+    """UMT5 prompt encoding; for I2V also CLIP image embeddings and the VAE-encoded first
+    frame condition."""
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        self.tokenizer: Any = self._component(
+            lambda p: AutoTokenizer.from_pretrained(p, local_files_only=True), "tokenizer"
+        )
+        self.text_encoder: Any = self._component(
+            lambda p: load_transformers_model(UMT5EncoderModel, p, self.dtype, self.device),
+            "text_encoder",
+        )
+        if self.spec.needs_image:
+            from diffusers import AutoencoderKLWan
+            from diffusers.video_processor import VideoProcessor
+            from transformers import CLIPImageProcessor, CLIPVisionModel
+
+            self.image_processor: Any = self._component(
+                lambda p: CLIPImageProcessor.from_pretrained(p, local_files_only=True),
+                "image_processor",
+            )
+            self.image_encoder: Any = self._component(
+                lambda p: load_transformers_model(CLIPVisionModel, p, self.dtype, self.device),
+                "image_encoder",
+            )
+            self.vae: Any = self._component(
+                lambda p: load_diffusers_model(AutoencoderKLWan, p, self.dtype, self.device),
+                "vae",
+            )
+            self.video_processor = VideoProcessor(
+                vae_scale_factor=self.vae.config.scale_factor_spatial
+            )
+
+    def encode(
+        self, req: GenerationRequest, image_bytes: bytes | None = None
+    ) -> dict[str, torch.Tensor]:
+        self._require_loaded()
+        check_request_task(req, self.task, self.role)
+        if self.spec.needs_image:
+            image = decode_image(image_bytes, self.task)
+        elif image_bytes is not None:
+            raise StageInputError(f"{self.task} takes no input image, but one was given")
+
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            assert req.max_sequence_length is not None and req.guidance_scale is not None
+            out["prompt_embeds"] = self._text_embeds(req.prompt, req.max_sequence_length)
+            if req.guidance_scale > 1.0:
+                out["negative_prompt_embeds"] = self._text_embeds(
+                    req.negative_prompt or "", req.max_sequence_length
+                )
+            if self.spec.needs_image:
+                out["image_embeds"] = self._image_embeds(image)
+                out["condition"] = self._condition(image, req)
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def _text_embeds(self, text: str, max_len: int) -> torch.Tensor:
+        if self.spec.needs_image:
+            from diffusers.pipelines.wan.pipeline_wan_i2v import prompt_clean
+        else:
+            from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tokens = self.tokenizer(
+            [prompt_clean(text)],
+            padding="max_length",
+            max_length=max_len,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids, mask = tokens.input_ids, tokens.attention_mask
+        length = int(mask.gt(0).sum())
+        hidden = self.text_encoder(ids.to(self.device), mask.to(self.device)).last_hidden_state
+        hidden = hidden.to(dtype=self.text_encoder.dtype, device=self.device)
+        # Wan's DiT sees padding positions as exact zeros, not as the encoder's pad outputs.
+        embeds = torch.zeros_like(hidden)
+        embeds[:, :length] = hidden[:, :length]
+        return embeds
+
+    def _image_embeds(self, image: Any) -> torch.Tensor:
+        pixels = self.image_processor(images=image, return_tensors="pt").to(self.device)
+        hidden = self.image_encoder(**pixels, output_hidden_states=True).hidden_states
+        return hidden[-2].to(self.device)
+
+    def _condition(self, image: Any, req: GenerationRequest) -> torch.Tensor:
+        from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
+
+        assert req.height is not None and req.width is not None and req.num_frames is not None
+        height, width, frames = req.height, req.width, req.num_frames
+        temporal = self.vae.config.scale_factor_temporal
+        spatial = self.vae.config.scale_factor_spatial
+        if (frames - 1) % temporal or height % spatial or width % spatial:
+            raise _geometry_error(
+                self.task,
+                f"{frames} frames of {height}x{width} do not divide by the VAE's factors "
+                f"({temporal} in time, {spatial} in space)",
+            )
+        lat_h, lat_w = height // spatial, width // spatial
+
+        first = self.video_processor.preprocess(image, height=height, width=width)
+        first = first.to(self.device, dtype=torch.float32).unsqueeze(2)  # (1, 3, 1, H, W)
+        video = torch.cat(
+            [first, first.new_zeros(first.shape[0], first.shape[1], frames - 1, height, width)],
+            dim=2,
+        ).to(device=self.device, dtype=self.vae.dtype)
+        latent = retrieve_latents(self.vae.encode(video), sample_mode="argmax")
+        latent = latent.to(device=self.device, dtype=torch.float32)
+        mean, std = latent_stats(self.vae.config, latent)
+        latent = (latent - mean) * (1.0 / std)
+
+        # Mask over pixel frames (1 = given), folded into `temporal` channels per latent frame;
+        # the first latent frame stands for one pixel frame, hence the repeat.
+        mask = torch.ones(1, 1, frames, lat_h, lat_w)
+        mask[:, :, 1:] = 0
+        first_mask = torch.repeat_interleave(mask[:, :, 0:1], dim=2, repeats=temporal)
+        mask = torch.cat([first_mask, mask[:, :, 1:]], dim=2)
+        mask = mask.view(1, -1, temporal, lat_h, lat_w).transpose(1, 2).to(latent.device)
+        return torch.cat([mask, latent], dim=1)
+
+
+class WanTransformer(TransformerAdapter):
+    """WanTransformer3DModel + its scheduler (UniPC for the published checkpoints)."""
+
+    def _load(self) -> None:
+        from diffusers import WanTransformer3DModel
+
+        index = read_model_index(self.model_dir)
+        if index.get("transformer_2") not in (None, [None, None]) or index.get("boundary_ratio"):
+            raise ModelLoadError(
+                f"{self.model_dir} is a two-expert (Wan2.2) checkpoint; only Wan2.1 is supported"
+            )
+        if index.get("expand_timesteps"):
+            raise ModelLoadError(
+                f"{self.model_dir} uses expand_timesteps (Wan2.2 TI2V); only Wan2.1 is supported"
+            )
+        vae_config = self._config("vae")  # latent geometry only; the weights stay unread
+        self.temporal = int(vae_config.get("scale_factor_temporal") or 4)
+        self.spatial = int(vae_config.get("scale_factor_spatial") or 8)
+        self.z_dim = int(vae_config.get("z_dim", 16))
+
+        self.transformer: Any = self._component(
+            lambda p: load_diffusers_model(WanTransformer3DModel, p, self.dtype, self.device),
+            "transformer",
+        )
+        self.scheduler: Any = self._component(load_scheduler, "scheduler")
+        config = self.transformer.config
+        if self.spec.needs_image != (config.image_dim is not None):
+            raise ModelLoadError(
+                f"{self.model_dir}/transformer is {'an I2V' if config.image_dim else 'a T2V'} "
+                f"DiT, but the task is {self.task}"
+            )
+        self.patch = tuple(config.patch_size)
+        apply_attention_backend(
+            self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim
+        )
+
+    def _check_geometry(self, req: GenerationRequest) -> tuple[int, int, int]:
+        assert req.height is not None and req.width is not None and req.num_frames is not None
+        h_mult, w_mult = self.spatial * self.patch[1], self.spatial * self.patch[2]
+        if req.height % h_mult or req.width % w_mult:
+            raise _geometry_error(self.task, f"height/width must be multiples of {h_mult}/{w_mult}")
+        if (req.num_frames - 1) % self.temporal:
+            raise _geometry_error(self.task, f"num_frames must be {self.temporal}k+1")
+        frames = (req.num_frames - 1) // self.temporal + 1
+        return frames, req.height // self.spatial, req.width // self.spatial
+
+    def denoise(
+        self,
+        req: GenerationRequest,
+        tensors: Mapping[str, torch.Tensor],
+        on_step: StepCallback | None = None,
+        should_stop: StopCheck | None = None,
+    ) -> dict[str, torch.Tensor]:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        self._require_loaded()
+        check_request_task(req, self.task, self.role)
+        frames, lat_h, lat_w = self._check_geometry(req)
+        assert req.guidance_scale is not None and req.infer_steps is not None
+        i2v = self.spec.needs_image
+        dtype = self.transformer.dtype
+        guidance = req.guidance_scale
+        cfg = guidance > 1.0
+
+        def text(name: str) -> torch.Tensor:
+            return require_tensor(tensors, name, self.role, ndim=3).to(self.device).to(dtype)
+
+        prompt_embeds = text("prompt_embeds")
+        negative_embeds = text("negative_prompt_embeds") if cfg else None
+        image_embeds = condition = None
+        channels = self.z_dim if i2v else self.transformer.config.in_channels
+        shape = (1, channels, frames, lat_h, lat_w)
+        if i2v:
+            image_embeds = require_tensor(tensors, "image_embeds", self.role, ndim=3)
+            image_embeds = image_embeds.to(self.device).to(dtype)
+            condition = require_tensor(tensors, "condition", self.role, ndim=5).to(self.device)
+            want = (1, self.temporal + self.z_dim, frames, lat_h, lat_w)
+            if tuple(condition.shape) != want:
+                raise StageInputError(
+                    f"transformer stage input 'condition' has shape {tuple(condition.shape)}, "
+                    f"expected {want} for this request"
+                )
+
+        scheduler = fresh_scheduler(self.scheduler)
+        with torch.no_grad():
+            scheduler.set_timesteps(req.infer_steps, device=self.device)
+            check_schedule(scheduler, req.infer_steps, self.task)
+            timesteps = scheduler.timesteps
+            latents = randn_tensor(
+                shape, generator=cpu_generator(req.seed), device=self.device, dtype=torch.float32
+            )
+            if not i2v:
+                # WanPipeline pins the step index; WanImageToVideoPipeline looks it up from the
+                # timestep. Both give the same schedule, but mirror each exactly.
+                scheduler.set_begin_index(0)
+            total = len(timesteps)
+            for i, t in enumerate(timesteps):
+                self._check_stop(should_stop, i, total)
+                if i2v:
+                    assert condition is not None
+                    model_input = torch.cat([latents, condition], dim=1).to(dtype)
+                    cache_kwargs: dict[str, Any] = {}
+                else:
+                    model_input = latents.to(dtype)
+                    cache_kwargs = {
+                        "step_index": i,
+                        "sigma": float(scheduler.sigmas[i]),
+                        "num_inference_steps": total,
+                    }
+                timestep = t.expand(latents.shape[0])
+                extra = {"encoder_hidden_states_image": image_embeds} if i2v else {}
+                with self.transformer.cache_context("cond", **cache_kwargs):
+                    noise_pred = self.transformer(
+                        hidden_states=model_input,
+                        timestep=timestep,
+                        encoder_hidden_states=prompt_embeds,
+                        attention_kwargs=None,
+                        return_dict=False,
+                        **extra,
+                    )[0]
+                if cfg:
+                    with self.transformer.cache_context("uncond", **cache_kwargs):
+                        noise_uncond = self.transformer(
+                            hidden_states=model_input,
+                            timestep=timestep,
+                            encoder_hidden_states=negative_embeds,
+                            attention_kwargs=None,
+                            return_dict=False,
+                            **extra,
+                        )[0]
+                    noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
+                latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                if on_step is not None:
+                    on_step(i + 1, total)
+        return {"latents": latents.contiguous()}
+
+
+class WanDecoder(DecoderAdapter):
+    """AutoencoderKLWan decode to frames."""
+
+    def _load(self) -> None:
+        from diffusers import AutoencoderKLWan
+        from diffusers.video_processor import VideoProcessor
+
+        self.vae: Any = self._component(
+            lambda p: load_diffusers_model(AutoencoderKLWan, p, self.dtype, self.device), "vae"
+        )
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
+
+    def decode_float(
+        self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+    ) -> np.ndarray:
+        self._require_loaded()
+        check_request_task(req, self.task, self.role)
+        latents = require_tensor(tensors, "latents", self.role, ndim=5)
+        if latents.shape[1] != self.vae.config.z_dim:
+            raise StageInputError(
+                f"decoder stage input 'latents' has {latents.shape[1]} channels, the VAE "
+                f"expects {self.vae.config.z_dim}"
+            )
+        with torch.no_grad():
+            latents = latents.to(device=self.device, dtype=self.vae.dtype)
+            mean, std = latent_stats(self.vae.config, latents)
+            latents = latents / (1.0 / std) + mean
+            video = self.vae.decode(latents, return_dict=False)[0]
+            frames = self.video_processor.postprocess_video(video, output_type="np")
+        return np.asarray(frames[0])

@@ -1,0 +1,490 @@
+"""Pull workers: one class per role over one shared loop.
+
+The loop, for one task (``StageWorker.step``):
+  1. claim    pop a slot from the role's input ring; tell the controller (lease starts);
+              a refused claim (cancelled, stale attempt) releases the inputs and moves on
+  2. fetch    pull the input tensors from the producer's pool with Mooncake, verify them,
+              release the producer's buffers
+  3. compute  the role's model stage
+  4. publish  stage the outputs in this worker's pool and push their descriptors to the
+              next ring (blocking while it is full: backpressure), or, for the decoder,
+              write the result and send it to the controller
+  5. release  report the handoff (lease ends); forget the task
+
+Lifecycle: RUNNING -> DRAINING (SIGTERM/SIGINT: finish the claimed task, claim nothing new)
+-> STOPPED. A fatal error (lost ring or control connection, model failure at start) is
+reported to the controller before exiting, so the worker's leases are revoked at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rings.config import ServiceConfig
+from rings.errors import ConnectionLost, DiffringError, PayloadCorrupt, RingFull, StageError
+from rings.messages import STAGE_INPUT_KIND, STAGE_RINGS, Op, Stage
+from rings.ring import Ring
+from rings.verbs import connect
+from workers.control import ControlClient, ControlRefused
+
+log = logging.getLogger("diffring.worker")
+
+IDLE_BACKOFF_MAX_S = 0.05
+
+
+class State(enum.Enum):
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class TaskDropped(Exception):
+    """The controller told us to stop working on a task (cancelled or superseded)."""
+
+
+@dataclass
+class Job:
+    """One claimed ring item, while this worker holds it."""
+
+    task_id: str
+    attempt: int
+    item: dict[str, Any]
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class StageWorker:
+    """Shared pull loop. Subclasses set ``role`` and implement ``load_model`` / ``process``."""
+
+    role: Stage
+
+    def __init__(self, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> None:
+        self.cfg = cfg
+        self.token = token
+        self.env = dict(env)
+        self.name = f"{self.role.value}-{socket.gethostname()}-{os.getpid()}"
+        self.state = State.STOPPED
+        self._wake = threading.Event()
+        self.current: Job | None = None
+        # (task_id, attempt) -> descriptors of outputs staged for the next stage.
+        self.staged: dict[tuple[str, int], list[Any]] = {}
+        self._staged_lock = threading.Lock()
+        self.control = ControlClient(
+            cfg.disagg_config.bootstrap_addr, cfg.disagg_config.control_port, token
+        )
+        self.engine: Any = None
+        self.pool: Any = None
+        self.in_ring: Ring | None = None
+        self.out_ring: Ring | None = None
+        self._hb: threading.Thread | None = None
+        self.tasks_done = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load the model, start Mooncake, join the rings and register with the controller."""
+        from workers.staging import StagingPool
+        from workers.transfer import MooncakeSettings, TransferEngine
+
+        self.load_model()
+        settings = MooncakeSettings.resolve(self.cfg.mooncake_config_path, self.env)
+        self.engine = TransferEngine(settings)
+        self.engine.start()
+        self.pool = StagingPool(self.cfg.staging_pool_mb << 20, device=self.pool_device())
+        self.pool.start(self.engine)
+        d = self.cfg.disagg_config
+        in_name, out_name = STAGE_RINGS[self.role]
+        self.in_ring = self._join(in_name)
+        if out_name is not None:
+            self.out_ring = self._join(out_name)
+        self.control.connect(self.role.value)
+        reply = self.control.call(
+            Op.REGISTER,
+            role=self.role.value,
+            name=self.name,
+            pid=os.getpid(),
+            pipeline=self.cfg.pipeline,
+            segment=self.engine.session_id,
+        )
+        self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        self.state = State.RUNNING
+        self._hb = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+        self._hb.start()
+        log.info(
+            "worker %s ready: pipeline=%s in=%s out=%s segment=%s transport=%s",
+            self.name,
+            self.cfg.pipeline,
+            in_name,
+            out_name,
+            self.engine.session_id,
+            d.ring_transport,
+        )
+
+    def _join(self, ring: str) -> Ring:
+        d = self.cfg.disagg_config
+        host, port = d.ring_address(ring)
+        verbs = connect(
+            d.ring_transport,
+            host,
+            port,
+            layout=d.layout(ring),
+            ring=ring,
+            token=self.token,
+            peer_name=self.name,
+            **d.rdma_options(),
+        )
+        return Ring(verbs)
+
+    def drain(self) -> None:
+        """Finish the claimed task, claim nothing new, then stop (signal handlers call this)."""
+        if self.state == State.RUNNING:
+            self.state = State.DRAINING
+        self._wake.set()
+
+    def close(self) -> None:
+        self.state = State.STOPPED
+        self._wake.set()
+        try:
+            self.control.call(Op.BYE)
+        except DiffringError:
+            pass
+        self.control.close()
+        for ring in (self.in_ring, self.out_ring):
+            if ring is not None:
+                ring.verbs.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.engine is not None:
+            self.engine.close()
+
+    def report_fatal(self, error: str) -> None:
+        try:
+            self.control.call(Op.FATAL, error=error)
+        except DiffringError:
+            pass
+
+    def run(self) -> None:
+        """Pull until drained. Raises on a fatal error (after reporting it)."""
+        idle = 0.001
+        try:
+            while self.state == State.RUNNING:
+                if self.step():
+                    idle = 0.001
+                else:
+                    self._wake.wait(idle)
+                    idle = min(idle * 2, IDLE_BACKOFF_MAX_S)
+        except (ConnectionLost, DiffringError) as exc:
+            log.error("worker %s: fatal: %s", self.name, exc)
+            self.report_fatal(str(exc))
+            raise
+        finally:
+            self.state = State.STOPPED
+
+    # -- heartbeats ----------------------------------------------------------------------------
+    def _heartbeats(self) -> None:
+        while self.state != State.STOPPED:
+            job = self.current
+            with self._staged_lock:
+                staged = [[t, a] for t, a in self.staged]
+            try:
+                reply = self.control.call(
+                    Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged
+                )
+            except DiffringError as exc:
+                if self.state != State.STOPPED:
+                    log.error("worker %s: heartbeat failed: %s", self.name, exc)
+                return
+            if job is not None and job.task_id in reply.get("cancel", []):
+                job.cancel.set()
+            drop = set(reply.get("drop", []))
+            if drop:
+                self._free_staged(lambda key, drop=drop: key[0] in drop)
+            self._wake.wait(self.heartbeat_interval_s)
+
+    def _free_staged(self, pred: Any) -> None:
+        with self._staged_lock:
+            keys = [k for k in self.staged if pred(k)]
+            descs = [d for k in keys for d in self.staged.pop(k)]
+        if descs:
+            self.pool.free_staged(descs)
+
+    # -- one task --------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Claim and process at most one task; False when the input ring was empty."""
+        assert self.in_ring is not None
+        # 1. claim
+        try:
+            item = self.in_ring.try_pop()
+        except PayloadCorrupt as exc:
+            log.error("worker %s: dropped a corrupt %s slot: %s", self.name, self.in_ring.name, exc)
+            return True
+        if item is None:
+            return False
+        if item.get("kind") != STAGE_INPUT_KIND[self.role]:
+            log.error(
+                "worker %s: unexpected %r item in ring %s",
+                self.name,
+                item.get("kind"),
+                self.in_ring.name,
+            )
+            return True
+        job = Job(str(item["task_id"]), int(item["attempt"]), item)
+        reply = self.control.call(
+            Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
+        )
+        if not reply["proceed"]:
+            log.info(
+                "task %s stage=%s worker=%s dropped: %s",
+                job.task_id,
+                self.role.value,
+                self.name,
+                reply.get("reason"),
+            )
+            self.release_inputs(job)
+            return True
+        self.current = job
+        t0 = time.monotonic()
+        try:
+            self.process(job)
+        except TaskDropped as exc:
+            self._fail(job, str(exc), "cancelled", retryable=False)
+        except Exception as exc:
+            self._fail(job, *self.describe_failure(exc))
+        else:
+            self.tasks_done += 1
+            log.info(
+                "task %s stage=%s worker=%s done in %.2f s",
+                job.task_id,
+                self.role.value,
+                self.name,
+                time.monotonic() - t0,
+            )
+        finally:
+            self.current = None
+        return True
+
+    def describe_failure(self, exc: Exception) -> tuple[str, str, bool]:
+        """(message, error_type, retryable) of a task failure."""
+        from workers.models import ModelError, StageCancelled
+        from workers.transfer import TransferError
+
+        if isinstance(exc, StageCancelled):
+            return str(exc), "cancelled", False
+        if isinstance(exc, TransferError | ConnectionLost | RingFull):
+            return str(exc), type(exc).__name__, True
+        if isinstance(exc, ModelError | StageError):
+            return str(exc), type(exc).__name__, False
+        log.exception("task failed with an unexpected error")
+        return f"{type(exc).__name__}: {exc}", type(exc).__name__, False
+
+    def _fail(self, job: Job, error: str, error_type: str, retryable: bool) -> None:
+        log.warning(
+            "task %s stage=%s worker=%s failed (%s): %s",
+            job.task_id,
+            self.role.value,
+            self.name,
+            error_type,
+            error,
+        )
+        self._free_staged(lambda key: key == (job.task_id, job.attempt))
+        try:
+            self.control.call(
+                Op.FAIL,
+                task_id=job.task_id,
+                attempt=job.attempt,
+                stage=self.role.value,
+                error=error,
+                error_type=error_type,
+                retryable=retryable,
+            )
+        except ControlRefused as exc:
+            log.error("controller refused the failure report of %s: %s", job.task_id, exc)
+
+    # -- helpers for the roles ---------------------------------------------------------------------
+    def descriptors(self, job: Job) -> list[Any]:
+        from workers.staging import TensorDescriptor
+
+        return [TensorDescriptor.from_dict(d) for d in job.item.get("tensors", [])]
+
+    def release_inputs(self, job: Job) -> None:
+        """Release the producer's buffers of a task we will not pull (refused claim)."""
+        descs = self.descriptors(job)
+        if descs and self.pool is not None:
+            self.pool.release_producers(self.engine, descs, task_id=job.task_id)
+
+    def pull(self, job: Job) -> dict[str, Any]:
+        from workers.staging import pull_tensors
+
+        return pull_tensors(
+            self.engine,
+            self.pool,
+            self.descriptors(job),
+            device=self.cfg.device,
+            task_id=job.task_id,
+        )
+
+    def check_cancel(self, job: Job) -> None:
+        if job.cancel.is_set():
+            raise TaskDropped(f"task {job.task_id} cancelled")
+
+    def publish(self, job: Job, kind: str, tensors: Mapping[str, Any]) -> None:
+        """Stage ``tensors`` and push their descriptors to the next ring (backpressure)."""
+        from workers.staging import stage_tensors
+
+        assert self.out_ring is not None
+        descs = stage_tensors(self.pool, self.engine, dict(tensors), task_id=job.task_id)
+        key = (job.task_id, job.attempt)
+        with self._staged_lock:
+            self.staged[key] = descs
+        payload = {
+            "kind": kind,
+            "task_id": job.task_id,
+            "attempt": job.attempt,
+            "pipeline": job.item["pipeline"],
+            "request": job.item["request"],
+            "tensors": [d.to_dict() for d in descs],
+            "producer": self.name,
+        }
+        body = self.out_ring.encode(payload)
+        delay = 0.001
+        while not self.out_ring.try_push_body(body):
+            self.check_cancel(job)  # a cancelled task gives its place up
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        self.control.call(
+            Op.HANDOFF, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
+        )
+
+    # -- role hooks --------------------------------------------------------------------------------
+    def model_path(self) -> str:
+        if not self.cfg.model_path:
+            raise StageError(f"{self.role.value} worker needs model_path (config or --model_path)")
+        return self.cfg.model_path
+
+    def pool_device(self) -> str:
+        return self.cfg.device
+
+    def load_model(self) -> None:
+        raise NotImplementedError
+
+    def process(self, job: Job) -> None:
+        raise NotImplementedError
+
+
+class EncoderWorker(StageWorker):
+    role = Stage.ENCODER
+
+    def load_model(self) -> None:
+        from workers.models import EncoderStage
+
+        self.stage = EncoderStage(
+            self.model_path(), self.cfg.pipeline, self.cfg.device, self.cfg.dtype
+        )
+        self.stage.load()
+
+    def process(self, job: Job) -> None:
+        from workers.models import GenerationRequest
+        from workers.staging import TensorDescriptor, pull_tensors
+
+        req = GenerationRequest.from_dict(job.item["request"])
+        image = None
+        if job.item.get("image"):
+            # The controller owns the staged image until the task ends (a retry needs it).
+            desc = TensorDescriptor.from_dict(job.item["image"])
+            out = pull_tensors(
+                self.engine, self.pool, [desc], device="cpu", task_id=job.task_id, release=False
+            )
+            image = out[desc.name].numpy().tobytes()
+        self.check_cancel(job)
+        tensors = self.stage.encode(req, image)
+        self.check_cancel(job)
+        self.publish(job, "phase1", tensors)
+
+
+class TransformerWorker(StageWorker):
+    role = Stage.TRANSFORMER
+
+    def load_model(self) -> None:
+        from workers.models import TransformerStage
+
+        self.stage = TransformerStage(
+            self.model_path(),
+            self.cfg.pipeline,
+            self.cfg.device,
+            self.cfg.dtype,
+            self.cfg.attention_backend,
+        )
+        self.stage.load()
+
+    def process(self, job: Job) -> None:
+        from workers.models import GenerationRequest
+
+        req = GenerationRequest.from_dict(job.item["request"])
+        inputs = self.pull(job)
+        self.check_cancel(job)
+
+        def on_step(k: int, n: int) -> None:
+            reply = self.control.call(
+                Op.PROGRESS, task_id=job.task_id, attempt=job.attempt, step=k, steps=n
+            )
+            if reply.get("cancel"):
+                job.cancel.set()
+
+        latents = self.stage.denoise(req, inputs, on_step=on_step, should_stop=job.cancel.is_set)
+        self.check_cancel(job)
+        self.publish(job, "phase2", latents)
+
+
+class DecoderWorker(StageWorker):
+    role = Stage.DECODER
+
+    def load_model(self) -> None:
+        from workers.models import DecoderStage
+
+        self.stage = DecoderStage(
+            self.model_path(), self.cfg.pipeline, self.cfg.device, self.cfg.dtype
+        )
+        self.stage.load()
+
+    def process(self, job: Job) -> None:
+        from workers.models import GenerationRequest
+
+        req = GenerationRequest.from_dict(job.item["request"])
+        latents = self.pull(job)
+        self.check_cancel(job)
+        art = self.stage.decode(req, latents)
+        out_dir = Path(self.cfg.output_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        local = out_dir / f"{job.task_id}.{art.extension}"
+        tmp = local.with_name(local.name + ".part")
+        tmp.write_bytes(art.data)
+        tmp.replace(local)
+        reply = self.control.call(
+            Op.COMPLETE,
+            task_id=job.task_id,
+            attempt=job.attempt,
+            extension=art.extension,
+            media_type=art.media_type,
+            data=art.data,
+            worker_path=str(local.resolve()),
+        )
+        if not reply.get("accepted"):
+            log.info(
+                "task %s: result of attempt %d not needed (already completed)",
+                job.task_id,
+                job.attempt,
+            )
+
+
+WORKERS: dict[str, type[StageWorker]] = {
+    "encoder": EncoderWorker,
+    "transformer": TransformerWorker,
+    "decoder": DecoderWorker,
+}
