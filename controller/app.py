@@ -20,24 +20,12 @@ from controller.tasks import Task
 from rings.config import ServiceConfig
 from rings.errors import ConfigError, DiffringError
 from rings.payload import encode_body
+from rings.ports import bind_socket
 
 log = logging.getLogger("diffring.controller")
 T = TypeVar("T")
 
 SWEEP_INTERVAL_S = 0.5
-
-
-def bind_socket(host: str, port: int, what: str) -> socket.socket:
-    """Bind a listening socket now, so a taken port fails fast with a clear message."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"{what} cannot listen on {host}:{port}: {exc}") from exc
-    sock.listen(128)
-    return sock
 
 
 async def serve_http(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
@@ -55,6 +43,27 @@ async def serve_http(app: Any, sock: socket.socket, stop: asyncio.Event) -> None
     server.should_exit = True
     stopper.cancel()
     await task
+
+
+def start_metrics(
+    cfg: ServiceConfig,
+    co: Coordinator,
+    front: FrontDoor,
+    ring_status: Callable[[], dict[str, Any]],
+    pool_stats: Callable[[], Any] | None,
+) -> Any:
+    """Instrument the front door; serve /metrics when a metric port is configured."""
+    from controller.metrics import ControllerMetrics
+    from workers.metrics import serve_metrics
+
+    metrics = ControllerMetrics(co)
+    metrics.ring_status = ring_status
+    metrics.pool_stats = pool_stats
+    front.app.middleware("http")(metrics.middleware)
+    if cfg.server.metric_port is None:
+        return None
+    return serve_metrics(metrics.registry, cfg.server.host, cfg.server.metric_port,
+                         "controller")
 
 
 async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> None:
@@ -104,9 +113,12 @@ async def run_controller_async(
         release_image=images.release if images else None,
     )
     control = ControlServer(co, d.bootstrap_addr, d.control_port, token)
+    metrics_server = None
     try:
         await control.start()
         front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller")
+        metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
+                                       images.pool.stats if images else None)
         sweeper = asyncio.create_task(_sweeper(co, images.reclaim if images else None))
         log.info(
             "controller ready: pipeline=%s http://%s:%d rings=%s control=%d",
@@ -120,6 +132,8 @@ async def run_controller_async(
         sweeper.cancel()
     finally:
         log.info("controller shutting down")
+        if metrics_server is not None:
+            metrics_server.shutdown()
         await control.close()
         await rings.close()
         if images is not None:
@@ -312,6 +326,7 @@ async def run_all_async(
         raise
     worker.start()
     front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all")
+    metrics_server = start_metrics(cfg, co, front, lambda: {}, None)
     log.info(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
@@ -319,5 +334,7 @@ async def run_all_async(
         await serve_http(front.app, http_sock, stop)
     finally:
         log.info("baseline shutting down")
+        if metrics_server is not None:
+            metrics_server.shutdown()
         await asyncio.get_running_loop().run_in_executor(None, worker.close)
         http_sock.close()

@@ -18,6 +18,7 @@ from typing import Any
 from controller.coordinator import ControlError, Coordinator, WorkerInfo
 from rings import wire
 from rings.messages import CONTROL_RING, Op
+from rings.ports import bind_error
 
 log = logging.getLogger("diffring.controller.control")
 
@@ -38,9 +39,7 @@ class ControlServer:
         try:
             self._server = await asyncio.start_server(self._serve, self.host, self.port)
         except OSError as exc:
-            raise ControlError(
-                f"control channel cannot listen on {self.host}:{self.port}: {exc}"
-            ) from exc
+            raise bind_error("control channel", self.host, self.port, exc) from exc
         if self.port == 0:
             self.port = self._server.sockets[0].getsockname()[1]
         log.info("control channel on %s:%d", self.host, self.port)

@@ -45,6 +45,7 @@ from rings.layout import (
     stamp,
     unpack_stamp,
 )
+from rings.ports import bind_error
 from rings.verbs import READ, LocalVerbs, Region, Verbs, check_op, execute_ops
 
 log = logging.getLogger("diffring.rings.host")
@@ -130,9 +131,7 @@ class RingHost:
                 lambda: _PeerProtocol(self), self.host, self.port, reuse_address=True
             )
         except OSError as exc:
-            raise VerbsError(
-                f"ring {self.layout.name!r}: cannot listen on {self.host}:{self.port}: {exc}"
-            ) from exc
+            raise bind_error(f"ring {self.layout.name!r}", self.host, self.port, exc) from exc
         if self.port == 0:
             self.port = self._server.sockets[0].getsockname()[1]
         self._scanner = asyncio.create_task(self._scan_loop(), name=f"scan-{self.layout.name}")

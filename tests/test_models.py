@@ -1,7 +1,8 @@
 """Stage adapters against diffusers' own pipelines, on tiny random-weight models.
 
-The tiny models are built once per session by ``scripts/make_tiny_models.py`` (into a temp
-dir, or into ``$DIFFRING_TINY_MODELS`` when set, where an up-to-date build is reused).
+The session fixtures ``tiny_models`` and ``input_png`` live in ``conftest.py``: the tiny
+models are built once per session by ``scripts/make_tiny_models.py`` (into a temp dir, or
+into ``$DIFFRING_TINY_MODELS`` when set, where an up-to-date build is reused).
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
-import os
-import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -66,36 +65,15 @@ def small_request(task: str, **changes: Any) -> GenerationRequest:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixtures
+# Helpers
 # ---------------------------------------------------------------------------------------------
 def _load_script() -> Any:
     path = ROOT / "scripts" / "make_tiny_models.py"
     spec = importlib.util.spec_from_file_location("make_tiny_models", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("DIFFRING_TINY_MODELS")
-    out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
-    _load_script().build_all(out, seed=0)
-    return out
-
-
-@pytest.fixture(scope="session")
-def input_png() -> bytes:
-    """A deterministic, non-square 40x48 input image (gradients in each channel)."""
-    from PIL import Image
-
-    y, x = np.mgrid[0:48, 0:40]
-    rgb = np.stack([x * 6, y * 5, (x * y) % 251], axis=-1).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(rgb).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 _STAGES: dict[tuple[str, str, str], Any] = {}

@@ -18,13 +18,14 @@ reported to the controller before exiting, so the worker's leases are revoked at
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from rings.messages import STAGE_INPUT_KIND, STAGE_RINGS, Op, Stage
 from rings.ring import Ring
 from rings.verbs import connect
 from workers.control import ControlClient, ControlRefused
+from workers.metrics import WorkerMetrics, serve_metrics
 
 log = logging.getLogger("diffring.worker")
 
@@ -86,6 +88,14 @@ class StageWorker:
         self.out_ring: Ring | None = None
         self._hb: threading.Thread | None = None
         self.tasks_done = 0
+        self.metrics = WorkerMetrics(self.role.value)
+        self._metrics_server: Any = None
+
+    @contextlib.contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        yield
+        self.metrics.stage_seconds.labels(self.role.value, step).observe(time.monotonic() - t0)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -93,12 +103,18 @@ class StageWorker:
         from workers.staging import StagingPool
         from workers.transfer import MooncakeSettings, TransferEngine
 
+        srv = self.cfg.server
+        if srv.metric_port is not None:
+            self._metrics_server = serve_metrics(
+                self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker"
+            )
         self.load_model()
         settings = MooncakeSettings.resolve(self.cfg.mooncake_config_path, self.env)
         self.engine = TransferEngine(settings)
         self.engine.start()
         self.pool = StagingPool(self.cfg.staging_pool_mb << 20, device=self.pool_device())
         self.pool.start(self.engine)
+        self.metrics.watch_pool(self.pool.stats)
         d = self.cfg.disagg_config
         in_name, out_name = STAGE_RINGS[self.role]
         self.in_ring = self._join(in_name)
@@ -163,6 +179,8 @@ class StageWorker:
             self.pool.close()
         if self.engine is not None:
             self.engine.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
 
     def report_fatal(self, error: str) -> None:
         try:
@@ -201,6 +219,7 @@ class StageWorker:
                 if self.state != State.STOPPED:
                     log.error("worker %s: heartbeat failed: %s", self.name, exc)
                 return
+            self.metrics.heartbeats.labels(self.role.value).inc()
             if job is not None and job.task_id in reply.get("cancel", []):
                 job.cancel.set()
             drop = set(reply.get("drop", []))
@@ -227,6 +246,9 @@ class StageWorker:
             return True
         if item is None:
             return False
+        self.metrics.claim_seconds.labels(self.in_ring.name, "pop").observe(
+            self.in_ring.stats.last_claim_s
+        )
         if item.get("kind") != STAGE_INPUT_KIND[self.role]:
             log.error(
                 "worker %s: unexpected %r item in ring %s",
@@ -254,11 +276,14 @@ class StageWorker:
         try:
             self.process(job)
         except TaskDropped as exc:
+            self.metrics.tasks.labels(self.role.value, "cancelled").inc()
             self._fail(job, str(exc), "cancelled", retryable=False)
         except Exception as exc:
+            self.metrics.tasks.labels(self.role.value, "failed").inc()
             self._fail(job, *self.describe_failure(exc))
         else:
             self.tasks_done += 1
+            self.metrics.tasks.labels(self.role.value, "done").inc()
             log.info(
                 "task %s stage=%s worker=%s done in %.2f s",
                 job.task_id,
@@ -322,13 +347,15 @@ class StageWorker:
     def pull(self, job: Job) -> dict[str, Any]:
         from workers.staging import pull_tensors
 
-        return pull_tensors(
-            self.engine,
-            self.pool,
-            self.descriptors(job),
-            device=self.cfg.device,
-            task_id=job.task_id,
-        )
+        descs = self.descriptors(job)
+        t0 = time.monotonic()
+        with self.timed("fetch"):
+            out = pull_tensors(
+                self.engine, self.pool, descs, device=self.cfg.device, task_id=job.task_id
+            )
+        self.metrics.transfer_seconds.labels("pull").observe(time.monotonic() - t0)
+        self.metrics.transfer_bytes.labels("pull").inc(sum(d.nbytes for d in descs))
+        return out
 
     def check_cancel(self, job: Job) -> None:
         if job.cancel.is_set():
@@ -339,7 +366,8 @@ class StageWorker:
         from workers.staging import stage_tensors
 
         assert self.out_ring is not None
-        descs = stage_tensors(self.pool, self.engine, dict(tensors), task_id=job.task_id)
+        with self.timed("stage"):
+            descs = stage_tensors(self.pool, self.engine, dict(tensors), task_id=job.task_id)
         key = (job.task_id, job.attempt)
         with self._staged_lock:
             self.staged[key] = descs
@@ -354,10 +382,14 @@ class StageWorker:
         }
         body = self.out_ring.encode(payload)
         delay = 0.001
-        while not self.out_ring.try_push_body(body):
-            self.check_cancel(job)  # a cancelled task gives its place up
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        with self.timed("publish"):
+            while not self.out_ring.try_push_body(body):
+                self.check_cancel(job)  # a cancelled task gives its place up
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        self.metrics.claim_seconds.labels(self.out_ring.name, "push").observe(
+            self.out_ring.stats.last_claim_s
+        )
         self.control.call(
             Op.HANDOFF, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
         )
@@ -403,7 +435,8 @@ class EncoderWorker(StageWorker):
             )
             image = out[desc.name].numpy().tobytes()
         self.check_cancel(job)
-        tensors = self.stage.encode(req, image)
+        with self.timed("compute"):
+            tensors = self.stage.encode(req, image)
         self.check_cancel(job)
         self.publish(job, "phase1", tensors)
 
@@ -437,7 +470,10 @@ class TransformerWorker(StageWorker):
             if reply.get("cancel"):
                 job.cancel.set()
 
-        latents = self.stage.denoise(req, inputs, on_step=on_step, should_stop=job.cancel.is_set)
+        with self.timed("compute"):
+            latents = self.stage.denoise(
+                req, inputs, on_step=on_step, should_stop=job.cancel.is_set
+            )
         self.check_cancel(job)
         self.publish(job, "phase2", latents)
 
@@ -459,7 +495,8 @@ class DecoderWorker(StageWorker):
         req = GenerationRequest.from_dict(job.item["request"])
         latents = self.pull(job)
         self.check_cancel(job)
-        art = self.stage.decode(req, latents)
+        with self.timed("compute"):
+            art = self.stage.decode(req, latents)
         out_dir = Path(self.cfg.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         local = out_dir / f"{job.task_id}.{art.extension}"

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn, TypeVar
 
 from rings.errors import StageError
 
@@ -72,7 +72,6 @@ class StageCancelled(ModelError):
 # Tasks
 # =============================================================================================
 
-TaskName = Literal["wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i"]
 TASKS: tuple[str, ...] = ("wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i")
 
 
@@ -248,7 +247,7 @@ class GenerationRequest:
 
     # -- validation ---------------------------------------------------------------------------
     def _validate(self, spec: TaskSpec) -> None:
-        def fail(message: str) -> None:
+        def fail(message: str) -> NoReturn:
             raise InvalidRequestError(f"{self.task} request: {message}")
 
         def need_int(name: str, lo: int, hi: int) -> int:

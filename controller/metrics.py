@@ -1,0 +1,100 @@
+"""Prometheus metrics of the controller (or of the ``all`` baseline)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.requests import Request
+from starlette.responses import Response
+
+from controller.coordinator import Coordinator
+from controller.tasks import Task
+from workers.metrics import DURATION_BUCKETS, CallbackCollector
+
+Sample = tuple[str, str, dict[str, str], float]
+
+
+class ControllerMetrics:
+    def __init__(self, co: Coordinator, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.co = co
+        self.requests = Counter(
+            "diffring_http_requests", "Front-door requests by endpoint and status code",
+            ["endpoint", "method", "code"], registry=r)
+        self.request_seconds = Histogram(
+            "diffring_http_request_seconds", "Front-door request handling time", ["endpoint"],
+            buckets=DURATION_BUCKETS, registry=r)
+        self.task_events = Counter(
+            "diffring_task_events", "Task lifecycle events (queued, claimed, completed, ...)",
+            ["event"], registry=r)
+        self.task_seconds = Histogram(
+            "diffring_task_e2e_seconds", "Task end-to-end latency, accepted to completed",
+            buckets=DURATION_BUCKETS, registry=r)
+        self.stage_seconds = Histogram(
+            "diffring_task_stage_seconds", "Time tasks spent in each lifecycle stage",
+            ["stage"], buckets=DURATION_BUCKETS, registry=r)
+        co.listeners.append(self._on_event)
+        r.register(CallbackCollector(self._gauges))
+        self.ring_status: Callable[[], dict[str, Any]] = lambda: {}
+        self.pool_stats: Callable[[], Any] | None = None
+
+    def _on_event(self, event: str, task: Task) -> None:
+        self.task_events.labels(event).inc()
+        if event == "completed" and task.finished_at is not None:
+            self.task_seconds.observe(task.finished_at - task.created_at)
+            times = sorted(task.stage_times.items(), key=lambda kv: kv[1])
+            for (stage, start), (_next, end) in itertools.pairwise(times):
+                self.stage_seconds.labels(stage).observe(end - start)
+
+    def _gauges(self) -> Iterable[Sample]:
+        for status, n in self.co.table.counts().items():
+            yield ("diffring_tasks", "Tasks by status", {"status": status}, float(n))
+        yield ("diffring_tasks_in_flight", "Tasks accepted and not finished", {},
+               float(self.co.table.in_flight()))
+        now = time.time()
+        roles: dict[str, int] = {"encoder": 0, "transformer": 0, "decoder": 0}
+        for w in self.co.workers.values():
+            roles[w.role] = roles.get(w.role, 0) + 1
+            yield ("diffring_worker_heartbeat_age_seconds", "Seconds since a worker's last "
+                   "heartbeat", {"worker": w.name, "role": w.role}, now - w.last_heartbeat)
+        for role, n in roles.items():
+            yield ("diffring_workers", "Registered workers by role", {"role": role}, float(n))
+        for ring, st in self.ring_status().get("rings", {}).items():
+            labels = {"ring": ring}
+            yield ("diffring_ring_depth", "Items in the ring (tail - head)", labels,
+                   float(st["depth"]))
+            yield ("diffring_ring_published", "Published, unclaimed slots", labels,
+                   float(st["published"]))
+            yield ("diffring_ring_claimed", "Slots claimed in progress", labels,
+                   float(st["claimed"]))
+            yield ("diffring_ring_peers", "Peers connected to the ring", labels,
+                   float(st["peers"]))
+            for kind, n in st["repairs"].items():
+                yield ("diffring_ring_repairs", "Ring repairs since start", {**labels,
+                       "kind": kind}, float(n))
+        if self.pool_stats is not None:
+            st = self.pool_stats()
+            yield ("diffring_staging_pool_used_bytes", "Bytes allocated in the staging pool",
+                   {"role": "controller"}, float(st.used_bytes))
+            yield ("diffring_staging_pool_capacity_bytes", "Capacity of the staging pool",
+                   {"role": "controller"}, float(st.capacity))
+
+    async def middleware(
+        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        t0 = time.monotonic()
+        code = 500
+        try:
+            response = await call_next(request)
+            code = response.status_code
+            return response
+        finally:
+            route = request.scope.get("route")
+            endpoint = getattr(route, "path", "unmatched")
+            self.requests.labels(endpoint, request.method, str(code)).inc()
+            self.request_seconds.labels(endpoint).observe(time.monotonic() - t0)
