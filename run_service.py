@@ -4,6 +4,11 @@
 
 The environment is read here, once, and handed down; nothing below reads it again.
 Precedence: command line > environment > config file > defaults.
+
+Environment: DIFFRING_CONFIG (config file), DIFFRING_MODEL_PATH, DIFFRING_DEVICE,
+DIFFRING_CLUSTER_TOKEN, MOONCAKE_CONFIG_PATH and the MOONCAKE_* overrides of the Mooncake
+config (MOONCAKE_PROTOCOL, MOONCAKE_METADATA_SERVER, MOONCAKE_DEVICE_NAME,
+MOONCAKE_LOCAL_HOSTNAME).
 """
 
 from __future__ import annotations
@@ -53,12 +58,15 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, Se
             metric_port=args.metric_port if args.metric_port is not None else server.metric_port,
         )
     changes: dict[str, object] = {"server": server}
-    if args.model_path or env.get("DIFFRING_MODEL_PATH"):
-        changes["model_path"] = args.model_path or env["DIFFRING_MODEL_PATH"]
-    if args.device:
-        changes["device"] = args.device
-    if env.get("MOONCAKE_CONFIG_PATH") and not cfg.mooncake_config_path:
-        changes["mooncake_config_path"] = env["MOONCAKE_CONFIG_PATH"]
+    # Each setting: command line, else environment, else the file (already in cfg).
+    for key, flag, var in (
+        ("model_path", args.model_path, "DIFFRING_MODEL_PATH"),
+        ("device", args.device, "DIFFRING_DEVICE"),
+        ("mooncake_config_path", None, "MOONCAKE_CONFIG_PATH"),
+    ):
+        value = flag or env.get(var)
+        if value:
+            changes[key] = value
     return service, dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
 
 

@@ -202,8 +202,9 @@ class DisaggConfig:
         return host or self.bootstrap_addr, port
 
     def resolve_token(self, env: Mapping[str, str]) -> str:
-        """The cluster token: config, else DIFFRING_CLUSTER_TOKEN, else the dev default."""
-        token = self.cluster_token or env.get("DIFFRING_CLUSTER_TOKEN")
+        """The cluster token: DIFFRING_CLUSTER_TOKEN, else the config's, else the dev default
+        (environment over file, as everywhere)."""
+        token = env.get("DIFFRING_CLUSTER_TOKEN") or self.cluster_token
         if token:
             return token
         log.warning(

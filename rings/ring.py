@@ -131,7 +131,9 @@ class Ring:
             self.stats.claim_retries += 1
             opos = old >> POS_SHIFT
             if opos == p:  # another producer claimed p first
-                p += 1
+                # The tail we just read says how far the claims have gone meanwhile: under
+                # contention it is often well past p, and stepping p+1 would lose again.
+                p = max(p + 1, res[0]) if p > 0 else p + 1
                 lost = self._contended(lost)
             elif opos < p:  # the slot still holds the previous lap: full
                 self._tail_hint = p
@@ -201,9 +203,10 @@ class Ring:
                 if ostate == SlotState.TOMBSTONE:
                     self._batch([(CAS, stamp_off, old, stamp(q + self.cap, SlotState.FREE))])
                     self.stats.tombstones_skipped += 1
-                else:
+                    q += 1
+                else:  # taken by another consumer; the head we read may be further on
+                    q = max(q + 1, res[0]) if q > 0 else q + 1
                     lost = self._contended(lost)
-                q += 1  # q taken by another consumer, or skipped
             elif opos < q:  # slot still at a lap behind: nothing at q yet
                 self._head_hint = q
                 return None

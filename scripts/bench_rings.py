@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,49 +34,52 @@ from rings.verbs import READ
 CRITICAL_PATH_RTS = 2
 
 
-def _raw_client(port: int, cap: int, start: float, seconds: float, out: mp.Queue) -> None:
+def _raw_client(port: int, cap: int, go: Any, seconds: float, out: mp.Queue) -> None:
     ring = open_ring(port, cap, 512)
     verbs = ring.verbs
     ops = [(READ, OFF_HEAD, 8)]
-    while time.time() < start:
-        time.sleep(0.001)
+    out.put("ready")
+    go.wait()
     n = 0
-    end = start + seconds
-    while time.time() < end:
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while time.perf_counter() < end:
         verbs.batch(ops)
         n += 1
-    out.put(n)
+    out.put((n / (time.perf_counter() - t0),))
     verbs.close()
 
 
-def _ring_client(port: int, cap: int, start: float, seconds: float, out: mp.Queue) -> None:
+def _ring_client(port: int, cap: int, go: Any, seconds: float, out: mp.Queue) -> None:
     ring: Ring = open_ring(port, cap, 512)
     item = {"task_id": "bench", "data": b"x" * 200}
     lat: list[float] = []
-    while time.time() < start:
-        time.sleep(0.001)
+    out.put("ready")
+    go.wait()
     n = 0
-    end = start + seconds
+    t0 = time.perf_counter()
+    end = t0 + seconds
     rt0 = ring.stats.round_trips
-    while time.time() < end:
+    while time.perf_counter() < end:
         if ring.try_push(item) is None:
             lat.append(ring.stats.last_claim_s)
             n += 1
         if ring.try_pop() is not None:
             lat.append(ring.stats.last_claim_s)
             n += 1
-    out.put((n, ring.stats.round_trips - rt0, lat[::4]))
+    rate = n / (time.perf_counter() - t0)
+    out.put((rate, n, ring.stats.round_trips - rt0, lat[::4]))
     ring.verbs.close()
 
 
-def _run(kind: str, clients: int, capacity: int, seconds: float) -> list[object]:
+def _run(kind: str, clients: int, capacity: int, seconds: float) -> list[Any]:
     host, port = start_ring_host(capacity, 512)
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
+    go = ctx.Event()
     target = _raw_client if kind == "raw" else _ring_client
-    start = time.time() + 1.0 + 0.05 * clients  # let every client connect first
     procs = [
-        ctx.Process(target=target, args=(port, capacity, start, seconds, q)) for _ in range(clients)
+        ctx.Process(target=target, args=(port, capacity, go, seconds, q)) for _ in range(clients)
     ]
     try:
         if kind == "ring":
@@ -87,6 +91,9 @@ def _run(kind: str, clients: int, capacity: int, seconds: float) -> list[object]
             feeder.verbs.close()
         for p in procs:
             p.start()
+        for _ in procs:  # every client connected before anyone starts counting
+            assert q.get(timeout=120) == "ready"
+        go.set()
         results = [q.get(timeout=seconds + 120) for _ in procs]
         for p in procs:
             p.join(30)
@@ -111,12 +118,12 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     for c in counts:
-        raw = sum(int(r) for r in _run("raw", c, args.capacity, args.seconds)) / args.seconds  # type: ignore[call-overload]
+        raw = sum(r[0] for r in _run("raw", c, args.capacity, args.seconds))
         res = _run("ring", c, args.capacity, args.seconds)
-        ops = sum(r[0] for r in res) / args.seconds  # type: ignore[index]
-        rts = sum(r[1] for r in res)  # type: ignore[index]
-        lat = sorted(x for r in res for x in r[2])  # type: ignore[index]
-        rt_per_op = rts / max(1, sum(r[0] for r in res))  # type: ignore[index]
+        ops = sum(r[0] for r in res)
+        rts = sum(r[2] for r in res)
+        lat = sorted(x for r in res for x in r[3])
+        rt_per_op = rts / max(1, sum(r[1] for r in res))
         target = 0.8 * raw / CRITICAL_PATH_RTS
         p50 = statistics.median(lat) * 1e6 if lat else float("nan")
         p99 = lat[int(0.99 * (len(lat) - 1))] * 1e6 if lat else float("nan")

@@ -1,55 +1,102 @@
 #!/usr/bin/env python
-"""The main job: a controller with its three rings, probed, inspected and soaked."""
+"""The main job: the whole three-stage pipeline on tiny local models, for all four tasks.
+
+For each of Wan2.1 T2V, Wan2.1 I2V, Qwen-Image T2I and Qwen-Image-Edit I2I: start a
+controller and one encoder, transformer and decoder worker (separate processes, rings over
+tcp, tensors over Mooncake), post one request over HTTP, wait for it, and print where the
+PNG / MP4 landed. Tiny random-weight models of the real architectures are built locally
+first (nothing is downloaded). Every process started here is stopped here.
+"""
 
 from __future__ import annotations
 
-import json
-import subprocess
+import argparse
+import base64
+import io
+import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rings.config import ServiceConfig  # noqa: E402
-from rings.ring import Ring  # noqa: E402
-from rings.soak import run_soak  # noqa: E402
-from rings.verbs import connect  # noqa: E402
+from controller.group import LocalGroup, group_config, submit  # noqa: E402
+
+REQUESTS = {
+    "wan_t2v": ("video", {"prompt": "a paper boat drifting on a pond", "height": 32,
+                          "width": 32, "target_video_length": 9, "infer_steps": 4,
+                          "target_fps": 8}),
+    "wan_i2v": ("video", {"prompt": "the picture comes alive", "height": 32, "width": 32,
+                          "target_video_length": 9, "infer_steps": 4, "target_fps": 8}),
+    "qwen_t2i": ("image", {"prompt": "a lighthouse at dusk", "height": 64, "width": 64,
+                           "infer_steps": 4}),
+    "qwen_i2i": ("image", {"prompt": "make it winter", "height": 32, "width": 32,
+                           "infer_steps": 4}),
+}
+
+
+def input_image() -> str:
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:64, 0:64]
+    rgb = np.stack([x * 4, y * 4, (x + y) * 2], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def main() -> int:
-    cfg = ServiceConfig()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "controller.json"
-        path.write_text(json.dumps({"disagg_mode": "controller"}))
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "run_service.py"), "--config", str(path)], cwd=ROOT
-        )
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=str(ROOT / "out" / "demo"))
+    ap.add_argument("--pipelines", default=",".join(REQUESTS))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = ROOT / "out" / "tiny-models"
+    print(f"building tiny models in {models} ...", flush=True)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mtm", ROOT / "scripts" / "make_tiny_models.py")
+    assert spec is not None and spec.loader is not None
+    mtm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mtm)
+    mtm.build_all(models, seed=0)
+
+    results: list[tuple[str, str, float]] = []
+    for pipeline in args.pipelines.split(","):
+        kind, body = REQUESTS[pipeline]
+        if pipeline in ("wan_i2v", "qwen_i2i"):
+            body = {**body, "image_path": input_image()}
+        workdir = out / "work" / pipeline
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        group = LocalGroup(group_config(pipeline, str(models / pipeline), workdir), workdir)
+        print(f"[{pipeline}] starting controller + encoder + transformer + decoder ...",
+              flush=True)
+        t0 = time.monotonic()
         try:
-            d = cfg.disagg_config
-            token = d.resolve_token({})
-            for name in ("request", "phase1", "phase2"):
-                host, port = d.ring_address(name)
-                for _ in range(100):
-                    try:
-                        verbs = connect("tcp", host, port, layout=d.layout(name), ring=name,
-                                        token=token)
-                        break
-                    except Exception:
-                        time.sleep(0.1)
-                ring = Ring(verbs)
-                ring.push({"kind": "probe", "task_id": f"demo-{name}"}, timeout=5)
-                print(f"ring {name}: pushed and popped {ring.pop(timeout=5)}")
-                verbs.close()
-            subprocess.run([sys.executable, "-m", "rings", "inspect"], cwd=ROOT, check=True)
+            group.start_all()
+            st = submit(group.url, kind, {**body, "seed": 42}, timeout=600)
+        except Exception:
+            for svc in group.services:
+                print(f"--- {svc.role} log ---\n{svc.log()[-2000:]}", file=sys.stderr)
+            raise
         finally:
-            proc.terminate()
-            proc.wait(15)
-    res = run_soak(4, 4, 20000, capacity=3)
-    print(res.report())
-    return 0 if res.ok else 1
+            group.stop()
+        if st["status"] != "completed":
+            print(f"[{pipeline}] {st['status']}: {st['error']}", file=sys.stderr)
+            return 1
+        src = Path(group.config["output_dir"]) / st["save_result_path"]
+        dst = out / f"{pipeline}{src.suffix}"
+        shutil.copyfile(src, dst)
+        results.append((pipeline, str(dst), time.monotonic() - t0))
+        print(f"[{pipeline}] completed: {dst}", flush=True)
+    print("\nresults:")
+    for pipeline, path, secs in results:
+        print(f"  {pipeline:9} {path}  ({secs:.1f} s including start-up)")
+    return 0
 
 
 if __name__ == "__main__":
