@@ -21,19 +21,23 @@ if str(ROOT) not in sys.path:
 
 TOKEN = "test-cluster-token"
 
+from controller.group import free_ports  # noqa: E402
+from rings.soak import stop_process as stop  # noqa: E402
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together while choosing)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+
+def run_controller_to_exit(
+    tmp: Path, cfg: dict[str, Any], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run a controller that is expected to refuse to start; its exit status and output."""
+    path = tmp / f"refused-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(cfg))
+    return subprocess.run(
+        [sys.executable, "run_service.py", "--service", "controller", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=timeout,
+    )
 
 
 def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 30) -> None:
@@ -47,16 +51,6 @@ def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: flo
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
-def stop(proc: subprocess.Popen[Any], timeout: float = 15) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @dataclass

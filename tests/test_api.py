@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.group import ROOT, LocalGroup, free_ports, group_config, wait_task
+from controller.group import LocalGroup, free_ports, group_config, wait_task
+from tests.conftest import run_controller_to_exit
 
 SMALL = {"height": 32, "width": 48, "infer_steps": 2}
 
@@ -281,12 +279,7 @@ def test_metric_port_in_use_fails_fast_naming_holder(tiny_models: Path, tmp_path
         port = holder.getsockname()[1]
         cfg = group_config("qwen_t2i", str(tiny_models / "qwen_t2i"), tmp_path)
         cfg["server"]["metric_port"] = port
-        path = tmp_path / "c.json"
-        path.write_text(json.dumps(cfg))
-        out = subprocess.run(
-            [sys.executable, "run_service.py", "--service", "controller", "--config", str(path)],
-            capture_output=True, text=True, cwd=str(ROOT), timeout=120,
-        )
+        out = run_controller_to_exit(tmp_path, cfg)
     assert out.returncode == 2
     assert f"controller metrics endpoint cannot listen on 127.0.0.1:{port}" in out.stderr
     assert f"held by pid {os.getpid()}" in out.stderr

@@ -14,7 +14,15 @@ import pytest
 from rings.layout import RingLayout
 from rings.ring import Ring
 from rings.verbs import connect
-from tests.conftest import ROOT, TOKEN, Controller, controller_config, start_controller, stop
+from tests.conftest import (
+    ROOT,
+    TOKEN,
+    Controller,
+    controller_config,
+    run_controller_to_exit,
+    start_controller,
+    stop,
+)
 
 
 def ring_of(ctl: Controller, name: str) -> Ring:
@@ -115,15 +123,7 @@ def test_signal_shuts_down_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
 def test_unknown_config_key_is_named(tmp_path: Path) -> None:
     cfg = controller_config(tmp_path)
     cfg["disagg_config"]["rdma_buffer_slotz"] = 4
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(cfg))
-    out = subprocess.run(
-        [sys.executable, "run_service.py", "--service", "controller", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=60,
-    )
+    out = run_controller_to_exit(tmp_path, cfg)
     assert out.returncode == 2
     assert "unknown config key disagg_config.rdma_buffer_slotz" in out.stderr
 
@@ -146,15 +146,7 @@ def test_port_in_use_fails_fast(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", cfg["disagg_config"]["rdma_phase1_handshake_port"]))
         s.listen()
-        path = tmp_path / "c.json"
-        path.write_text(json.dumps(cfg))
-        out = subprocess.run(
-            [sys.executable, "run_service.py", "--service", "controller", "--config", str(path)],
-            capture_output=True,
-            text=True,
-            cwd=str(ROOT),
-            timeout=60,
-        )
+        out = run_controller_to_exit(tmp_path, cfg)
     assert out.returncode == 2
     assert (
         f"cannot listen on 127.0.0.1:{cfg['disagg_config']['rdma_phase1_handshake_port']}"
