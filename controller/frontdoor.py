@@ -310,6 +310,15 @@ class FrontDoor:
                     problems.append(f"{loc}: {err.get('msg')}")
             return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
 
+        @app.exception_handler(Exception)
+        async def unexpected(_req: Request, exc: Exception) -> JSONResponse:
+            log.exception("front door: unexpected error")
+            return JSONResponse(
+                status_code=500,
+                content={"detail": f"internal error ({type(exc).__name__}: {exc}); the "
+                                   "controller log has the details"},
+            )
+
         @app.post("/v1/tasks/video/", response_model=TaskCreated)
         async def create_video(body: VideoTaskRequest) -> dict[str, Any]:
             return self.created(self.create_task(body, "video"))
