@@ -111,7 +111,9 @@ async def run_controller_async(
         max_pending=cfg.max_pending_tasks,
         stage_image=images.stage if images else None,
         release_image=images.release if images else None,
+        journal=output_dir / ".journal",
     )
+    co.restore()
     control = ControlServer(co, d.bootstrap_addr, d.control_port, token)
     metrics_server = None
     try:
@@ -317,7 +319,9 @@ async def run_all_async(
         lease_timeout_s=cfg.lease_timeout_s,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         max_pending=cfg.max_pending_tasks,
+        journal=output_dir / ".journal",
     )
+    co.restore()
     worker = BaselineWorker(cfg, co, jobs, asyncio.get_running_loop())
     try:
         await asyncio.get_running_loop().run_in_executor(None, worker.pipeline.load)

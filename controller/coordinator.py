@@ -112,6 +112,16 @@ class Coordinator:
     def _push(self, task: Task) -> bool:
         return self.request_ring.try_push(task.descriptor()) is None
 
+    def restore(self) -> int:
+        """After a restart: reload the journal and put unfinished tasks back in play."""
+        unfinished = self.table.replay()
+        for task in unfinished:
+            if task.image_bytes is not None and self.stage_image is not None:
+                task.image = self.stage_image(task.image_bytes)
+            self._requeue.append(task.task_id)
+        self._drain_requeue()
+        return len(unfinished)
+
     # -- front door ------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
         """Accept a task and queue it, or raise QueueFull and keep nothing of it."""
@@ -124,7 +134,7 @@ class Coordinator:
         del body
         self.table.add(task)
         if not self._push(task):
-            del self.table.tasks[task.task_id]
+            self.table.forget(task)
             raise QueueFull("the request ring is full", self.retry_after())
         self.table.queued(task)
         log.info("task %s stage=queued pipeline=%s", task.task_id, task.pipeline)

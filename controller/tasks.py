@@ -17,10 +17,11 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +133,18 @@ class DuplicateTask(Exception):
 
 
 class TaskTable:
-    """All tasks of one controller, in acceptance order."""
+    """All tasks of one controller, in acceptance order.
+
+    Journal: with a journal folder, every accepted task is appended to ``tasks.jsonl`` (its
+    input image kept beside it) before it is queued, and every terminal state after it is
+    reached; :meth:`replay` rebuilds the table after a restart, so no accepted task is lost.
+    """
 
     def __init__(self, journal: Path | None = None) -> None:
         self.tasks: OrderedDict[str, Task] = OrderedDict()
         self.journal = journal
+        if journal is not None:
+            (journal / "images").mkdir(parents=True, exist_ok=True)
         self.completed_times: list[tuple[float, float]] = []  # (finished, e2e seconds)
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -154,6 +162,11 @@ class TaskTable:
             raise DuplicateTask(task.task_id)
         self.tasks[task.task_id] = task
         self._journal("accepted", task)
+
+    def forget(self, task: Task) -> None:
+        """Drop a task that was refused right after being added (e.g. the ring was full)."""
+        self.tasks.pop(task.task_id, None)
+        self._journal("rejected", task)
 
     def in_flight(self) -> int:
         return sum(1 for t in self.tasks.values() if t.stage not in TERMINAL)
@@ -193,9 +206,61 @@ class TaskTable:
     def _journal(self, event: str, task: Task) -> None:
         if self.journal is None:
             return
+        image = self.journal / "images" / task.task_id
+        if event == "accepted" and task.image_bytes is not None:
+            image.write_bytes(task.image_bytes)
         rec = {"event": event, "at": time.time(), "task": _task_record(task)}
-        with self.journal.open("a") as f:
+        with (self.journal / "tasks.jsonl").open("a") as f:
             f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if event != "accepted":
+            image.unlink(missing_ok=True)
+
+    def replay(self) -> list[Task]:
+        """Rebuild the table from the journal; returns the unfinished tasks, each moved to a
+        new attempt (whatever a worker was doing with them died with the old controller)."""
+        if self.journal is None or not (self.journal / "tasks.jsonl").exists():
+            return []
+        last: dict[str, dict[str, Any]] = {}
+        with (self.journal / "tasks.jsonl").open() as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    log.warning("journal: skipping a torn line (crash while writing it)")
+                    continue
+                if rec["event"] == "rejected":
+                    last.pop(rec["task"]["task_id"], None)
+                else:
+                    last[rec["task"]["task_id"]] = rec["task"]
+        unfinished = []
+        for data in last.values():
+            fields = {k: v for k, v in data.items() if k in _TASK_FIELDS}
+            task = Task(**fields)
+            task.stage = Stage(data["stage"])
+            if task.stage not in TERMINAL:
+                image = self.journal / "images" / task.task_id
+                task.image_bytes = image.read_bytes() if image.exists() else None
+                task.image = None
+                task.attempt += 1
+                task.stage = Stage.ACCEPTED
+                task.worker = task.worker_id = None
+                task.error = "controller restarted; task put back in play"
+                unfinished.append(task)
+            self.tasks[task.task_id] = task
+        # Compact: one line per task, so the journal does not grow across restarts.
+        path = self.journal / "tasks.jsonl"
+        tmp = path.with_suffix(".compact")
+        with tmp.open("w") as f:
+            for task in self.tasks.values():
+                f.write(json.dumps({"event": "restored", "at": time.time(),
+                                    "task": _task_record(task)}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+        log.info("journal: %d task(s) restored, %d back in play", len(last), len(unfinished))
+        return unfinished
 
     # -- lifecycle --------------------------------------------------------------------------
     def queued(self, task: Task) -> None:
@@ -304,6 +369,9 @@ class TaskTable:
             return None
         span = max(now - min(recent), 1e-3)
         return len(recent) / span
+
+
+_TASK_FIELDS = {f.name for f in fields(Task)} - {"stage", "image_bytes", "lease_expires"}
 
 
 def _task_record(task: Task) -> dict[str, Any]:

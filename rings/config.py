@@ -259,6 +259,8 @@ class ServiceConfig:
     """How often a worker renews its leases with the controller."""
     lease_timeout_s: float = 15.0
     """A task whose worker missed heartbeats this long goes back in play."""
+    reconnect_timeout_s: float = 300.0
+    """How long a worker waits for its controller to come (back) up before giving up."""
     max_pending_tasks: int = 256
     """Front door: tasks accepted but not finished before new ones get 429."""
     disagg_config: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)

@@ -177,7 +177,7 @@ def test_killed_transformer_task_is_requeued(tiny_models: Path, workdir: Path) -
     with start_group(pipeline, tiny_models, workdir) as group:
         group.start_all(transformers=1)
         r = httpx.post(f"{group.url}/v1/tasks/image/",
-                       json=body(pipeline, None, task_id="long", infer_steps=400), timeout=30)
+                       json=body(pipeline, None, task_id="long", infer_steps=100), timeout=30)
         assert r.status_code == 200
         victim = next(s for s in group.services if s.role == "transformer")
         deadline = time.monotonic() + 120
@@ -216,3 +216,32 @@ def test_wrong_pipeline_request_is_refused(tiny_models: Path, workdir: Path) -> 
         r = httpx.post(f"{group.url}/v1/tasks/video/", json={"prompt": "x"}, timeout=10)
         assert r.status_code == 400
         assert "serves qwen_t2i" in r.json()["detail"]
+
+
+def test_controller_restart_loses_no_task(tiny_models: Path, workdir: Path) -> None:
+    """SIGKILL the controller mid-task: the journal brings every task back, the workers
+    reconnect by themselves, the unfinished task completes, the finished one stays served."""
+    pipeline = "qwen_t2i"
+    with start_group(pipeline, tiny_models, workdir) as group:
+        group.start_all()
+        before = submit(group.url, "image", body(pipeline, None, seed=1, task_id="before"))
+        assert before["status"] == "completed"
+        first = fetch(group.url, "before")
+        r = httpx.post(f"{group.url}/v1/tasks/image/",
+                       json=body(pipeline, None, task_id="during", infer_steps=100), timeout=30)
+        assert r.status_code == 200
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{group.url}/v1/tasks/during/status").json()["step"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        old = group.services[0]
+        os.kill(old.proc.pid, signal.SIGKILL)
+        old.proc.wait()
+        group.services.remove(old)  # reaped: no longer part of the group
+        group.start("controller")
+        group.wait_http()
+        group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1}, timeout=120)
+        st = wait_task(group.url, "during", timeout=600)
+        assert st["status"] == "completed" and st["attempt"] == 2, st
+        assert httpx.get(f"{group.url}/v1/tasks/before/status").json()["status"] == "completed"
+        assert fetch(group.url, "before") == first

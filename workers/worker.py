@@ -115,7 +115,11 @@ class StageWorker:
         self.pool = StagingPool(self.cfg.staging_pool_mb << 20, device=self.pool_device())
         self.pool.start(self.engine)
         self.metrics.watch_pool(self.pool.stats)
-        d = self.cfg.disagg_config
+        self.state = State.RUNNING
+        self._connect_retrying()
+
+    def _connect(self) -> None:
+        """Join the rings and register with the controller; start heartbeating."""
         in_name, out_name = STAGE_RINGS[self.role]
         self.in_ring = self._join(in_name)
         if out_name is not None:
@@ -130,7 +134,6 @@ class StageWorker:
             segment=self.engine.session_id,
         )
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
-        self.state = State.RUNNING
         self._hb = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         self._hb.start()
         log.info(
@@ -140,8 +143,43 @@ class StageWorker:
             in_name,
             out_name,
             self.engine.session_id,
-            d.ring_transport,
+            self.cfg.disagg_config.ring_transport,
         )
+
+    def _disconnect(self) -> None:
+        self.control.close()
+        for ring in (self.in_ring, self.out_ring):
+            if ring is not None:
+                ring.verbs.close()
+        self.in_ring = self.out_ring = None
+        if self._hb is not None:
+            self._hb.join(timeout=5)
+
+    def _connect_retrying(self) -> None:
+        """Connect, waiting up to ``reconnect_timeout_s`` for the controller to (re)appear.
+
+        A controller restart drops every ring and control connection; the worker keeps its
+        model and Mooncake state, reconnects, registers again and goes on pulling.
+        """
+        deadline = time.monotonic() + self.cfg.reconnect_timeout_s
+        delay = 0.2
+        while True:
+            try:
+                self._connect()
+                return
+            except ConnectionLost as exc:
+                self._disconnect()
+                if self.state != State.RUNNING:
+                    return  # asked to stop while waiting: nothing left to drain
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionLost(
+                        f"controller at {self.control.where} unreachable for "
+                        f"{self.cfg.reconnect_timeout_s:g} s: {exc}"
+                    ) from exc
+                log.warning("worker %s: controller unreachable (%s); retrying in %.1f s",
+                            self.name, exc, delay)
+                self._wake.wait(delay)
+                delay = min(delay * 2, 5.0)
 
     def _join(self, ring: str) -> Ring:
         d = self.cfg.disagg_config
@@ -193,12 +231,21 @@ class StageWorker:
         idle = 0.001
         try:
             while self.state == State.RUNNING:
-                if self.step():
+                try:
+                    busy = self.step()
+                except ConnectionLost as exc:
+                    # The controller went away (restart, network): whatever this worker held
+                    # is back in play on the controller's side; reconnect and go on.
+                    log.warning("worker %s: lost the controller: %s", self.name, exc)
+                    self._disconnect()
+                    self._connect_retrying()
+                    continue
+                if busy:
                     idle = 0.001
                 else:
                     self._wake.wait(idle)
                     idle = min(idle * 2, IDLE_BACKOFF_MAX_S)
-        except (ConnectionLost, DiffringError) as exc:
+        except DiffringError as exc:
             log.error("worker %s: fatal: %s", self.name, exc)
             self.report_fatal(str(exc))
             raise

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -89,10 +89,21 @@ class QwenEditProcessor(Qwen2VLProcessor):
         )
 
 
+class PromptTemplate(NamedTuple):
+    """How diffusers' Qwen pipelines wrap a prompt for the text encoder."""
+
+    template: str
+    """Chat template with ``{}`` for the prompt."""
+    drop: int
+    """Leading hidden states (the system prompt) the pipeline drops."""
+    max_length: int
+    """Token limit after the drop (the tokenizer gets ``max_length + drop``)."""
+
+
 @cache
-def prompt_template(edit: bool) -> tuple[str, int]:
-    """(template, number of leading hidden states to drop) of diffusers' pipeline, read from
-    the pipeline class itself so that they cannot drift from the installed diffusers."""
+def prompt_template(edit: bool) -> PromptTemplate:
+    """The prompt template of diffusers' pipeline, read from the pipeline class itself so that
+    it cannot drift from the installed diffusers."""
     from diffusers import QwenImageEditPipeline, QwenImagePipeline
 
     bare: Any
@@ -109,7 +120,11 @@ def prompt_template(edit: bool) -> tuple[str, int]:
         bare = QwenImagePipeline(
             scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
         )
-    return bare.prompt_template_encode, bare.prompt_template_encode_start_idx
+    return PromptTemplate(
+        bare.prompt_template_encode,
+        bare.prompt_template_encode_start_idx,
+        bare.tokenizer_max_length,
+    )
 
 
 def _vae_scale_factor(vae_config: Mapping[str, Any]) -> int:
@@ -121,14 +136,11 @@ class QwenEncoder(EncoderAdapter):
     """Qwen2.5-VL prompt encoding; for Edit also the vision-language prompt with the input
     image and the VAE latents of that image."""
 
-    # The pipelines' tokenizer limit before the system-prompt cut.
-    tokenizer_max_length = 1024
-
     def _load(self) -> None:
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         self.edit = self.spec.needs_image
-        self.template, self.drop = prompt_template(self.edit)
+        self.template, self.drop, self.max_tokens = prompt_template(self.edit)
         if self.edit:
             from diffusers import AutoencoderKLQwenImage
             from diffusers.image_processor import VaeImageProcessor
@@ -209,7 +221,7 @@ class QwenEncoder(EncoderAdapter):
         else:
             inputs = self.tokenizer(
                 text,
-                max_length=self.tokenizer_max_length + self.drop,
+                max_length=self.max_tokens + self.drop,
                 padding=True,
                 truncation=True,
                 return_tensors="pt",
@@ -450,6 +462,7 @@ class QwenDecoder(DecoderAdapter):
 
 
 __all__ = [
+    "PromptTemplate",
     "QwenDecoder",
     "QwenEditProcessor",
     "QwenEncoder",
