@@ -236,8 +236,15 @@ class BaselineWorker:
         self.loop.call_soon_threadsafe(call)
         return fut.result()
 
-    def start(self) -> None:
+    def load(self) -> None:
+        if self.cfg.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.cfg.torch_threads)
         self.pipeline.load()
+
+    def start(self) -> None:
+        self.load()
         for role in ("encoder", "transformer", "decoder"):
             self.roles[role] = self.co.on_register(role, f"all/{role}", 0, self.co.pipeline, "")
         self.thread.start()
@@ -324,7 +331,7 @@ async def run_all_async(
     co.restore()
     worker = BaselineWorker(cfg, co, jobs, asyncio.get_running_loop())
     try:
-        await asyncio.get_running_loop().run_in_executor(None, worker.pipeline.load)
+        await asyncio.get_running_loop().run_in_executor(None, worker.load)
     except DiffringError:
         http_sock.close()
         raise

@@ -73,6 +73,8 @@ def group_config(
         "task": task,
         "model_path": str(model_path),
         "output_dir": str(workdir / "results"),
+        # Several CPU workers share the cores of one machine here: one thread each.
+        "torch_threads": 1,
         "disagg_config": disagg,
         "server": {"host": "127.0.0.1", "port": p["http"]},
     }

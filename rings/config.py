@@ -249,6 +249,9 @@ class ServiceConfig:
     """Model dtype: 'float32' or 'bfloat16'."""
     attention_backend: str = "sdpa"
     """DiT attention backend: 'sdpa', 'flash_attn' or 'sage_attn'."""
+    torch_threads: int | None = None
+    """CPU threads torch may use in this process (None: torch's default). Many CPU workers
+    sharing few cores want 1."""
     output_dir: str = "out/results"
     """Folder results are written to (decoder, ``all``); the controller serves them."""
     mooncake_config_path: str | None = None
@@ -286,6 +289,8 @@ class ServiceConfig:
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
 

@@ -108,6 +108,10 @@ class StageWorker:
             self._metrics_server = serve_metrics(
                 self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker"
             )
+        if self.cfg.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.cfg.torch_threads)
         self.load_model()
         settings = MooncakeSettings.resolve(self.cfg.mooncake_config_path, self.env)
         self.engine = TransferEngine(settings)
