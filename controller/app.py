@@ -214,6 +214,7 @@ class BaselineWorker:
 
         if not cfg.model_path:
             raise ConfigError("--service all needs model_path (config) or --model_path")
+        self.cfg = cfg
         self.pipeline = LocalPipeline(
             cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend
         )
