@@ -51,8 +51,14 @@ WORKING_STAGE = {
     "decoder": Stage.DECODING,
 }
 HANDOFF_STAGE = {"encoder": Stage.PHASE1, "transformer": Stage.PHASE2}
-# Which stage a claim of each role is valid from.
-CLAIMABLE_FROM = {"encoder": Stage.QUEUED, "transformer": Stage.PHASE1, "decoder": Stage.PHASE2}
+# Which stages a claim of each role is valid from. A worker publishes to the next ring
+# before its handoff message reaches the controller, so the next stage may claim the ring
+# item first: the item itself proves the handoff, and the late message is then ignored.
+CLAIMABLE_FROM = {
+    "encoder": (Stage.QUEUED,),
+    "transformer": (Stage.PHASE1, Stage.ENCODING),
+    "decoder": (Stage.PHASE2, Stage.DENOISING),
+}
 
 
 def coarse_status(stage: Stage) -> str:
@@ -254,8 +260,10 @@ class TaskTable:
         tmp = path.with_suffix(".compact")
         with tmp.open("w") as f:
             for task in self.tasks.values():
-                f.write(json.dumps({"event": "restored", "at": time.time(),
-                                    "task": _task_record(task)}) + "\n")
+                f.write(
+                    json.dumps({"event": "restored", "at": time.time(), "task": _task_record(task)})
+                    + "\n"
+                )
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
@@ -280,8 +288,11 @@ class TaskTable:
             return False, "task was cancelled"
         if attempt != task.attempt:
             return False, f"stale attempt {attempt} (current attempt is {task.attempt})"
-        if task.stage != CLAIMABLE_FROM[role]:
+        if task.stage not in CLAIMABLE_FROM[role]:
             return False, f"task is {task.stage.value}, not waiting for a {role}"
+        waiting = CLAIMABLE_FROM[role][0]
+        if task.stage != waiting:  # the handoff message is still on its way
+            self._set(task, waiting)
         task.worker, task.worker_id = worker, worker_id
         task.lease_expires = time.monotonic() + lease_s
         if task.started_at is None:

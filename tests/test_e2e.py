@@ -116,7 +116,7 @@ def test_many_to_many(tiny_models: Path, workdir: Path) -> None:
 
         def one(seed: int) -> tuple[int, dict[str, Any], bytes]:
             st = submit(group.url, "image", body(pipeline, None, seed=seed,
-                                                 task_id=f"mn-{seed}"), timeout=600)
+                                                 task_id=f"mn-{seed}"), timeout=240)
             return seed, st, fetch(group.url, st["task_id"]) if st["status"] == "completed" \
                 else b""
 
@@ -245,3 +245,19 @@ def test_controller_restart_loses_no_task(tiny_models: Path, workdir: Path) -> N
         assert st["status"] == "completed" and st["attempt"] == 2, st
         assert httpx.get(f"{group.url}/v1/tasks/before/status").json()["status"] == "completed"
         assert fetch(group.url, "before") == first
+
+
+@pytest.mark.parametrize("delay", [0.5, 4.0])
+def test_sigterm_during_startup_stops_the_worker(tiny_models: Path, workdir: Path,
+                                                 delay: float) -> None:
+    """While loading (0.5 s) or while waiting for an absent controller (4 s), a SIGTERM
+    stops the worker promptly and cleanly."""
+    group = start_group("wan_t2v", tiny_models, workdir)
+    try:
+        svc = group.start("transformer")
+        time.sleep(delay)
+        svc.proc.send_signal(signal.SIGTERM)
+        assert svc.proc.wait(30) == 0, svc.log()[-2000:]
+        assert "stopped before it was ready" in svc.log()
+    finally:
+        group.stop()

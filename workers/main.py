@@ -13,12 +13,20 @@ from rings.errors import DiffringError, StageError
 log = logging.getLogger("diffring.worker")
 
 
+class StartupAborted(Exception):
+    """SIGTERM / SIGINT arrived before the worker was ready."""
+
+
 def run_worker(role: str, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
     from workers.worker import WORKERS
 
     worker = WORKERS[role](cfg, token, env)
+    starting = True
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if starting:
+            # Still loading the model or connecting: nothing claimed, nothing to drain.
+            raise StartupAborted(f"signal {signum} during start-up")
         # Only flip the state: the loop finishes the claimed task and exits.
         log.info("worker %s: signal %d, draining", worker.name, signum)
         worker.drain()
@@ -28,11 +36,15 @@ def run_worker(role: str, cfg: ServiceConfig, token: str, env: Mapping[str, str]
     try:
         try:
             worker.start()
-        except DiffringError:
+        except (DiffringError, StartupAborted):
             raise
         except Exception as exc:  # model stack errors at load are start-up failures
             raise StageError(f"{role} worker failed to start: {exc}") from exc
+        starting = False
         worker.run()
+    except StartupAborted as exc:
+        log.info("worker %s stopped before it was ready (%s)", worker.name, exc)
+        return 0
     except DiffringError as exc:
         worker.report_fatal(str(exc))
         raise

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Qwen-Image-Edit image-to-image: controller + encoder + transformer + decoder on this machine.
+#
+#   model_path=/path/to/model bash scripts/server/disagg/qwen/start_qwen_i2i_disagg.sh
+#   ENCODER_GPU=0 TRANSFORMER_GPU=1 DECODER_GPU=0 model_path=... \
+#       bash scripts/server/disagg/qwen/start_qwen_i2i_disagg.sh
+#
+# Configs: configs/disagg/qwen/qwen_i2i_{controller,encoder,transformer,decoder}.json.
+# Every other knob (PORT_OFFSET, LOG_DIR, OUTPUT_DIR, ...) is described in ../common.sh.
+# Ctrl+C stops the whole group.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+diffring_run_group qwen_i2i qwen QWEN_IMAGE_MODEL_PATH

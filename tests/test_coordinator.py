@@ -1,0 +1,166 @@
+"""Task lifecycle in the coordinator, in-process: claims, handoffs, leases, requeue, journal."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.app import LocalQueue
+from controller.coordinator import Coordinator, QueueFull, WorkerInfo
+from controller.tasks import MAX_ATTEMPTS, Stage, Task
+
+REQ = {"task": "qwen_t2i", "prompt": "x"}
+
+
+def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0) -> Coordinator:
+    return Coordinator(
+        pipeline="qwen_t2i",
+        request_ring=LocalQueue(slots, 1024),  # type: ignore[arg-type]
+        output_dir=tmp_path or Path("/nonexistent"),
+        lease_timeout_s=lease,
+        heartbeat_interval_s=1.0,
+        max_pending=16,
+        journal=(tmp_path / ".journal") if tmp_path else None,
+    )
+
+
+def task(tid: str) -> Task:
+    return Task(task_id=tid, kind="image", pipeline="qwen_t2i", request=dict(REQ),
+                save_result_path="")
+
+
+def workers(co: Coordinator) -> tuple[WorkerInfo, WorkerInfo, WorkerInfo]:
+    return (co.on_register("encoder", "e", 1, "qwen_t2i", "s1"),
+            co.on_register("transformer", "t", 2, "qwen_t2i", "s2"),
+            co.on_register("decoder", "d", 3, "qwen_t2i", "s3"))
+
+
+def test_full_lifecycle_and_idempotent_completion(tmp_path: Path) -> None:
+    co = make(tmp_path)
+    enc, dit, dec = workers(co)
+    t = task("a")
+    co.submit(t)
+    assert t.stage == Stage.QUEUED
+    assert co.on_claim(enc, "a", 1) == (True, "ok") and t.stage == Stage.ENCODING
+    co.on_handoff(enc, "a", 1)
+    assert t.stage == Stage.PHASE1
+    assert co.on_claim(dit, "a", 1)[0] and t.stage == Stage.DENOISING
+    assert co.on_progress(dit, "a", 1, 3, 10) is False and (t.step, t.steps) == (3, 10)
+    co.on_handoff(dit, "a", 1)
+    assert co.on_claim(dec, "a", 1)[0]
+    assert co.on_complete(dec, "a", 1, "png", "image/png", b"PNG") is True
+    assert co.on_complete(dec, "a", 1, "png", "image/png", b"again") is False
+    assert t.stage == Stage.COMPLETED and (tmp_path / "a.png").read_bytes() == b"PNG"
+
+
+def test_next_stage_may_claim_before_the_handoff_message(tmp_path: Path) -> None:
+    """The transformer publishes to phase2, then reports the handoff; the decoder can claim
+    the ring item in between. That claim must win, and the late handoff be ignored."""
+    co = make(tmp_path)
+    enc, dit, dec = workers(co)
+    t = task("race")
+    co.submit(t)
+    co.on_claim(enc, "race", 1)
+    assert co.on_claim(dit, "race", 1)[0]  # before the encoder's handoff arrived
+    assert co.on_claim(dec, "race", 1)[0]  # before the transformer's handoff arrived
+    co.on_handoff(dit, "race", 1)
+    co.on_handoff(enc, "race", 1)
+    assert t.stage == Stage.DECODING and t.worker == "d"
+    assert list(t.stage_times) == ["queued", "encoding", "phase1", "denoising", "phase2",
+                                   "decoding"]
+
+
+def test_stale_and_cancelled_claims_are_refused(tmp_path: Path) -> None:
+    co = make(tmp_path)
+    enc, dit, _dec = workers(co)
+    t = task("s")
+    co.submit(t)
+    co.on_claim(enc, "s", 1)
+    co.on_gone(enc, "control connection dropped")  # back in play as attempt 2
+    assert t.attempt == 2 and t.stage == Stage.QUEUED
+    assert co.on_claim(dit, "s", 1) == (False, "stale attempt 1 (current attempt is 2)")
+    assert co.cancel(t) == "success" and t.stage == Stage.CANCELLED
+    enc2 = co.on_register("encoder", "e2", 4, "qwen_t2i", "s4")
+    ok, why = co.on_claim(enc2, "s", 2)
+    assert not ok and "cancelled" in why
+    assert co.on_claim(enc2, "nope", 1) == (False, "unknown task")
+
+
+def test_running_task_cancel_reaches_the_worker(tmp_path: Path) -> None:
+    co = make(tmp_path)
+    enc, dit, _ = workers(co)
+    t = task("c")
+    co.submit(t)
+    co.on_claim(enc, "c", 1)
+    co.on_handoff(enc, "c", 1)
+    co.on_claim(dit, "c", 1)
+    assert co.cancel(t) == "success" and t.stage == Stage.DENOISING  # stops at a step
+    assert co.on_progress(dit, "c", 1, 4, 10) is True
+    assert co.on_heartbeat(dit, ["c"], []) == (["c"], [])
+    co.on_fail(dit, "c", 1, "stopped", "cancelled", False)
+    assert t.stage == Stage.CANCELLED
+
+
+def test_expired_lease_requeues_and_retries_are_bounded(tmp_path: Path) -> None:
+    co = make(tmp_path, lease=0.01)
+    enc, _, _ = workers(co)
+    t = task("l")
+    co.submit(t)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        assert co.on_claim(enc, "l", attempt)[0]
+        time.sleep(0.02)
+        co.sweep()
+    assert t.stage == Stage.FAILED and t.error_type == "retries_exhausted"
+    assert "lease of worker e expired while encoding" in (t.error or "")
+
+
+def test_heartbeat_frees_outputs_nobody_will_pull(tmp_path: Path) -> None:
+    co = make(tmp_path)
+    enc, _, _ = workers(co)
+    t = task("h")
+    co.submit(t)
+    co.on_claim(enc, "h", 1)
+    co.on_handoff(enc, "h", 1)
+    assert co.on_heartbeat(enc, [], [("h", 1)]) == ([], [])  # still wanted
+    co.cancel(t)
+    assert co.on_heartbeat(enc, [], [("h", 1), ("gone", 1)]) == ([], ["h", "gone"])
+
+
+def test_full_ring_refuses_without_keeping_anything(tmp_path: Path) -> None:
+    co = make(tmp_path, slots=2)
+    co.submit(task("1"))
+    co.submit(task("2"))
+    with pytest.raises(QueueFull):
+        co.submit(task("3"))
+    assert [t.task_id for t in co.table] == ["1", "2"]
+    # ... and the journal does not resurrect it after a restart.
+    again = make(tmp_path, slots=8)
+    assert again.restore() == 2 and sorted(t.task_id for t in again.table) == ["1", "2"]
+
+
+def test_journal_restores_finished_and_requeues_unfinished(tmp_path: Path) -> None:
+    co = make(tmp_path)
+    enc, dit, dec = workers(co)
+    done, running = task("done"), task("running")
+    co.submit(done)
+    co.submit(running)
+    for w in (enc, dit, dec):
+        co.on_claim(w, "done", 1)
+        if w is not dec:
+            co.on_handoff(w, "done", 1)
+    co.on_complete(dec, "done", 1, "png", "image/png", b"x")
+    co.on_claim(enc, "running", 1)
+    # The controller dies here. A new one reads the journal:
+    co2 = make(tmp_path)
+    assert co2.restore() == 1
+    r = co2.table.get("running")
+    d = co2.table.get("done")
+    assert r is not None and r.stage == Stage.QUEUED and r.attempt == 2
+    assert d is not None and d.stage == Stage.COMPLETED and d.result_path
+    # Restarting twice compacts the journal and still loses nothing.
+    co3 = make(tmp_path)
+    assert co3.restore() == 1
+    lines = (tmp_path / ".journal" / "tasks.jsonl").read_text().splitlines()
+    assert len(lines) == 2
