@@ -41,7 +41,7 @@ def drive(url: str, kind: str, body: dict[str, Any], n: int, conc: int) -> dict[
             raise RuntimeError(f"request {i}: {st['status']}: {st['error']}")
         return time.monotonic() - t0
 
-    one(-1)  # warm-up: first request pays lazy initialisation everywhere
+    one(n + 1000)  # warm-up: first request pays lazy initialisation everywhere
     t0 = time.monotonic()
     with ThreadPoolExecutor(conc) as pool:
         lat = sorted(pool.map(one, range(n)))
