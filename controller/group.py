@@ -136,14 +136,18 @@ class LocalGroup:
         self.services.append(svc)
         return svc
 
+    def check_alive(self) -> None:
+        """Raise, with its log tail, if any service of the group has exited."""
+        for svc in self.services:
+            if svc.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{svc.role} exited with {svc.proc.returncode}:\n{svc.log()[-3000:]}"
+                )
+
     def wait_http(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for svc in self.services:
-                if svc.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{svc.role} exited with {svc.proc.returncode}:\n{svc.log()[-3000:]}"
-                    )
+            self.check_alive()
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -155,11 +159,7 @@ class LocalGroup:
     def wait_workers(self, counts: Mapping[str, int], timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for svc in self.services:
-                if svc.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{svc.role} exited with {svc.proc.returncode}:\n{svc.log()[-3000:]}"
-                    )
+            self.check_alive()
             status = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()
             have = {r: len(ws) for r, ws in status["workers"].items()}
             if all(have.get(r, 0) >= n for r, n in counts.items()):

@@ -21,31 +21,29 @@ from tests.conftest import run_controller_to_exit
 SMALL = {"height": 32, "width": 48, "infer_steps": 2}
 
 
-@pytest.fixture(scope="module")
-def t2i(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
-    """A Qwen T2I controller with NO workers: tasks queue up and stay queued."""
-    wd = tmp_path_factory.mktemp("api-t2i")
-    cfg = group_config("qwen_t2i", str(tiny_models / "qwen_t2i"), wd,
-                       disagg_config={"rdma_buffer_slots": 4, "rdma_buffer_slot_size": 2048})
-    group = LocalGroup(cfg, wd)
+def controller_only(pipeline: str, models: Path, wd: Path, **overrides: Any
+                    ) -> Iterator[LocalGroup]:
+    """A controller with NO workers: tasks queue up and stay queued."""
+    group = LocalGroup(group_config(pipeline, str(models / pipeline), wd, **overrides), wd)
     try:
         group.start("controller")
         group.wait_http()
         yield group
     finally:
         group.stop()
+
+
+@pytest.fixture(scope="module")
+def t2i(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
+    yield from controller_only(
+        "qwen_t2i", tiny_models, tmp_path_factory.mktemp("api-t2i"),
+        disagg_config={"rdma_buffer_slots": 4, "rdma_buffer_slot_size": 2048},
+    )
 
 
 @pytest.fixture(scope="module")
 def i2i(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
-    wd = tmp_path_factory.mktemp("api-i2i")
-    group = LocalGroup(group_config("qwen_i2i", str(tiny_models / "qwen_i2i"), wd), wd)
-    try:
-        group.start("controller")
-        group.wait_http()
-        yield group
-    finally:
-        group.stop()
+    yield from controller_only("qwen_i2i", tiny_models, tmp_path_factory.mktemp("api-i2i"))
 
 
 def post(group: LocalGroup, kind: str, body: dict[str, Any]) -> httpx.Response:
@@ -125,16 +123,11 @@ def test_bad_input_is_422_with_reason(t2i: LocalGroup, body: dict[str, Any], nee
 
 
 def test_video_length_must_be_4k_plus_1(tiny_models: Path, tmp_path: Path) -> None:
-    group = LocalGroup(group_config("wan_t2v", str(tiny_models / "wan_t2v"), tmp_path), tmp_path)
-    try:
-        group.start("controller")
-        group.wait_http()
+    for group in controller_only("wan_t2v", tiny_models, tmp_path):
         r = post(group, "video", {"prompt": "x", "target_video_length": 10})
         assert r.status_code == 422 and "4k+1" in detail(r)
         r = post(group, "image", {"prompt": "x"})
         assert r.status_code == 400 and "serves wan_t2v" in detail(r)
-    finally:
-        group.stop()
 
 
 def test_duplicate_task_id_is_409(t2i: LocalGroup) -> None:
