@@ -152,7 +152,9 @@ class ImageStager:
 
     @classmethod
     def for_pipeline(cls, cfg: ServiceConfig, env: Mapping[str, str]) -> ImageStager | None:
-        if cfg.pipeline not in ("wan_i2v", "qwen_i2i"):
+        from workers.models.base import task_spec
+
+        if not task_spec(cfg.pipeline).needs_image:
             return None
         from workers.staging import StagingPool
         from workers.transfer import MooncakeSettings, TransferEngine

@@ -33,8 +33,6 @@ log = logging.getLogger("diffring.frontdoor")
 
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 MAX_IMAGE_BYTES = 32 << 20
-IMAGE_KIND = {"wan_t2v": "video", "wan_i2v": "video", "qwen_t2i": "image", "qwen_i2i": "image"}
-NEEDS_IMAGE = {"wan_i2v", "qwen_i2i"}
 
 
 class _TaskBase(BaseModel):
@@ -212,7 +210,10 @@ class FrontDoor:
             raise _bad(422, str(exc)) from None
 
     def create_task(self, body: _TaskBase, kind: str) -> Task:
-        served = IMAGE_KIND[self.pipeline]
+        from workers.models.base import task_spec
+
+        spec = task_spec(self.pipeline)
+        served = spec.output
         if kind != served:
             raise _bad(
                 400,
@@ -226,7 +227,7 @@ class FrontDoor:
         if self.co.table.get(task_id) is not None:
             raise _bad(409, f"task {task_id} exists already; choose another task_id")
         image = None
-        if self.pipeline in NEEDS_IMAGE:
+        if spec.needs_image:
             if not body.image_path:
                 raise _bad(422, f"{self.pipeline} needs an input image: set image_path")
             image = decode_image(body.image_path)

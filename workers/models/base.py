@@ -92,6 +92,20 @@ class TaskSpec:
 
 # Defaults follow the published checkpoints and diffusers' own pipeline defaults; the tiny
 # test models are driven with small explicit sizes and step counts instead.
+# Wan2.1 T2V and I2V share their request defaults (I2V checkpoints are also run at 480p, 81
+# frames, 512 text tokens).
+_WAN_DEFAULTS: Mapping[str, Any] = {
+    "negative_prompt": "",
+    "infer_steps": 50,
+    "height": 480,
+    "width": 832,
+    "num_frames": 81,
+    "fps": 16,
+    "guidance_scale": 5.0,
+    "true_cfg_scale": None,
+    "max_sequence_length": 512,
+}
+
 TASK_SPECS: dict[str, TaskSpec] = {
     "wan_t2v": TaskSpec(
         name="wan_t2v",
@@ -100,17 +114,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
         needs_image=False,
         size_multiple=16,
         temporal_multiple=4,
-        defaults={
-            "negative_prompt": "",
-            "infer_steps": 50,
-            "height": 480,
-            "width": 832,
-            "num_frames": 81,
-            "fps": 16,
-            "guidance_scale": 5.0,
-            "true_cfg_scale": None,
-            "max_sequence_length": 512,
-        },
+        defaults=_WAN_DEFAULTS,
     ),
     "wan_i2v": TaskSpec(
         name="wan_i2v",
@@ -119,17 +123,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
         needs_image=True,
         size_multiple=16,
         temporal_multiple=4,
-        defaults={
-            "negative_prompt": "",
-            "infer_steps": 50,
-            "height": 480,
-            "width": 832,
-            "num_frames": 81,
-            "fps": 16,
-            "guidance_scale": 5.0,
-            "true_cfg_scale": None,
-            "max_sequence_length": 512,
-        },
+        defaults=_WAN_DEFAULTS,
     ),
     "qwen_t2i": TaskSpec(
         name="qwen_t2i",
