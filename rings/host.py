@@ -12,9 +12,15 @@ first saw the claim, so no peer clock is trusted), the host
      and closes its connection (an rdma peer's queue pair is destroyed by its revoke hook);
   2. then repairs the peer's slots: an unpublished CLAIMED_PUSH becomes a TOMBSTONE that
      consumers skip, an unfreed CLAIMED_POP is freed, each by a CAS on the stamp, counted in
-     the region header.
+     the region header;
+  3. and gives up the tickets it held but had not claimed (its seat words, and positions no
+     live peer declares; see :mod:`rings.tickets`): a producer's becomes a TOMBSTONE
+     (counted), a consumer's item becomes ORPHANED for any consumer to take.
 
-Order matters: a slot is never repaired while its holder could still write to it.
+Order matters: a slot is never repaired while its holder could still write to it. A live
+peer's declared ticket is given up without revoking it when it has been ready and unused past
+the claim timeout (its holder claims by CAS first, so it just takes a new ticket); a live peer
+stuck between a ticket and its claim past the timeout is revoked like a stuck claimer.
 """
 
 from __future__ import annotations
@@ -36,8 +42,13 @@ from rings.layout import (
     HOLDER_LOCAL,
     MAX_HOLDER,
     OFF_FREED,
+    OFF_HEAD,
+    OFF_ORPHAN,
     OFF_REVOKED,
     OFF_TOMBSTONES,
+    PUSH,
+    SEAT_BYTES,
+    SEATS,
     STAMPS_OFFSET,
     WRITABLE_FROM,
     RingLayout,
@@ -46,6 +57,7 @@ from rings.layout import (
     unpack_stamp,
 )
 from rings.ports import bind_error
+from rings.tickets import SIDE_NAMES, RegionView, TicketWatch, seat_holds
 from rings.verbs import READ, LocalVerbs, Region, Verbs, check_op, execute_ops
 
 log = logging.getLogger("diffring.rings.host")
@@ -118,6 +130,8 @@ class RingHost:
         self._next_id = HOLDER_LOCAL + 1
         self._first_seen: dict[tuple[int, int], float] = {}
         self._pending_revoke: dict[int, PeerInfo] = {}
+        self._tickets = TicketWatch(layout)
+        self._in_ticket_repair = False
         self._server: asyncio.base_events.Server | None = None
         self._scanner: asyncio.Task[None] | None = None
 
@@ -161,10 +175,17 @@ class RingHost:
 
     # -- peers ---------------------------------------------------------------------------
     def _allocate_id(self) -> int:
+        # Seats are shared by ids equal modulo SEATS: never by two peers that can act.
+        seated = {p % SEATS for p in (*self.peers, *self._pending_revoke, HOLDER_LOCAL)}
+        if len(seated) >= SEATS:
+            raise VerbsError(
+                f"ring {self.layout.name!r}: all {SEATS - 1} peer seats are taken; "
+                "disconnect idle peers or spread them over more rings"
+            )
         for _ in range(MAX_HOLDER):
             pid = self._next_id
             self._next_id = pid + 1 if pid < MAX_HOLDER else HOLDER_LOCAL + 1
-            if pid not in self.peers and not self._holds_any(pid):
+            if pid % SEATS not in seated and not self._holds_any(pid):
                 return pid
         raise VerbsError(f"ring {self.layout.name!r}: no free peer ids")
 
@@ -190,12 +211,14 @@ class RingHost:
         holds = self._holds_any(peer_id)
         if peer is not None and not peer.revoked:
             peer.revoked = True
-            counted = holds or timed_out
+            counted = holds or timed_out or self._seat_holds(peer_id)
             if peer.revoke_hook is not None and not self._run_revoke_hook(peer):
                 # Its queue pair may still be able to write: repair only once the hook
                 # succeeds (retried by the scanner), never while the peer can write.
                 self._pending_revoke[peer_id] = peer
                 holds = False
+            else:
+                self._release_seats(peer_id)
             if counted:
                 self.local.fetch_and_add(OFF_REVOKED, 1)
                 log.warning(
@@ -212,6 +235,7 @@ class RingHost:
             proto.drop()
         if holds:
             self.repair(peer_id)
+        self.repair_tickets()
 
     def _run_revoke_hook(self, peer: PeerInfo) -> bool:
         assert peer.revoke_hook is not None
@@ -254,6 +278,88 @@ class RingHost:
                 )
         return repaired
 
+    # -- tickets (see rings.tickets) -------------------------------------------------------
+    def _view(self, extra: tuple[int, ...] = ()) -> RegionView:
+        """Counters, then stamps, then the seats of every peer that can act (and ``extra``):
+        one batch, read in this order (what rings.tickets relies on)."""
+        lay = self.layout
+        head_raw, stamps_raw, seats_raw = self.local.batch(
+            [
+                (READ, OFF_HEAD, OFF_ORPHAN + 8 - OFF_HEAD),
+                (READ, STAMPS_OFFSET, 8 * lay.slot_count),
+                (READ, lay.seats_offset, SEATS * SEAT_BYTES),
+            ]
+        )
+        head, tail = struct.unpack_from("<QQ", head_raw)
+        (hint,) = struct.unpack_from("<Q", head_raw, OFF_ORPHAN - OFF_HEAD)
+        pids = {*self.peers, *self._pending_revoke, HOLDER_LOCAL, *extra}
+        return RegionView(
+            head,
+            tail,
+            hint,
+            tuple(w for (w,) in struct.iter_unpack("<Q", stamps_raw)),
+            {p: struct.unpack_from("<QQ", seats_raw, SEAT_BYTES * (p % SEATS)) for p in pids},
+        )
+
+    def _seat_holds(self, peer_id: int) -> bool:
+        """Whether a peer's seats say it holds a ticket (or may: TAKING)."""
+        view = self._view((peer_id,))
+        return seat_holds(view, view.seats[peer_id], self.layout.slot_count)
+
+    def _release_seats(self, peer_id: int) -> None:
+        """A cut-off peer's declared tickets are given up; its seat is free for another."""
+        view = self._view((peer_id,))
+        self._tickets.forget_peer(view, view.seats[peer_id])
+        self.local.write(self.layout.seat_offset(peer_id, PUSH), bytes(SEAT_BYTES))
+
+    def repair_tickets(self, now: float | None = None) -> None:
+        """Give up the tickets whose holders are gone or idle past the claim timeout; revoke
+        live peers stuck between a ticket and its claim past it; renew the orphan hint."""
+        if self._in_ticket_repair:  # a revoke below comes back here
+            return
+        self._in_ticket_repair = True
+        try:
+            now = time.monotonic() if now is None else now
+            view = self._view()
+            live = {*self.peers, *self._pending_revoke, HOLDER_LOCAL}
+            acts = self._tickets.step(view, live, now, self.claim_timeout_s)
+            orphans = {
+                pos
+                for pos, state, _ in map(unpack_stamp, view.stamps)
+                if state == SlotState.ORPHANED
+            }
+            for g in acts.give_up:
+                off = self.layout.stamp_offset(g.position)
+                if self.local.compare_and_swap(off, g.old, g.new) != g.old:
+                    continue
+                new_state = unpack_stamp(g.new)[1]
+                if new_state == SlotState.TOMBSTONE:
+                    self.local.fetch_and_add(OFF_TOMBSTONES, 1)
+                elif new_state == SlotState.ORPHANED:
+                    orphans.add(g.position)
+                log.warning(
+                    "ring %s: gave up the %s ticket of position %d (%s)",
+                    self.layout.name,
+                    SIDE_NAMES[g.side],
+                    g.position,
+                    new_state.name,
+                )
+            hint = min(orphans) + 1 if orphans else 0
+            if hint != view.orphan_hint:
+                self.local.write(OFF_ORPHAN, struct.pack("<Q", hint))
+            for pid in acts.revoke:
+                if pid in self.peers:
+                    self.revoke(
+                        pid,
+                        f"ticket held unclaimed longer than the {self.claim_timeout_s:g} s "
+                        "claim timeout",
+                        timed_out=True,
+                    )
+        finally:
+            self._in_ticket_repair = False
+        if acts.revoke:
+            self.repair_tickets(now)
+
     def repair_counts(self) -> RepairCounts:
         raw = self.local.read(OFF_TOMBSTONES, 24)
         t, f, r = struct.unpack("<QQQ", raw)
@@ -266,6 +372,7 @@ class RingHost:
             if self._run_revoke_hook(peer):
                 del self._pending_revoke[pid]
                 self.repair(pid)
+                self._release_seats(pid)
         seen: dict[tuple[int, int], float] = {}
         stale: set[int] = set()
         for slot, pos, state, holder in self._stamps():
@@ -295,6 +402,7 @@ class RingHost:
                 )
             else:
                 self.repair(holder)
+        self.repair_tickets(now)
 
     async def _scan_loop(self) -> None:
         while True:

@@ -1,49 +1,93 @@
-"""Bounded MPMC ring over one-sided verbs (Vyukov's per-slot sequence stamps).
+"""Bounded MPMC ring over one-sided verbs: FAA tickets, per-slot stamps, declared seats.
 
-The protocol (stamp states and the head/tail invariants are documented in
-:mod:`rings.layout`). Each peer keeps a *hint*: the next position it believes it can claim,
-together with the knowledge that the position before it has already been claimed. That
-knowledge is what lets a claim be one round trip:
-
-push, round trip 1 (claim):
-    CAS tail (p-1 -> p)                 tail >= p-1 is known, so afterwards tail >= p
-    CAS stamp[p] FREE(p) -> CLAIMED_PUSH(p, me)
-  The stamp CAS can only succeed when position p is unclaimed, i.e. when tail == p, so
-  claimed positions stay contiguous. On failure the old stamp tells why: p was taken (try
-  p+1), the slot is a lap behind (ring full), or we are far behind (jump to the old tail).
-push, round trip 2 (publish):
-    WRITE payload[p]; CAS stamp CLAIMED_PUSH(p, me) -> PUBLISHED(p); CAS tail (p -> p+1)
-  Verbs of one batch take effect in order, so the payload lands before the stamp.
-
-pop, round trip 1 (claim and read):
-    CAS head (q-1 -> q); CAS stamp[q] PUBLISHED(q) -> CLAIMED_POP(q, me); READ payload[q]
-  The READ runs after the CAS: if the claim won, the bytes are the published payload.
-pop, round trip 2 (free):
-    CAS stamp CLAIMED_POP(q, me) -> FREE(q+cap); CAS head (q -> q+1)
-
-A tombstone at q (a dead producer's slot, repaired by the host) is skipped by freeing it.
-No counter is ever changed by read-modify-write outside an atomic verb.
-
-``try_push`` / ``try_pop`` never block; ``push`` / ``pop`` add backoff and a timeout.
+DOCSTRING-PLACEHOLDER
 """
 
 from __future__ import annotations
 
-import random
+import struct
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from rings import payload as pl
 from rings.errors import ConnectionLost, PayloadCorrupt, RingEmpty, RingFull
-from rings.layout import OFF_HEAD, OFF_TAIL, POS_SHIFT, RingLayout, SlotState, stamp
-from rings.verbs import CAS, READ, WRITE, Op, Verbs
+from rings.layout import (
+    MAX_HOLDER,
+    OFF_HEAD,
+    OFF_ORPHAN,
+    OFF_TAIL,
+    POP,
+    POS_SHIFT,
+    PUSH,
+    STAMPS_OFFSET,
+    STATE_BITS,
+    RingLayout,
+    SeatKind,
+    SlotState,
+    seat,
+    stamp,
+    unpack_seat,
+)
+from rings.verbs import CAS, FAA, READ, WRITE, Op, Verbs
 
-_STATE_MASK = (1 << 4) - 1
-# The first read of a pop fetches at most this many payload bytes speculatively; larger
-# payloads cost one more read while the claim is held.
+_STATE_MASK = (1 << STATE_BITS) - 1
+_Q = struct.Struct("<Q")
+# Slots up to this size are read whole in the claim batch, which can then free the slot in
+# the same round trip; a larger slot is read SPECULATIVE_READ bytes first and freed after.
+WHOLE_SLOT_READ = 4096
 SPECULATIVE_READ = 1024
-CONTENTION_BACKOFF_MAX = 0.002
+# The ticket batch reads the header and every stamp of rings up to this many slots (4 KiB);
+# larger rings get a window of this many stamps from the last counter value seen.
+WINDOW_SLOTS = 512
+# Offsets inside the ticket batch's READ, which starts at OFF_HEAD.
+_V_HEAD = 0
+_V_TAIL = OFF_TAIL - OFF_HEAD
+_V_ORPHAN = OFF_ORPHAN - OFF_HEAD
+_V_STAMPS = STAMPS_OFFSET - OFF_HEAD
+
+# What the stamp of a ticket's slot means to the ticket's holder.
+_READY = 0  # claim it now
+_WAIT = 1  # the slot has not reached the position yet (ring full / empty there)
+_VOID = 2  # the position is gone (given up by the host, or past): take a new ticket
+_SKIP = 3  # consumer: a tombstone at our position; free it and take a new ticket
+_MINE = 4  # already claimed by this peer
+
+
+def _push_view(word: int, p: int, me: int) -> int:
+    pos = word >> POS_SHIFT
+    if pos < p:
+        return _WAIT
+    if pos > p:
+        return _VOID
+    state = word & _STATE_MASK
+    if state == SlotState.FREE:
+        return _READY
+    if state == SlotState.CLAIMED_PUSH and (word >> STATE_BITS) & MAX_HOLDER == me:
+        return _MINE
+    return _VOID
+
+
+def _pop_view(word: int, q: int, me: int) -> int:
+    pos = word >> POS_SHIFT
+    if pos < q:
+        return _WAIT
+    if pos > q:
+        return _VOID
+    state = word & _STATE_MASK
+    if state == SlotState.PUBLISHED or state == SlotState.ORPHANED:
+        return _READY
+    if state == SlotState.FREE or state == SlotState.CLAIMED_PUSH:
+        return _WAIT
+    if state == SlotState.TOMBSTONE:
+        return _SKIP
+    if (word >> STATE_BITS) & MAX_HOLDER == me:
+        return _MINE
+    return _VOID
+
+
+def _word(value: int) -> bytes:
+    return _Q.pack(value)
 
 
 class RingStats:
@@ -52,6 +96,8 @@ class RingStats:
     __slots__ = (
         "claim_retries",
         "last_claim_s",
+        "last_ticket_s",
+        "orphans_taken",
         "pops",
         "pushes",
         "round_trips",
@@ -61,15 +107,22 @@ class RingStats:
     def __init__(self) -> None:
         self.last_claim_s = 0.0
         """Seconds the last successful claim took (from the first verb to the won CAS)."""
+        self.last_ticket_s = 0.0
+        """Seconds from the last successful operation's first verb to its ticket."""
         self.pushes = 0
         self.pops = 0
         self.round_trips = 0
         self.claim_retries = 0
+        """Tickets this peer had to give up (void, taken) and replace."""
         self.tombstones_skipped = 0
+        self.orphans_taken = 0
+        """ORPHANED items (a dead or idle consumer's ticket) this peer delivered."""
 
 
 class Ring:
-    """One peer's handle on a ring. Not thread-safe: one Ring per thread/process."""
+    """One peer's handle on a ring. Not thread-safe: one Ring per thread/process, and one
+    Ring at a time per connection (a second Ring on the same verbs resumes the tickets the
+    first one left outstanding, through the seat words)."""
 
     def __init__(self, verbs: Verbs) -> None:
         self.verbs = verbs
@@ -77,28 +130,76 @@ class Ring:
         self.name = self.layout.name
         self.cap = self.layout.slot_count
         self.me = verbs.peer_id
-        self._tail_hint = -1  # -1: unknown, read tail on first use
-        self._head_hint = -1
         self.stats = RingStats()
+        lay = self.layout
+        self._seat_off = (lay.seat_offset(self.me, PUSH), lay.seat_offset(self.me, POP))
+        # Outstanding ticket per side (-1: none) and whether its seat says HOLDS(ticket).
+        self._ticket = [-1, -1]
+        self._declared = [False, False]
+        self._seq = -1  # -1: seats not read yet; the first operation resumes from them
+        self._seen = [0, 0]  # last tail / head read: where a big ring's stamp window starts
+        self._skip: list[Op] = []  # a tombstone skip, posted with the next ticket batch
+        self._last_old = 0  # the stamp a failed pop claim found
+        self._last_hint = -1  # the orphan hint a pop claim read (-1: none)
+        self._whole = self.cap <= WINDOW_SLOTS
+        self._first_read = min(lay.slot_size, WHOLE_SLOT_READ)
+        if self._first_read < lay.slot_size:
+            self._first_read = SPECULATIVE_READ
+        self._free_with_claim = self._first_read == lay.slot_size
 
     # -- helpers -------------------------------------------------------------------------
     def _batch(self, ops: list[Op]) -> list[Any]:
         self.stats.round_trips += 1
         return self.verbs.batch(ops)
 
-    def _contended(self, lost: int) -> int:
-        """Back off after losing a claim race, randomised and growing with each loss.
+    def _resume(self) -> None:
+        """Pick up the tickets a previous Ring on this connection left outstanding."""
+        raw = self._batch([(READ, self._seat_off[PUSH], 16)])[0]
+        seq = 0
+        held: list[tuple[int, int]] = []
+        for side in (PUSH, POP):
+            kind, value = unpack_seat(_Q.unpack_from(raw, 8 * side)[0])
+            if kind == SeatKind.TAKING:
+                seq = max(seq, value + 1)
+            elif kind == SeatKind.HOLDS:
+                held.append((side, value))
+        self._seq = seq
+        if not held:
+            return
+        res = self._batch([(READ, self.layout.stamp_offset(pos), 8) for _side, pos in held])
+        for (side, pos), raw_word in zip(held, res, strict=True):
+            word = _Q.unpack(raw_word)[0]
+            view = (_push_view if side == PUSH else _pop_view)(word, pos, self.me)
+            if view in (_READY, _WAIT, _SKIP):
+                self._ticket[side] = pos
+                self._declared[side] = True
 
-        Without it, every peer that lost position p retries p+1 in lockstep and all but
-        one lose again: each won claim costs one round trip per contender.
-        """
-        if lost:
-            time.sleep(random.uniform(0, min(CONTENTION_BACKOFF_MAX, 25e-6 * (1 << lost))))
-        return min(lost + 1, 16)
-
-    def _load_hint(self, counter: int) -> int:
-        (value,) = self._batch([(READ, counter, 8)])
-        return int.from_bytes(value, "little")
+    def _take(self, side: int) -> tuple[int, int, int]:
+        """Ticket round trip: (position, its slot's stamp or -1 if unseen, orphan hint)."""
+        self._seq += 1
+        self._declared[side] = False  # the seat says TAKING from this batch on
+        cap = self.cap
+        ops: list[Op] = self._skip
+        self._skip = []
+        ops.append((WRITE, self._seat_off[side], _word(seat(SeatKind.TAKING, self._seq))))
+        ops.append((FAA, OFF_TAIL if side == PUSH else OFF_HEAD, 1))
+        if self._whole:
+            ops.append((READ, OFF_HEAD, _V_STAMPS + 8 * cap))
+            res = self._batch(ops)
+            pos, view = res[-2], res[-1]
+            word = _Q.unpack_from(view, _V_STAMPS + 8 * (pos % cap))[0]
+        else:
+            first = self._seen[side] % cap
+            n = min(WINDOW_SLOTS, cap - first)
+            ops.append((READ, OFF_HEAD, _V_STAMPS))
+            ops.append((READ, STAMPS_OFFSET + 8 * first, 8 * n))
+            res = self._batch(ops)
+            pos, view, window = res[-3], res[-2], res[-1]
+            k = pos % cap - first
+            word = _Q.unpack_from(window, 8 * k)[0] if 0 <= k < n else -1
+        self._seen[PUSH] = _Q.unpack_from(view, _V_TAIL)[0]
+        self._seen[POP] = _Q.unpack_from(view, _V_HEAD)[0]
+        return pos, word, _Q.unpack_from(view, _V_ORPHAN)[0] - 1
 
     # -- producer ------------------------------------------------------------------------
     def encode(self, item: Mapping[str, Any]) -> bytes:
@@ -113,50 +214,83 @@ class Ring:
     def try_push_body(self, body: bytes) -> bool:
         """Push an already-encoded body; False when the ring is full."""
         lay = self.layout
+        me = self.me
+        seat_off = self._seat_off[PUSH]
         t0 = time.perf_counter()
-        lost = 0
-        p = self._tail_hint if self._tail_hint >= 0 else self._load_hint(OFF_TAIL)
+        if self._seq < 0:
+            self._resume()
         while True:
+            p = self._ticket[PUSH]
             stamp_off = lay.stamp_offset(p)
-            want = stamp(p, SlotState.FREE)
-            mine = stamp(p, SlotState.CLAIMED_PUSH, self.me)
-            ops: list[Op] = [(CAS, stamp_off, want, mine)]
-            if p > 0:
-                ops.insert(0, (CAS, OFF_TAIL, p - 1, p))
-            res = self._batch(ops)
-            old = res[-1]
-            if old == want:
-                self.stats.last_claim_s = time.perf_counter() - t0
-                break
+            free = stamp(p, SlotState.FREE)
+            mine = stamp(p, SlotState.CLAIMED_PUSH, me)
+            if p < 0:
+                p, word, _ = self._take(PUSH)
+                t_ticket = time.perf_counter()
+                stamp_off = lay.stamp_offset(p)
+                free = stamp(p, SlotState.FREE)
+                mine = stamp(p, SlotState.CLAIMED_PUSH, me)
+                if word == free:
+                    # Our own ticket's slot is FREE(p): only we can claim it, and nothing
+                    # but our claim changes it while our seat says TAKING, so the claim,
+                    # the payload and the publish go in one batch; the seat is declared
+                    # last (see the module docstring, push round trip 2).
+                    res = self._batch(
+                        [
+                            (CAS, stamp_off, free, mine),
+                            (WRITE, lay.payload_offset(p), pl.frame(body, p)),
+                            (CAS, stamp_off, mine, stamp(p, SlotState.PUBLISHED)),
+                            (WRITE, seat_off, _word(seat(SeatKind.HOLDS, p))),
+                        ]
+                    )
+                    if res[0] != free:
+                        raise ConnectionLost(
+                            f"ring {self.name!r}: position {p} was taken from this peer "
+                            "between its ticket and its claim (revoked?)"
+                        )
+                    self._published(res[2], mine, p, t0, t_ticket, time.perf_counter())
+                    return True
+                view = _WAIT if word < 0 else _push_view(word, p, me)
+                if view == _VOID:
+                    self.stats.claim_retries += 1
+                    continue
+                self._ticket[PUSH] = p
+            else:
+                t_ticket = t0
+            # An outstanding ticket: declare it, then claim it by CAS before any write.
+            ops: list[Op] = [(CAS, stamp_off, free, mine)]
+            if not self._declared[PUSH]:
+                ops.insert(0, (WRITE, seat_off, _word(seat(SeatKind.HOLDS, p))))
+            old = self._batch(ops)[-1]
+            self._declared[PUSH] = True
+            if old == free or old == mine:
+                t_claim = time.perf_counter()
+                res = self._batch(
+                    [
+                        (WRITE, lay.payload_offset(p), pl.frame(body, p)),
+                        (CAS, stamp_off, mine, stamp(p, SlotState.PUBLISHED)),
+                    ]
+                )
+                self._ticket[PUSH] = -1
+                self._published(res[1], mine, p, t0, t_ticket, t_claim)
+                return True
+            if _push_view(old, p, me) == _WAIT:
+                return False  # full: the ticket stays ours for the next try
+            self._ticket[PUSH] = -1
             self.stats.claim_retries += 1
-            opos = old >> POS_SHIFT
-            if opos == p:  # another producer claimed p first
-                # The tail we just read says how far the claims have gone meanwhile: under
-                # contention it is often well past p, and stepping p+1 would lose again.
-                p = max(p + 1, res[0]) if p > 0 else p + 1
-                lost = self._contended(lost)
-            elif opos < p:  # the slot still holds the previous lap: full
-                self._tail_hint = p
-                return False
-            else:  # we are at least a lap behind; resync from the tail
-                old_tail = res[0] if p > 0 else self._load_hint(OFF_TAIL)
-                p = max(p + 1, old_tail)
-        published = stamp(p, SlotState.PUBLISHED)
-        res = self._batch(
-            [
-                (WRITE, lay.payload_offset(p), pl.frame(body, p)),
-                (CAS, stamp_off, mine, published),
-                (CAS, OFF_TAIL, p, p + 1),
-            ]
-        )
-        if res[1] != mine:
+
+    def _published(
+        self, old: int, mine: int, p: int, t0: float, t_ticket: float, t_claim: float
+    ) -> None:
+        if old != mine:
             # Only the host changes a claimed stamp, and only after revoking us.
             raise ConnectionLost(
                 f"ring {self.name!r}: claim of position {p} was revoked before publish"
             )
-        self._tail_hint = p + 1
+        self._ticket[PUSH] = -1
+        self.stats.last_ticket_s = t_ticket - t0
+        self.stats.last_claim_s = t_claim - t0
         self.stats.pushes += 1
-        return True
 
     def push(self, item: Mapping[str, Any], timeout: float | None = None) -> None:
         """Push with backoff; raise RingFull if still full after ``timeout`` seconds."""
@@ -172,68 +306,135 @@ class Ring:
     # -- consumer ------------------------------------------------------------------------
     def try_pop(self) -> dict[str, Any] | None:
         """Pop the oldest published item, or None when there is none right now."""
-        lay = self.layout
-        t0 = time.perf_counter()
-        lost = 0
-        q = self._head_hint if self._head_hint >= 0 else self._load_hint(OFF_HEAD)
-        first_read = min(lay.slot_size, SPECULATIVE_READ)
+        me = self.me
+        t0 = t_ticket = time.perf_counter()
+        if self._seq < 0:
+            self._resume()
         while True:
-            stamp_off = lay.stamp_offset(q)
-            want = stamp(q, SlotState.PUBLISHED)
-            mine = stamp(q, SlotState.CLAIMED_POP, self.me)
-            ops: list[Op] = [
-                (CAS, stamp_off, want, mine),
-                (READ, lay.payload_offset(q), first_read),
-            ]
-            if q > 0:
-                ops.insert(0, (CAS, OFF_HEAD, q - 1, q))
-            res = self._batch(ops)
-            old = res[-2]
-            if old == want:
-                self.stats.last_claim_s = time.perf_counter() - t0
-                data = res[-1]
-                break
-            self.stats.claim_retries += 1
-            opos = old >> POS_SHIFT
-            ostate = old & _STATE_MASK
-            if opos == q:
-                if ostate == SlotState.FREE or ostate == SlotState.CLAIMED_PUSH:
-                    self._head_hint = q
-                    return None  # nothing published at q yet
-                if ostate == SlotState.TOMBSTONE:
-                    self._batch([(CAS, stamp_off, old, stamp(q + self.cap, SlotState.FREE))])
-                    self.stats.tombstones_skipped += 1
-                    q += 1
-                else:  # taken by another consumer; the head we read may be further on
-                    q = max(q + 1, res[0]) if q > 0 else q + 1
-                    lost = self._contended(lost)
-            elif opos < q:  # slot still at a lap behind: nothing at q yet
-                self._head_hint = q
-                return None
-            else:  # at least a lap behind; resync from the head
-                old_head = res[0] if q > 0 else self._load_hint(OFF_HEAD)
-                q = max(q + 1, old_head)
-        length = int.from_bytes(data[:4], "little")
-        if pl.HEADER_SIZE + length > len(data) and pl.HEADER_SIZE + length <= lay.slot_size:
-            off = lay.payload_offset(q) + len(data)
-            data += self._batch([(READ, off, pl.HEADER_SIZE + length - len(data))])[0]
-        res = self._batch(
-            [
-                (CAS, stamp_off, mine, stamp(q + self.cap, SlotState.FREE)),
-                (CAS, OFF_HEAD, q, q + 1),
-            ]
-        )
-        self._head_hint = q + 1
-        if res[0] != mine:
+            q = self._ticket[POP]
+            if q < 0:
+                q, word, orphan = self._take(POP)
+                t_ticket = time.perf_counter()
+                view = _WAIT if word < 0 else _pop_view(word, q, me)
+                if view == _READY:
+                    # PUBLISHED(q) seen after our own ticket: claim, read, free in one batch.
+                    item = self._claim(q, word, q, t0, t_ticket, optimistic=True)
+                    if item is not None:
+                        return item
+                    word = self._last_old
+                    view = _pop_view(word, q, me)
+                if view == _SKIP:
+                    self._skip_tombstone(q, word)
+                    continue
+                if view != _WAIT and view != _READY:
+                    self.stats.claim_retries += 1
+                    continue
+                self._ticket[POP] = q
+                item = self._take_orphan(orphan, q, t0, t_ticket)
+                if item is not None:
+                    return item
+            # An outstanding ticket: declare it, and claim it if it has been published.
+            expect = stamp(q, SlotState.PUBLISHED)
+            while True:
+                item = self._claim(q, expect, q, t0, t_ticket)
+                if item is not None:
+                    return item
+                old = self._last_old
+                view = _pop_view(old, q, me)
+                if view != _READY:
+                    break
+                expect = old  # ORPHANED(q): the host gave our idle ticket up; try it anyway
+            if view == _WAIT:
+                # Nothing at our position yet: the ticket stays ours. An ORPHANED item may
+                # be what holds the ring up (it blocks its slot's next lap): take it.
+                return self._take_orphan(self._last_hint, q, t0, t_ticket)
+            self._ticket[POP] = -1
+            if view == _SKIP:
+                self._skip_tombstone(q, old)
+            else:
+                self.stats.claim_retries += 1
+
+    def _take_orphan(
+        self, orphan: int, q: int, t0: float, t_ticket: float
+    ) -> dict[str, Any] | None:
+        if orphan < 0 or orphan == q:
+            return None
+        item = self._claim(orphan, stamp(orphan, SlotState.ORPHANED), q, t0, t_ticket)
+        if item is not None:
+            self.stats.orphans_taken += 1
+        return item
+
+    def _claim(
+        self,
+        pos: int,
+        expect: int,
+        q: int,
+        t0: float,
+        t_ticket: float,
+        optimistic: bool = False,
+    ) -> dict[str, Any] | None:
+        """One claim round trip on ``pos`` (our ticket ``q``, or an orphan); the item if the
+        claim won, else None with the stamp it found in ``self._last_old``."""
+        lay = self.layout
+        stamp_off = lay.stamp_offset(pos)
+        mine = stamp(pos, SlotState.CLAIMED_POP, self.me)
+        holds = (WRITE, self._seat_off[POP], _word(seat(SeatKind.HOLDS, q)))
+        ops: list[Op] = []
+        if not optimistic and not self._declared[POP]:
+            ops.append(holds)
+        i = len(ops)
+        ops.append((CAS, stamp_off, expect, mine))
+        ops.append((READ, lay.payload_offset(pos), self._first_read))
+        if self._free_with_claim:
+            ops.append((CAS, stamp_off, mine, stamp(pos + self.cap, SlotState.FREE)))
+        if pos != q:  # whoever tries the hinted orphan clears the hint; the host renews it
+            ops.append((CAS, OFF_ORPHAN, pos + 1, 0))
+        elif not optimistic:  # polling our own ticket: see whether an orphan waits
+            ops.append((READ, OFF_ORPHAN, 8))
+        if optimistic:
+            ops.append(holds)
+        res = self._batch(ops)
+        self._last_hint = -1 if pos != q or optimistic else _Q.unpack(res[-1])[0] - 1
+        self._declared[POP] = True
+        old = res[i]
+        self._last_old = old
+        if old != expect:
+            return None
+        t_claim = time.perf_counter()
+        data: bytes = res[i + 1]
+        if self._free_with_claim:
+            freed = res[i + 2]
+        else:
+            length = int.from_bytes(data[:4], "little")
+            more = pl.HEADER_SIZE + length - len(data)
+            tail: list[Op] = []
+            if 0 < more <= lay.slot_size - len(data):
+                tail.append((READ, lay.payload_offset(pos) + len(data), more))
+            tail.append((CAS, stamp_off, mine, stamp(pos + self.cap, SlotState.FREE)))
+            r = self._batch(tail)
+            if len(r) == 2:
+                data += r[0]
+            freed = r[-1]
+        if pos == q:
+            self._ticket[POP] = -1
+        if freed != mine:
             raise ConnectionLost(
-                f"ring {self.name!r}: claim of position {q} was revoked before free"
+                f"ring {self.name!r}: claim of position {pos} was revoked before free"
             )
+        self.stats.last_ticket_s = t_ticket - t0
+        self.stats.last_claim_s = t_claim - t0
         self.stats.pops += 1
         try:
-            return pl.unframe(data, q, ring=self.name)
+            return pl.unframe(data, pos, ring=self.name)
         except PayloadCorrupt as exc:
-            exc.slot = q % self.cap
+            exc.slot = pos % self.cap
             raise
+
+    def _skip_tombstone(self, q: int, word: int) -> None:
+        self._skip.append(
+            (CAS, self.layout.stamp_offset(q), word, stamp(q + self.cap, SlotState.FREE))
+        )
+        self.stats.tombstones_skipped += 1
 
     def pop(self, timeout: float | None = None) -> dict[str, Any]:
         """Pop with backoff; raise RingEmpty if nothing arrives within ``timeout`` seconds."""

@@ -1,9 +1,16 @@
-"""A ring peer that stops dead right after a successful claim (for stall-repair tests).
+"""A ring peer that stops dead at a precise step (for stall-repair tests).
 
-    python tests/stall_peer.py PORT SLOTS SLOT_SIZE push|pop TOKEN
+    python tests/stall_peer.py PORT SLOTS SLOT_SIZE MODE TOKEN
 
-It prints ``CLAIMED <position> <item id or ->`` once its claim verb succeeded, then sleeps
-until the test SIGKILLs it: the slot stays claimed by a peer that will never finish.
+MODE is one of
+  push, pop                  stop right after the claim CAS won (a pop also has read the slot)
+  push-ticket, pop-ticket    stop right after the ticket fetch-and-add, before the claim CAS:
+                             the peer holds a position that no stamp names yet
+
+It prints ``CLAIMED <position> <item id or ->`` or ``TICKET <position> <stamp word>`` once that
+step has run, then sleeps until the test SIGKILLs it. The step is reached by the verbs the
+ring itself sends (a batch is cut where the step ends and the rest never sent), so it is the
+same on every run, not a matter of timing.
 """
 
 from __future__ import annotations
@@ -17,10 +24,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rings import payload as pl
-from rings.layout import POS_SHIFT, RingLayout, SlotState, unpack_stamp
+from rings.layout import OFF_HEAD, OFF_TAIL, POS_SHIFT, RingLayout, SlotState, unpack_stamp
 from rings.ring import Ring
 from rings.soak import RING
-from rings.verbs import CAS, Op, Verbs, connect
+from rings.verbs import CAS, FAA, READ, Op, Verbs, connect
+
+
+def _stall() -> None:
+    while True:
+        time.sleep(3600)
 
 
 class StallAfterClaim(Verbs):
@@ -31,18 +43,43 @@ class StallAfterClaim(Verbs):
         self.state = state
 
     def batch(self, ops: Sequence[Op]) -> list[Any]:
-        res = self.inner.batch(ops)
         for i, op in enumerate(ops):
-            if op[0] != CAS or res[i] != op[2]:
+            if op[0] != CAS:
                 continue
             pos, state, holder = unpack_stamp(op[3])
-            if state == self.state and holder == self.peer_id:
-                item_id = "-"
-                if state == SlotState.CLAIMED_POP:
-                    item_id = str(pl.unframe(res[i + 1], op[3] >> POS_SHIFT)["id"])
-                print(f"CLAIMED {pos} {item_id}", flush=True)
-                while True:
-                    time.sleep(3600)
+            if state != self.state or holder != self.peer_id:
+                continue
+            # Send the batch up to the claim (and the READ of a pop claim), not beyond: the
+            # publish or free that the ring posts in the same batch never happens.
+            cut = i + 2 if i + 1 < len(ops) and ops[i + 1][0] == READ else i + 1
+            head = self.inner.batch(list(ops[:cut]))
+            if head[i] != op[2]:
+                return head + self.inner.batch(list(ops[cut:]))
+            item_id = "-"
+            if state == SlotState.CLAIMED_POP:
+                item_id = str(pl.unframe(head[i + 1], op[3] >> POS_SHIFT)["id"])
+            print(f"CLAIMED {pos} {item_id}", flush=True)
+            _stall()
+        return self.inner.batch(ops)
+
+
+class StallAfterTicket(Verbs):
+    """Stops after the batch holding the ticket FAA on ``counter`` (tail or head)."""
+
+    def __init__(self, inner: Verbs, counter: int) -> None:
+        self.inner = inner
+        self.layout = inner.layout
+        self.peer_id = inner.peer_id
+        self.counter = counter
+
+    def batch(self, ops: Sequence[Op]) -> list[Any]:
+        res = self.inner.batch(ops)
+        for i, op in enumerate(ops):
+            if op[0] == FAA and op[1] == self.counter:
+                position = res[i]
+                word = self.inner.batch([(READ, self.layout.stamp_offset(position), 8)])[0]
+                print(f"TICKET {position} {int.from_bytes(word, 'little')}", flush=True)
+                _stall()
         return res
 
 
@@ -56,12 +93,17 @@ def main() -> None:
         ring=RING,
         token=token,
     )
+    item = {"id": 99 << 32, "data": b"never", "crc": 0}
     if mode == "push":
-        ring = Ring(StallAfterClaim(verbs, SlotState.CLAIMED_PUSH))
-        ring.try_push({"id": 99 << 32, "data": b"never", "crc": 0})
+        Ring(StallAfterClaim(verbs, SlotState.CLAIMED_PUSH)).try_push(item)
+    elif mode == "pop":
+        Ring(StallAfterClaim(verbs, SlotState.CLAIMED_POP)).pop(timeout=60)
+    elif mode == "push-ticket":
+        Ring(StallAfterTicket(verbs, OFF_TAIL)).try_push(item)
+    elif mode == "pop-ticket":
+        Ring(StallAfterTicket(verbs, OFF_HEAD)).try_pop()
     else:
-        ring = Ring(StallAfterClaim(verbs, SlotState.CLAIMED_POP))
-        ring.pop(timeout=60)
+        raise SystemExit(f"unknown mode {mode!r}")
     print("NOT STALLED", flush=True)
 
 

@@ -306,16 +306,23 @@ def test_sigkilled_peer_is_repaired_and_ring_flows(victim: str, tmp_path: Path) 
             p.start()
         procs = prods + cons
         # The ring is stuck behind the stalled claim: nothing moves while the peer lives.
-        # A stalled producer blocks consumers (the slots behind it stay published); a
-        # stalled consumer blocks producers a lap later (everything else gets consumed).
+        # Every other peer passes the stalled position on its own ticket and stops at the
+        # stalled slot's next laps: a stalled producer leaves consumers waiting at positions
+        # 0 and 3 (4, 5 published, producers waiting at 3 and 6); a stalled consumer leaves
+        # everyone else consumed and all four peers waiting at 3 and 6.
         state = "claimed_push" if victim == "producer" else "claimed_pop"
         stuck_published = SLOTS - 1 if victim == "producer" else 0
-        _wait_for(
-            lambda: (
-                snapshot(inspector)[state] == 1
-                and snapshot(inspector)["published"] == stuck_published
+        stuck_at = (4, 7) if victim == "producer" else (7, 7)
+
+        def stuck() -> bool:
+            snap = snapshot(inspector)
+            return (
+                snap[state] == 1
+                and snap["published"] == stuck_published
+                and (snap["head"], snap["tail"]) == stuck_at
             )
-        )
+
+        _wait_for(stuck)
         before = snapshot(inspector)
         time.sleep(0.5)
         after = snapshot(inspector)
