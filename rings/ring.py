@@ -46,6 +46,10 @@ _V_TAIL = OFF_TAIL - OFF_HEAD
 _V_ORPHAN = OFF_ORPHAN - OFF_HEAD
 _V_STAMPS = STAMPS_OFFSET - OFF_HEAD
 
+# The blocking layer's polling delays (seconds).
+POLL_MIN = 50e-6
+POLL_MAX = 0.005
+
 # What the stamp of a ticket's slot means to the ticket's holder.
 _READY = 0  # claim it now
 _WAIT = 1  # the slot has not reached the position yet (ring full / empty there)
@@ -141,6 +145,10 @@ class Ring:
         self._skip: list[Op] = []  # a tombstone skip, posted with the next ticket batch
         self._last_old = 0  # the stamp a failed pop claim found
         self._last_hint = -1  # the orphan hint a pop claim read (-1: none)
+        self._last_tail = 0  # the tail a pop claim read
+        # Set when try_push / try_pop came back empty-handed: the slot our ticket waits for
+        # is one step from ready, so the blocking layer polls again at once.
+        self._soon = False
         self._whole = self.cap <= WINDOW_SLOTS
         self._first_read = min(lay.slot_size, WHOLE_SLOT_READ)
         if self._first_read < lay.slot_size:
@@ -258,10 +266,11 @@ class Ring:
             else:
                 t_ticket = t0
             # An outstanding ticket: declare it, then claim it by CAS before any write.
-            ops: list[Op] = [(CAS, stamp_off, free, mine)]
+            ops: list[Op] = [(CAS, stamp_off, free, mine), (READ, OFF_HEAD, 8)]
             if not self._declared[PUSH]:
                 ops.insert(0, (WRITE, seat_off, _word(seat(SeatKind.HOLDS, p))))
-            old = self._batch(ops)[-1]
+            res = self._batch(ops)
+            old = res[-2]
             self._declared[PUSH] = True
             if old == free or old == mine:
                 t_claim = time.perf_counter()
@@ -275,7 +284,17 @@ class Ring:
                 self._published(res[1], mine, p, t0, t_ticket, t_claim)
                 return True
             if _push_view(old, p, me) == _WAIT:
-                return False  # full: the ticket stays ours for the next try
+                # Full: the ticket stays ours for the next try. Its slot is soon ours when
+                # the previous lap is being freed, or published with its consumer's ticket
+                # out (the peers in between are at work, not waiting themselves).
+                state = old & _STATE_MASK
+                head = _Q.unpack(res[-1])[0]
+                self._soon = old >> POS_SHIFT == p - self.cap and (
+                    state == SlotState.CLAIMED_POP
+                    or state == SlotState.ORPHANED
+                    or (state == SlotState.PUBLISHED and p - self.cap < head)
+                )
+                return False
             self._ticket[PUSH] = -1
             self.stats.claim_retries += 1
 
@@ -296,12 +315,11 @@ class Ring:
         """Push with backoff; raise RingFull if still full after ``timeout`` seconds."""
         body = self.encode(item)
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 50e-6
+        delay = POLL_MIN
         while not self.try_push_body(body):
             if deadline is not None and time.monotonic() >= deadline:
                 raise RingFull(f"ring {self.name!r} stayed full for {timeout} s", ring=self.name)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            delay = self._backoff(delay)
 
     # -- consumer ------------------------------------------------------------------------
     def try_pop(self) -> dict[str, Any] | None:
@@ -345,8 +363,15 @@ class Ring:
                     break
                 expect = old  # ORPHANED(q): the host gave our idle ticket up; try it anyway
             if view == _WAIT:
-                # Nothing at our position yet: the ticket stays ours. An ORPHANED item may
-                # be what holds the ring up (it blocks its slot's next lap): take it.
+                # Nothing at our position yet: the ticket stays ours. It is soon published
+                # if its producer is writing it, or holds its ticket and the slot is free.
+                state = old & _STATE_MASK
+                self._soon = old >> POS_SHIFT == q and (
+                    state == SlotState.CLAIMED_PUSH
+                    or (state == SlotState.FREE and q < self._last_tail)
+                )
+                # An ORPHANED item may be what holds the ring up (it blocks its slot's next
+                # lap): take it.
                 return self._take_orphan(self._last_hint, q, t0, t_ticket)
             self._ticket[POP] = -1
             if view == _SKIP:
@@ -389,12 +414,14 @@ class Ring:
             ops.append((CAS, stamp_off, mine, stamp(pos + self.cap, SlotState.FREE)))
         if pos != q:  # whoever tries the hinted orphan clears the hint; the host renews it
             ops.append((CAS, OFF_ORPHAN, pos + 1, 0))
-        elif not optimistic:  # polling our own ticket: see whether an orphan waits
-            ops.append((READ, OFF_ORPHAN, 8))
+        elif not optimistic:  # polling our own ticket: the counters and the orphan hint
+            ops.append((READ, OFF_HEAD, _V_ORPHAN + 8))
         if optimistic:
             ops.append(holds)
         res = self._batch(ops)
-        self._last_hint = -1 if pos != q or optimistic else _Q.unpack(res[-1])[0] - 1
+        if pos == q and not optimistic:
+            self._last_hint = _Q.unpack_from(res[-1], _V_ORPHAN)[0] - 1
+            self._last_tail = _Q.unpack_from(res[-1], _V_TAIL)[0]
         self._declared[POP] = True
         old = res[i]
         self._last_old = old
@@ -439,12 +466,21 @@ class Ring:
     def pop(self, timeout: float | None = None) -> dict[str, Any]:
         """Pop with backoff; raise RingEmpty if nothing arrives within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 50e-6
+        delay = POLL_MIN
         while True:
             item = self.try_pop()
             if item is not None:
                 return item
             if deadline is not None and time.monotonic() >= deadline:
                 raise RingEmpty(f"ring {self.name!r} stayed empty for {timeout} s", ring=self.name)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            delay = self._backoff(delay)
+
+    def _backoff(self, delay: float) -> float:
+        """Sleep before the next try; the next delay. A ticket's slot is reached by one
+        particular peer's step, so a waiter whose slot is one step away polls at once
+        (otherwise each hand-off on a small ring would wait out a sleeper's backoff)."""
+        if self._soon:
+            time.sleep(POLL_MIN)
+            return POLL_MIN
+        time.sleep(delay)
+        return min(delay * 2, POLL_MAX)
