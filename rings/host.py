@@ -43,7 +43,8 @@ from rings.layout import (
     MAX_HOLDER,
     OFF_FREED,
     OFF_HEAD,
-    OFF_ORPHAN,
+    OFF_ORPHAN_HINT,
+    OFF_ORPHANED,
     OFF_REVOKED,
     OFF_TOMBSTONES,
     PUSH,
@@ -84,6 +85,7 @@ class RepairCounts:
     tombstones: int
     freed: int
     revoked: int
+    orphaned: int = 0
 
 
 class RdmaJoin(Protocol):
@@ -285,13 +287,13 @@ class RingHost:
         lay = self.layout
         head_raw, stamps_raw, seats_raw = self.local.batch(
             [
-                (READ, OFF_HEAD, OFF_ORPHAN + 8 - OFF_HEAD),
+                (READ, OFF_HEAD, OFF_ORPHAN_HINT + 8 - OFF_HEAD),
                 (READ, STAMPS_OFFSET, 8 * lay.slot_count),
                 (READ, lay.seats_offset, SEATS * SEAT_BYTES),
             ]
         )
         head, tail = struct.unpack_from("<QQ", head_raw)
-        (hint,) = struct.unpack_from("<Q", head_raw, OFF_ORPHAN - OFF_HEAD)
+        (hint,) = struct.unpack_from("<Q", head_raw, OFF_ORPHAN_HINT - OFF_HEAD)
         pids = {*self.peers, *self._pending_revoke, HOLDER_LOCAL, *extra}
         return RegionView(
             head,
@@ -336,6 +338,7 @@ class RingHost:
                 if new_state == SlotState.TOMBSTONE:
                     self.local.fetch_and_add(OFF_TOMBSTONES, 1)
                 elif new_state == SlotState.ORPHANED:
+                    self.local.fetch_and_add(OFF_ORPHANED, 1)
                     orphans.add(g.position)
                 log.warning(
                     "ring %s: gave up the %s ticket of position %d (%s)",
@@ -346,7 +349,7 @@ class RingHost:
                 )
             hint = min(orphans) + 1 if orphans else 0
             if hint != view.orphan_hint:
-                self.local.write(OFF_ORPHAN, struct.pack("<Q", hint))
+                self.local.write(OFF_ORPHAN_HINT, struct.pack("<Q", hint))
             for pid in acts.revoke:
                 if pid in self.peers:
                     self.revoke(
@@ -361,9 +364,9 @@ class RingHost:
             self.repair_tickets(now)
 
     def repair_counts(self) -> RepairCounts:
-        raw = self.local.read(OFF_TOMBSTONES, 24)
-        t, f, r = struct.unpack("<QQQ", raw)
-        return RepairCounts(t, f, r)
+        raw = self.local.read(OFF_TOMBSTONES, OFF_ORPHANED + 8 - OFF_TOMBSTONES)
+        t, f, r, _hint, o = struct.unpack("<QQQQQ", raw)
+        return RepairCounts(t, f, r, o)
 
     def scan_once(self, now: float | None = None) -> None:
         """Time every claim; revoke holders of over-age claims and repair orphaned ones."""

@@ -3,6 +3,12 @@
 It joins each ring as an ``inspect`` peer, which the host lets read and nothing else, and
 reads the header, the counters and the stamps (one READ), plus each slot's payload header
 with ``--slots``. It never claims or changes anything.
+
+``head`` and ``tail`` count the tickets handed to consumers and producers; ``depth`` is how
+many producer tickets no consumer holds yet, and ``waiting`` how many consumer tickets wait
+for an item that no producer has been given yet (idle consumers on an empty ring). An
+ORPHANED slot (a dead or idle consumer's item, re-offered to any consumer) counts as
+published.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from rings.errors import DiffringError, PayloadCorrupt
 from rings.layout import (
     OFF_FREED,
     OFF_HEAD,
+    OFF_ORPHANED,
     OFF_REVOKED,
     OFF_TAIL,
     OFF_TOMBSTONES,
@@ -47,9 +54,9 @@ def snapshot(verbs: Verbs, with_slots: bool = False) -> dict[str, Any]:
     lay: RingLayout = verbs.layout
     raw = verbs.read(0, lay.payloads_offset)
     layout = RingLayout.from_header(raw)
-    head, tail, tomb, freed, revoked = (
+    head, tail, tomb, freed, revoked, orphaned = (
         struct.unpack_from("<Q", raw, off)[0]
-        for off in (OFF_HEAD, OFF_TAIL, OFF_TOMBSTONES, OFF_FREED, OFF_REVOKED)
+        for off in (OFF_HEAD, OFF_TAIL, OFF_TOMBSTONES, OFF_FREED, OFF_REVOKED, OFF_ORPHANED)
     )
     counts = {s.name.lower(): 0 for s in SlotState}
     slots: list[dict[str, Any]] = []
@@ -71,7 +78,7 @@ def snapshot(verbs: Verbs, with_slots: bool = False) -> dict[str, Any]:
                 "payload_bytes": None,
                 "summary": "",
             }
-            if state == SlotState.PUBLISHED:
+            if state == SlotState.PUBLISHED or state == SlotState.ORPHANED:
                 length = pl.peek(head_bytes)[0]
                 row["payload_bytes"] = length
                 size = min(pl.HEADER_SIZE + length, layout.slot_size)
@@ -87,13 +94,20 @@ def snapshot(verbs: Verbs, with_slots: bool = False) -> dict[str, Any]:
         "slot_size": layout.slot_size,
         "head": head,
         "tail": tail,
-        "depth": tail - head,
-        "published": counts["published"],
+        "depth": max(tail - head, 0),
+        "waiting": max(head - tail, 0),
+        "published": counts["published"] + counts["orphaned"],
+        "orphaned": counts["orphaned"],
         "claimed": counts["claimed_push"] + counts["claimed_pop"],
         "claimed_push": counts["claimed_push"],
         "claimed_pop": counts["claimed_pop"],
         "tombstones": counts["tombstone"],
-        "repairs": {"tombstoned": tomb, "freed": freed, "peers_revoked": revoked},
+        "repairs": {
+            "tombstoned": tomb,
+            "freed": freed,
+            "peers_revoked": revoked,
+            "orphaned": orphaned,
+        },
     }
     if with_slots:
         out["slots"] = slots
@@ -112,7 +126,7 @@ def _table(snaps: list[dict[str, Any]], with_slots: bool) -> str:
         ("claimed", "claimed"),
         ("tombstones", "tombstones"),
     ]
-    rows = [[name for name, _ in cols] + ["repairs (tomb/freed/revoked)"]]
+    rows = [[name for name, _ in cols] + ["repairs (tomb/freed/revoked/orphaned)"]]
     for s in snaps:
         if "error" in s:
             rows.append([s["ring"], f"unreachable: {s['error']}"])
@@ -120,7 +134,7 @@ def _table(snaps: list[dict[str, Any]], with_slots: bool) -> str:
         r = s["repairs"]
         rows.append(
             [str(s[key]) for _, key in cols]
-            + [f"{r['tombstoned']}/{r['freed']}/{r['peers_revoked']}"]
+            + [f"{r['tombstoned']}/{r['freed']}/{r['peers_revoked']}/{r['orphaned']}"]
         )
     widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]

@@ -15,8 +15,10 @@ A region is laid out as::
                  80  tombstones       u64  repairs: positions turned into tombstones
                  88  freed            u64  repairs: unfreed slots freed for a dead consumer
                  96  revoked          u64  peers revoked (dropped connection or claim timeout)
-                104  orphan           u64  hint: 1 + position of an ORPHANED slot, 0 = none
-                112  reserved         16 bytes
+                104  orphan_hint      u64  1 + position of an ORPHANED slot, 0 = none known
+                112  orphaned         u64  repairs: items of given-up consumer tickets that
+                                           were re-offered to any consumer (ORPHANED)
+                120  reserved         8 bytes
     offset 128  stamps[slot_count]   u64 each, contiguous so one READ shows the whole ring
     offset S    seats[SEATS][2]      u64 each: [push seat, pop seat] of the peer with id
                                      ``i`` at index ``i % SEATS`` (S = stamps end, rounded
@@ -102,14 +104,23 @@ OFF_TAIL = 72
 OFF_TOMBSTONES = 80
 OFF_FREED = 88
 OFF_REVOKED = 96
-OFF_ORPHAN = 104
+OFF_ORPHAN_HINT = 104
+OFF_ORPHANED = 112
 STAMPS_OFFSET = HEADER_SIZE
 # Peers may not write below this offset: the identity part of the header is immutable.
 WRITABLE_FROM = OFF_HEAD
 
 _STATIC = struct.Struct("<8sIIII32s")
 assert _STATIC.size == OFF_HEAD - 8  # magic..name, followed by 8 reserved bytes
-for _off in (OFF_HEAD, OFF_TAIL, OFF_TOMBSTONES, OFF_FREED, OFF_REVOKED, OFF_ORPHAN):
+for _off in (
+    OFF_HEAD,
+    OFF_TAIL,
+    OFF_TOMBSTONES,
+    OFF_FREED,
+    OFF_REVOKED,
+    OFF_ORPHAN_HINT,
+    OFF_ORPHANED,
+):
     assert _off % 8 == 0, "counter not 8-byte aligned"
 
 STATE_BITS = 4

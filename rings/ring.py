@@ -15,7 +15,7 @@ from rings.errors import ConnectionLost, PayloadCorrupt, RingEmpty, RingFull
 from rings.layout import (
     MAX_HOLDER,
     OFF_HEAD,
-    OFF_ORPHAN,
+    OFF_ORPHAN_HINT,
     OFF_TAIL,
     POP,
     POS_SHIFT,
@@ -43,12 +43,15 @@ WINDOW_SLOTS = 512
 # Offsets inside the ticket batch's READ, which starts at OFF_HEAD.
 _V_HEAD = 0
 _V_TAIL = OFF_TAIL - OFF_HEAD
-_V_ORPHAN = OFF_ORPHAN - OFF_HEAD
+_V_ORPHAN = OFF_ORPHAN_HINT - OFF_HEAD
 _V_STAMPS = STAMPS_OFFSET - OFF_HEAD
 
 # The blocking layer's polling delays (seconds).
 POLL_MIN = 50e-6
 POLL_MAX = 0.005
+# Polls at POLL_MIN in a row before backing off anyway: the step we wait for may belong to a
+# stalled peer, which only the host's claim timeout ends.
+SOON_POLLS = 40
 
 # What the stamp of a ticket's slot means to the ticket's holder.
 _READY = 0  # claim it now
@@ -149,6 +152,7 @@ class Ring:
         # Set when try_push / try_pop came back empty-handed: the slot our ticket waits for
         # is one step from ready, so the blocking layer polls again at once.
         self._soon = False
+        self._soon_polls = 0
         self._whole = self.cap <= WINDOW_SLOTS
         self._first_read = min(lay.slot_size, WHOLE_SLOT_READ)
         if self._first_read < lay.slot_size:
@@ -316,6 +320,7 @@ class Ring:
         body = self.encode(item)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = POLL_MIN
+        self._soon_polls = 0
         while not self.try_push_body(body):
             if deadline is not None and time.monotonic() >= deadline:
                 raise RingFull(f"ring {self.name!r} stayed full for {timeout} s", ring=self.name)
@@ -413,7 +418,7 @@ class Ring:
         if self._free_with_claim:
             ops.append((CAS, stamp_off, mine, stamp(pos + self.cap, SlotState.FREE)))
         if pos != q:  # whoever tries the hinted orphan clears the hint; the host renews it
-            ops.append((CAS, OFF_ORPHAN, pos + 1, 0))
+            ops.append((CAS, OFF_ORPHAN_HINT, pos + 1, 0))
         elif not optimistic:  # polling our own ticket: the counters and the orphan hint
             ops.append((READ, OFF_HEAD, _V_ORPHAN + 8))
         if optimistic:
@@ -467,6 +472,7 @@ class Ring:
         """Pop with backoff; raise RingEmpty if nothing arrives within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = POLL_MIN
+        self._soon_polls = 0
         while True:
             item = self.try_pop()
             if item is not None:
@@ -479,7 +485,8 @@ class Ring:
         """Sleep before the next try; the next delay. A ticket's slot is reached by one
         particular peer's step, so a waiter whose slot is one step away polls at once
         (otherwise each hand-off on a small ring would wait out a sleeper's backoff)."""
-        if self._soon:
+        if self._soon and self._soon_polls < SOON_POLLS:
+            self._soon_polls += 1
             time.sleep(POLL_MIN)
             return POLL_MIN
         time.sleep(delay)

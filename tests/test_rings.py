@@ -19,20 +19,26 @@ from rings.errors import (
     RingFull,
     VerbAlignmentError,
     VerbRangeError,
+    VerbsError,
 )
-from rings.host import RingHost
+from rings.host import PeerInfo, RepairCounts, RingHost
 from rings.layout import (
+    HOLDER_LOCAL,
     OFF_HEAD,
     OFF_TAIL,
+    PUSH,
+    SEATS,
     STAMPS_OFFSET,
     RingLayout,
+    SeatKind,
     SlotState,
+    seat,
     stamp,
     unpack_stamp,
 )
 from rings.ring import Ring
 from rings.soak import RING, start_ring_host, stop_process
-from rings.verbs import CAS, LocalVerbs, Verbs, connect
+from rings.verbs import CAS, FAA, WRITE, LocalVerbs, Verbs, connect
 from tests.conftest import TOKEN
 
 SLOTS = 3
@@ -276,3 +282,120 @@ def test_rdma_refuses_cleanly_without_device() -> None:
 
     with pytest.raises(TransportUnavailable, match="tcp"):
         connect("rdma", "127.0.0.1", 1, layout=None, ring=RING, token=TOKEN)
+
+
+# -- tickets: what the host gives up, and when ------------------------------------------------
+def _live_host(*ids: int, timeout: float = 1.0) -> tuple[RingHost, list[Ring]]:
+    """A host whose scanner we drive by hand, and Rings of peers it counts as connected."""
+    host = RingHost(
+        RingLayout(RING, SLOTS, SLOT_SIZE),
+        host="127.0.0.1",
+        port=0,
+        token=TOKEN,
+        claim_timeout_s=timeout,
+    )
+    for i in ids:
+        host.peers[i] = PeerInfo(i, f"p{i}", "peer", "local", "-", 0.0)
+    return host, [Ring(LocalVerbs(host.region, i)) for i in ids]
+
+
+def _stamp_at(host: RingHost, position: int) -> tuple[int, SlotState, int]:
+    raw = host.local.read(host.layout.stamp_offset(position), 8)
+    return unpack_stamp(struct.unpack("<Q", raw)[0])
+
+
+def test_idle_tickets_are_given_up_without_revoking_their_holders() -> None:
+    host, (prod, cons, other) = _live_host(11, 12, 13)
+    for i in range(SLOTS):
+        prod.push({"i": i}, timeout=1)
+    assert prod.try_push({"i": 3}) is not None  # full: ticket 3 stays with the producer
+    assert cons.try_pop() == {"i": 0}  # slot 0 is FREE(3) now, ready for that ticket
+    host.scan_once(now=100.0)
+    host.scan_once(now=100.5)
+    assert _stamp_at(host, 3)[:2] == (3, SlotState.FREE)  # not idle long enough
+    host.scan_once(now=101.6)
+    assert _stamp_at(host, 3)[:2] == (3, SlotState.TOMBSTONE)
+    assert host.repair_counts() == RepairCounts(1, 0, 0, 0)
+    assert 11 in host.peers  # given up, not revoked: its next claim just fails
+    assert prod.try_push({"i": 4}) is not None  # new ticket 4: slot 1 still holds item 1
+    assert [cons.pop(timeout=1)["i"] for _ in range(2)] == [1, 2]
+    assert prod.try_push({"i": 4}) is None
+    assert cons.pop(timeout=1) == {"i": 4}  # the tombstone at 3 was skipped
+    assert cons.stats.tombstones_skipped == 1
+
+    # An idle consumer's ticket: its item is re-offered to any consumer.
+    assert cons.try_pop() is None  # empty: ticket 5 stays with cons
+    prod.push({"i": 5}, timeout=1)
+    host.scan_once(now=200.0)
+    host.scan_once(now=201.1)
+    assert _stamp_at(host, 5)[:2] == (5, SlotState.ORPHANED)
+    assert host.repair_counts().orphaned == 1
+    assert other.try_pop() == {"i": 5}  # took its own ticket 6 (empty), then the orphan
+    assert other.stats.orphans_taken == 1
+    assert cons.try_pop() is None  # cons finds 5 gone, takes ticket 7
+    prod.push({"i": 6}, timeout=1)
+    prod.push({"i": 7}, timeout=1)
+    assert (other.pop(timeout=1), cons.pop(timeout=1)) == ({"i": 6}, {"i": 7})
+    assert host.repair_counts() == RepairCounts(1, 0, 0, 1)
+
+
+def test_peer_stuck_between_ticket_and_claim_is_revoked_first() -> None:
+    host, (stuck, live) = _live_host(21, 22)
+    lay = host.layout
+    # Peer 21 announces a ticket (TAKING), takes position 0, and never claims it.
+    stuck.verbs.batch(
+        [
+            (WRITE, lay.seat_offset(21, PUSH), struct.pack("<Q", seat(SeatKind.TAKING, 7))),
+            (FAA, OFF_TAIL, 1),
+        ]
+    )
+    live.push({"i": 1}, timeout=1)
+    assert live.try_pop() is None  # ticket 0: nothing published there
+    host.scan_once(now=10.0)
+    host.scan_once(now=10.9)
+    # A live peer's undeclared ticket is never given up: it may write the slot any moment.
+    assert _stamp_at(host, 0)[:2] == (0, SlotState.FREE) and 21 in host.peers
+    host.scan_once(now=11.1)
+    assert 21 not in host.peers  # revoked first, for holding its ticket too long ...
+    assert _stamp_at(host, 0)[:2] == (0, SlotState.TOMBSTONE)  # ... then given up
+    assert host.repair_counts() == RepairCounts(1, 0, 1, 0)
+    assert live.pop(timeout=1) == {"i": 1}
+
+
+def test_dead_peers_undeclared_ticket_waits_for_live_takers_to_move_on() -> None:
+    host, (dead, busy) = _live_host(31, 32)
+    lay = host.layout
+
+    def taking(ring: Ring, seq: int) -> None:
+        off = lay.seat_offset(ring.me, PUSH)
+        ring.verbs.batch(
+            [(WRITE, off, struct.pack("<Q", seat(SeatKind.TAKING, seq))), (FAA, OFF_TAIL, 1)]
+        )
+
+    taking(dead, 1)  # position 0
+    taking(busy, 1)  # position 1: a live peer between its ticket and its claim
+    host.revoke(31, "test")  # 31 dies: position 0 or 1 is its, the host cannot tell which
+    assert [_stamp_at(host, p)[:2] for p in (0, 1)] == [(0, SlotState.FREE), (1, SlotState.FREE)]
+    # Peer 32 declares its ticket: whatever is still undeclared is the dead peer's.
+    busy.verbs.write(lay.seat_offset(32, PUSH), struct.pack("<Q", seat(SeatKind.HOLDS, 1)))
+    host.scan_once(now=1.0)
+    assert [_stamp_at(host, p)[:2] for p in (0, 1)] == [
+        (0, SlotState.TOMBSTONE),
+        (1, SlotState.FREE),
+    ]
+    assert host.repair_counts() == RepairCounts(1, 0, 1, 0)
+
+
+def test_seats_of_live_peers_are_never_shared() -> None:
+    host = RingHost(RingLayout(RING, SLOTS, SLOT_SIZE), host="127.0.0.1", port=0, token=TOKEN)
+    seen = set()
+    for _ in range(SEATS + 5):
+        try:
+            pid = host._allocate_id()
+        except VerbsError as exc:
+            assert "seats" in str(exc)
+            break
+        assert pid % SEATS not in seen and pid % SEATS != HOLDER_LOCAL
+        seen.add(pid % SEATS)
+        host.peers[pid] = PeerInfo(pid, "p", "peer", "local", "-", 0.0)
+    assert len(seen) == SEATS - 1

@@ -20,7 +20,7 @@ import pytest
 from rings import wire
 from rings.errors import ConnectionLost, HandshakeError, VerbRangeError, VerbsError
 from rings.inspect import snapshot
-from rings.layout import OFF_HEAD, OFF_TAIL, RingLayout
+from rings.layout import OFF_HEAD, OFF_TAIL, RingLayout, SlotState, stamp
 from rings.ring import Ring
 from rings.soak import (
     RING,
@@ -258,7 +258,7 @@ def _stall_peer(port: int, mode: str) -> tuple[subprocess.Popen[str], str]:
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    assert line.startswith("CLAIMED"), line
+    assert line.startswith("TICKET" if mode.endswith("-ticket") else "CLAIMED"), line
     return proc, line
 
 
@@ -380,10 +380,101 @@ def test_claim_timeout_revokes_a_live_but_stuck_peer() -> None:
             "tcp", "127.0.0.1", port, layout=None, ring=RING, token=TOKEN, role="inspect"
         )
         repairs = snapshot(inspector)["repairs"]
-        assert repairs == {"tombstoned": 1, "freed": 0, "peers_revoked": 1}
+        assert repairs == {"tombstoned": 1, "freed": 0, "peers_revoked": 1, "orphaned": 0}
         inspector.close()
     finally:
         if stall is not None:
             stall.kill()
             stall.wait()
+        stop_process(host_proc)
+
+
+@pytest.mark.parametrize("victim", ["producer", "consumer", "consumer-on-empty"])
+def test_sigkilled_ticket_holder_is_repaired_and_ring_flows(victim: str, tmp_path: Path) -> None:
+    """A peer SIGKILLed after its ticket FAA and before its claim CAS: it holds a position
+    that no stamp names. The host learns it from the peer's seat (TAKING) and gives the
+    position up: a producer's becomes a tombstone, a consumer's item is re-offered."""
+    host_proc, port = start_ring_host(SLOTS, SLOT_SIZE, token=TOKEN, claim_timeout=300)
+    ctx = mp.get_context("spawn")
+    procs: list[mp.process.BaseProcess] = []
+    stall: subprocess.Popen[str] | None = None
+    n_items, n_prod, n_cons = 300, 2, 2
+    try:
+        inspector = connect(
+            "tcp", "127.0.0.1", port, layout=None, ring=RING, token=TOKEN, role="inspect"
+        )
+        if victim == "producer":
+            stall, line = _stall_peer(port, "push-ticket")
+            assert line.split()[1:] == ["0", str(stamp(0, SlotState.FREE))]
+        elif victim == "consumer-on-empty":
+            stall, line = _stall_peer(port, "pop-ticket")
+            assert line.split()[1:] == ["0", str(stamp(0, SlotState.FREE))]
+        prods = [
+            ctx.Process(
+                target=_producer,
+                args=(port, SLOTS, SLOT_SIZE, i, n_items, None, 64, f"{tmp_path}/p{i}", TOKEN),
+            )
+            for i in range(n_prod)
+        ]
+        for p in prods:
+            p.start()
+        if victim == "consumer":
+            _wait_for(lambda: snapshot(inspector)["published"] == SLOTS)
+            stall, line = _stall_peer(port, "pop-ticket")
+            assert line.split()[1:] == ["0", str(stamp(0, SlotState.PUBLISHED))]
+        cons = [
+            ctx.Process(target=_consumer, args=(port, SLOTS, SLOT_SIZE, f"{tmp_path}/c{i}", TOKEN))
+            for i in range(n_cons)
+        ]
+        for p in cons:
+            p.start()
+        procs = prods + cons
+        # Everyone else passes position 0 and stops a lap later at its slot: a dead
+        # producer's position stays FREE(0) (4 and 5 published, nobody can use slot 0 again);
+        # a dead consumer's item stays PUBLISHED(0) with all else consumed.
+        stuck_at, stuck_published = ((4, 7), 2) if victim == "producer" else ((7, 7), 1)
+
+        def stuck() -> bool:
+            snap = snapshot(inspector)
+            return (
+                (snap["head"], snap["tail"]) == stuck_at
+                and snap["published"] == stuck_published
+                and snap["claimed"] == 0
+            )
+
+        _wait_for(stuck)
+        time.sleep(0.5)
+        assert stuck(), snapshot(inspector)
+        assert stall is not None
+        os.kill(stall.pid, signal.SIGKILL)
+        stall.wait()
+        for p in prods:
+            p.join(60)
+        assert [p.exitcode for p in prods] == [0] * n_prod
+        driver = open_ring(port, SLOTS, SLOT_SIZE, TOKEN)
+        for _ in range(n_cons):
+            driver.push({"stop": True}, timeout=30)
+        for p in cons:
+            p.join(60)
+        assert [p.exitcode for p in cons] == [0] * n_cons
+        delivered = []
+        for i in range(n_cons):
+            raw = Path(f"{tmp_path}/c{i}").read_bytes()
+            delivered += list(struct.unpack(f"<{len(raw) // 8}Q", raw))
+        dup, missing, unexpected = check_delivery({i: n_items for i in range(n_prod)}, delivered)
+        assert (dup, missing, unexpected) == (0, 0, 0)
+        assert len(delivered) == n_prod * n_items
+        repairs = snapshot(inspector)["repairs"]
+        if victim == "producer":
+            assert repairs == {"tombstoned": 1, "freed": 0, "peers_revoked": 1, "orphaned": 0}
+        else:
+            assert repairs == {"tombstoned": 0, "freed": 0, "peers_revoked": 1, "orphaned": 1}
+        inspector.close()
+        driver.verbs.close()
+    finally:
+        if stall is not None and stall.poll() is None:
+            stall.kill()
+            stall.wait()
+        for p in procs:
+            stop_process(p)
         stop_process(host_proc)
