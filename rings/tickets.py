@@ -17,21 +17,26 @@ each revoke:
 3. *Undeclared* ones belong to a dead peer or to a live peer between its ticket FAA and the
    batch that declares it, whose seat then says TAKING(seq). A live TAKING ticket must never
    be given up (its holder may write the slot right after seeing it FREE). So an undeclared
-   position is given up only once every live peer that was TAKING when the position was first
-   seen has moved on (its seat changed); it is then a dead peer's. A live peer that stays
-   TAKING with the same ``seq`` past the claim timeout is revoked first, like a peer holding a
-   claim too long.
+   position is given up only if it was undeclared at the previous scan too and every live
+   peer that was TAKING at that scan has moved on since (its seat is no longer that
+   TAKING(seq)); it is then a dead peer's. Two scans apart, unless a peer sits in one ticket
+   window for a whole scan interval; a live peer that stays TAKING with the same ``seq`` past
+   the claim timeout is revoked first, like a peer holding a claim too long.
 4. Given up: producer FREE(p) -> TOMBSTONE(p) (consumers skip it); consumer PUBLISHED(q) ->
    ORPHANED(q) (any consumer may claim it; the host points the header's orphan hint at it)
    and TOMBSTONE(q) -> FREE(q + cap). A position that is not ready yet (the slot is a lap
    behind, or the item not published yet) stays given up until it is.
 
 Why step 3 is sound, for a live holder H of an undeclared producer ticket p: the host reads
-the counters, then the stamps, then the seats. p below ``tail`` means H had its ticket when the
-counters were read; p unclaimed in the stamps means H had not claimed it when they were read.
-When the seats are read, H's seat is TAKING(seq of p) (not declared yet: H is in the watch
-set), or HOLDS(p) (declared), or H has moved on, which it only does after p is claimed or
-void, in which case the give-up CAS (which expects FREE(p) exactly) fails harmlessly.
+the counters, then the stamps, then the seats. At the previous scan, p below ``tail`` means H
+had its ticket when the counters were read, p unclaimed in the stamps that H had not claimed
+it, and p undeclared in the seats that H's seat still said TAKING(seq of p): H is among the
+peers TAKING at that scan. At this scan H has moved on from that TAKING(seq): it declared
+HOLDS(p), so p is declared now (and kept), or it is past p, which it only gets after p was
+claimed or void; then the give-up CAS, which expects FREE(p) exactly, fails harmlessly.
+(The reasoning is the same for a consumer ticket; there a give-up could anyway only make a
+live holder's claim fail and retry on ORPHANED.) tests/test_ring_model.py checks this with
+spin (rings/ring.pml).
 """
 
 from __future__ import annotations
@@ -139,7 +144,9 @@ class TicketWatch:
         self.cap = layout.slot_count
         self.given_up: set[tuple[int, int]] = set()
         """(side, position) of tickets whose holder is gone: given up as soon as ready."""
-        self._watch: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        # Undeclared positions at the previous scan, and who was TAKING then (peer, seq).
+        self._undeclared: set[tuple[int, int]] = set()
+        self._was_taking: list[set[tuple[int, int]]] = [set(), set()]
         self._ready_since: dict[tuple[int, int, int], float] = {}
         self._taking_since: dict[tuple[int, int], tuple[int, float]] = {}
 
@@ -170,7 +177,7 @@ class TicketWatch:
                 elif kind == SeatKind.HOLDS:
                     declared[side][value] = pid
         self._taking_since = taking_since
-        watch: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        undeclared: set[tuple[int, int]] = set()
         ready_since: dict[tuple[int, int, int], float] = {}
         for side in SIDES:
             out = outstanding(view, side, cap)
@@ -192,17 +199,15 @@ class TicketWatch:
                             self.given_up.add(key)
                             acts.give_up.append(move)
                     continue
-                waiting = self._watch.get(key)
-                if waiting is None:
-                    waiting = set(taking[side])
-                else:
-                    waiting &= taking[side]  # those still TAKING with the same seq
-                if waiting:
-                    watch[key] = waiting
+                # Undeclared: a dead peer's once it was undeclared at the previous scan and
+                # all who were TAKING then have moved on (those still TAKING(seq) have not).
+                if key not in self._undeclared or self._was_taking[side] & taking[side]:
+                    undeclared.add(key)
                     continue
                 self.given_up.add(key)
                 if move is not None:
                     acts.give_up.append(move)
-        self._watch = watch
+        self._undeclared = undeclared
+        self._was_taking = taking
         self._ready_since = ready_since
         return acts
