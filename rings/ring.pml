@@ -1,40 +1,45 @@
 /*
- * The ring protocol of rings/ring.py, rings/tickets.py and rings/host.py, as a Promela model
- * checked by spin (tests/test_ring_model.py runs it):
+ * The ring protocol of rings/ring.py (peers), rings/tickets.py and rings/host.py (the host's
+ * repairs), as a Promela model that spin searches exhaustively. Run it through
  *
- *   spin -a rings/ring.pml && gcc -O2 -DSAFETY -o pan pan.c && ./pan -m100000
+ *   python scripts/check_ring_model.py [--long]     (tests/test_ring_model.py runs the quick set)
  *
- * What is modelled: NPROD producers and NCONS consumers (peer ids 1..NPROD, then the
- * consumers), a ring of CAP slots, FAA tickets on tail / head, the per-slot stamps, the
- * peers' seat words, the payload (which item, framed for which position), the orphan hint,
- * and the host: revoke-then-repair of a dead peer, the ticket scan (outstanding, declared,
- * watched TAKING tickets), the give-up CASes, and giving up an idle live peer's declared
- * ticket (the claim timeout, which may strike at any moment, MAX_IDLE times per run).
+ * or by hand: spin -DFIRST_ITEMS=1 -a rings/ring.pml && gcc -O1 -DSAFETY -DCOLLAPSE -o pan
+ * pan.c && ./pan -m100000.
  *
- * Granularity: every verb is one atomic step, as an rdma NIC executes it; a tcp batch runs
- * atomically on the host, which only removes interleavings. Any peer may crash before any
- * verb (MAX_CRASHES times per run): from then on none of its verbs runs, which is also what
- * a peer revoked for a claim timeout looks like to the ring. The host notices a crash (the
- * connection drops) at any later moment. The host's own view (counters, stamps, seats) is
- * read in one step, as it is on tcp and local (one batch under the region lock); the rdma
- * case, three ordered reads, is argued in rings/tickets.py.
+ * Modelled: NPROD producers and NCONS consumers (peer ids 1..NPROD, then the consumers), a
+ * ring of CAP slots; FAA tickets on tail / head; the per-slot stamps; the peers' seat words;
+ * the payload (which item, framed for which position); the orphan hint; and the host:
+ * revoke-then-repair of a dead peer (claims tombstoned / freed, declared tickets given up),
+ * the ticket scan with its two-scan rule for undeclared tickets, the give-up CASes, and the
+ * claim timeout giving up a live but idle peer's ready declared ticket (at any moment,
+ * MAX_IDLE times per run). Each step names the Python function it mirrors.
  *
- * Waiting is blocking here (a guard on the slot changing), where the Python code returns
- * None / False and polls again: so a ring that stops flowing is a deadlock, which spin
- * reports as an invalid end state.
+ * Steps: a peer's round trip (BEGIN V(..) V(..) END) is one atomic step by default: the tcp
+ * and local transports, whose host runs a whole batch under the region lock. -DPER_VERB makes
+ * every verb its own step: the rdma transport, where others act between a batch's verbs. Any
+ * peer may crash before any step (MAX_CRASHES times per run); none of its later verbs runs,
+ * which is also what a peer revoked for a claim timeout looks like to the ring. The host
+ * notices a crash (the connection drops) at any later moment. The host's view (counters,
+ * stamps, seats) is one step, as on tcp and local; the rdma host's three ordered reads are
+ * argued in rings/tickets.py.
  *
- * Properties: the assertions (an item is claimed at most once; a claimed slot holds the item
- * published for that position, untouched until read; a claim that the protocol says cannot
- * fail does not fail, in particular the producer's claim + payload + publish batch after it
- * saw FREE(p) for its own ticket; a claimer's publish / free is never pre-empted by a repair
- * while it lives), and no invalid end state: every peer that did not crash finishes, which
- * for consumers means every item was claimed unless its producer crashed before publishing
- * it (see `resolved`).
+ * Waiting blocks here (a guard on the awaited slot changing) where the Python code returns
+ * None / False and polls again, so a ring that stops flowing is a deadlock: spin reports it
+ * as an invalid end state.
  *
- * Negative checks (the test builds these and expects spin to find an error):
- *   -DBROKEN_POP    an orphan is taken without its CAS (read the stamp, then write it)
- *   -DBROKEN_WATCH  the host gives up an undeclared ticket without waiting for the peers
- *                   that were TAKING when it first saw it
+ * Properties. Assertions: an item is claimed at most once; a claimed slot holds the item
+ * published for that position, unchanged until read (a stray write would show); the claims
+ * the protocol says cannot fail do not (above all the producer's claim + payload + publish
+ * batch after it saw FREE(p) for its own ticket while TAKING: that is the write that must
+ * never land in a slot someone else owns); a live claimer's publish or free always finds its
+ * own claim (never repaired behind its back). And no invalid end state: every peer that did
+ * not crash finishes, which for the consumers means every item was claimed unless its
+ * producer crashed before publishing it (see `resolved`).
+ *
+ * Negative variants (the test expects spin to find an error in each):
+ *   -DBROKEN_POP    an orphan is claimed by a read and a write instead of one CAS
+ *   -DBROKEN_WATCH  the host gives an undeclared ticket up at once, without the two-scan rule
  */
 
 /* Stamp states: the names and values of rings/layout.py SlotState (a test compares them). */
@@ -101,13 +106,14 @@ bool dead[NPEER + 1];      /* crashed (or revoked by a timeout: the same to the 
 bool revoked[NPEER + 1];   /* the host has noticed: RingHost.revoke ran */
 byte unnoticed;            /* peers dead but not yet revoked */
 bit dirty;                 /* the region changed since the host's last scan */
-/* A peer that was TAKING at the host's last scan has written its seat since. TicketWatch
+/* TicketWatch._was_taking: a bit per live peer TAKING on a side at the previous scan (kept
+ * only while some position of that side was undeclared then). */
+byte was_taking[2];
+/* A peer that was TAKING at the previous scan has written its seat since. TicketWatch
  * compares (peer, seq) with the previous scan's; a peer never writes TAKING(seq) twice, so
  * "no longer that TAKING(seq)" is "written since", and the model keeps this bit instead of
- * sequence numbers (which then need not be modelled). It is only set for a peer that was
- * TAKING at the last scan: for any other it would not be read. */
-byte was_taking[2];        /* host (TicketWatch):  bit per live peer TAKING on a side at the previous scan (kept
-                            * only while some position of that side is undeclared) */
+ * sequence numbers (which then need not be modelled). Set only for a peer that was TAKING
+ * at the previous scan: for any other it is never read. */
 bool moved[NPEER + 1];
 #define MARK_MOVED if :: ((was_taking[0] | was_taking[1]) >> me) & 1 -> moved[me] = 1 \
     :: else -> skip fi

@@ -1,6 +1,71 @@
 """Bounded MPMC ring over one-sided verbs: FAA tickets, per-slot stamps, declared seats.
 
-DOCSTRING-PLACEHOLDER
+Stamp states, seat words and counters are documented in :mod:`rings.layout`, the host's side
+of tickets in :mod:`rings.tickets`; ``rings/ring.pml`` is this protocol as a Promela model that
+spin checks (tests/test_ring_model.py). Contenders never race for one position: each takes its
+own with a fetch-and-add, so a push or a pop costs two round trips however many peers contend.
+
+push, round trip 1 (the ticket, Ring._take):
+    WRITE seat.push = TAKING(seq); FAA tail -> p; READ header + stamps
+  The FAA hands p to us alone. Verbs of a batch take effect in order, so the seat says TAKING
+  before we hold p, and until we declare p the host knows we may hold a ticket it cannot see.
+  The READ runs after the FAA: it shows p's slot as it was once p was ours. (A ring of more
+  than WINDOW_SLOTS slots reads a window of stamps from the last tail seen instead.)
+push, round trip 2, the slot was FREE(p) (the common case):
+    CAS stamp FREE(p) -> CLAIMED_PUSH(p, me); WRITE payload[p]; CAS -> PUBLISHED(p);
+    WRITE seat.push = HOLDS(p)
+  Writing the payload before the claim has answered is safe: FREE(p) changes only by the claim
+  of p's ticket holder (us) or by the host giving p up, and the host gives an undeclared ticket
+  up only once its holder is dead or has moved on from the TAKING(seq) it showed, never while
+  our seat still says TAKING(seq). So the claim wins and the payload lands in a slot we own,
+  the publish after it. The seat is declared last, so it says TAKING while the batch runs; the
+  claim still records our id in the stamp, so a peer dying between the verbs of the batch (rdma)
+  leaves a CLAIMED_PUSH that the host repairs as before.
+push, the slot was not FREE(p): the ring is full at p (subtle point 2):
+  The slot still holds p - cap (or older). A ticket cannot be handed back (an FAA cannot be
+  undone), so we keep it, declared, and try_push returns False (the payload is handed back):
+    WRITE seat.push = HOLDS(p); CAS stamp FREE(p) -> CLAIMED_PUSH(p, me); READ head
+  The next try_push (or a new Ring on the same connection: it resumes from the seat) polls with
+  that CAS, one round trip, and once it wins: WRITE payload[p]; CAS -> PUBLISHED(p). A declared
+  ticket is claimed by CAS before anything is written, so the host may give it up while its
+  holder lives: it does when the holder is dead, or when the slot has been FREE(p) for the claim
+  timeout with nobody claiming it (a producer that got "full" and never came back): FREE(p) ->
+  TOMBSTONE(p), which the consumer of p skips. A holder that comes back sees its CAS fail and
+  takes a new ticket. So a full ring never leaves a slot waiting for a producer that left.
+pop, round trip 1 (the ticket):
+    WRITE seat.pop = TAKING(seq); FAA head -> q; READ header + stamps
+pop, round trip 2, the slot was PUBLISHED(q):
+    CAS stamp PUBLISHED(q) -> CLAIMED_POP(q, me); READ payload[q]; CAS -> FREE(q + cap);
+    WRITE seat.pop = HOLDS(q)
+  The READ follows the won claim and the free follows the READ, so the item is read whole before
+  the slot goes to the producer of q + cap. (Slots over WHOLE_SLOT_READ bytes are read
+  SPECULATIVE_READ bytes first and freed in a third round trip, after the rest is read.)
+pop, nothing published at q: an empty ring (subtle point 1):
+  With FAA a consumer gets q even when no producer has q yet. try_pop must not block, and an item
+  published at q later must not be lost. The consumer keeps q, declared, and returns None:
+    WRITE seat.pop = HOLDS(q); CAS stamp PUBLISHED(q) -> CLAIMED_POP(q, me); READ payload;
+    CAS -> FREE(q + cap); READ header (counters, orphan hint)
+  and the next try_pop repeats that batch: one round trip per poll, taking the item when it
+  comes. If the holder dies, or leaves a published item unclaimed for the claim timeout (a
+  consumer that stopped polling), the host gives q up: PUBLISHED(q) -> ORPHANED(q), with the
+  header's orphan hint pointing at it. Any consumer whose own ticket waits claims an ORPHANED
+  slot by CAS (one wins); an orphan also blocks its slot's next lap, so the peers that wait there
+  are the ones that take it. The item is delivered once, and no slot waits forever for a
+  consumer that left. While consumers wait, head runs ahead of tail by at most their number.
+A TOMBSTONE at our ticket is skipped: CAS TOMBSTONE(q) -> FREE(q + cap), posted with the next
+ticket batch. A ticket whose position is gone (given up, or past) is replaced by a new one.
+
+Dead ticket holders (subtle point 3). A peer that dies after its FAA and before its claim CAS
+holds a position that no stamp names; its seat says TAKING (or HOLDS(p), once declared). The
+host learns it from the region alone, which also works over rdma, where the NIC runs the FAA
+unseen: after revoking the peer it gives up the tickets its seat declares, and a position below
+the counter that is unclaimed and declared by no live seat is given up once it was so at two
+scans in a row and every peer TAKING at the first has moved on since (rings.tickets argues why
+only a dead peer's ticket remains). A live peer stuck between a ticket and its claim past the
+claim timeout is revoked first, like a peer that holds a claim too long.
+
+No counter is changed by read-modify-write outside an atomic verb. ``try_push`` / ``try_pop``
+never block; ``push`` / ``pop`` add polling and a timeout.
 """
 
 from __future__ import annotations

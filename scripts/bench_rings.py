@@ -11,13 +11,18 @@ For each client count, in one run and against one host process per point:
   RT/op        round trips per ring operation, measured (the protocol's minimum is 2);
   target       0.8 x raw RT/s / 2 (the issue's bar: 80% of the floor divided by the round
                trips on one operation's critical path);
-  p50/p99      claim latency: from an operation's first verb to its winning CAS.
+  p50/p99      claim latency: from an operation's first verb to the answer of the round trip
+               whose stamp CAS won (the claim that records the holder);
+  ticket p99   from an operation's first verb to the answer of its ticket FAA (the position
+               is this peer's from then on).
+The load average of the machine is printed before and after (the machine is shared).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -54,6 +59,7 @@ def _ring_client(port: int, cap: int, go: Any, seconds: float, out: mp.Queue) ->
     ring: Ring = open_ring(port, cap, 512)
     item = {"task_id": "bench", "data": b"x" * 200}
     lat: list[float] = []
+    tick: list[float] = []
     out.put("ready")
     go.wait()
     n = 0
@@ -63,12 +69,14 @@ def _ring_client(port: int, cap: int, go: Any, seconds: float, out: mp.Queue) ->
     while time.perf_counter() < end:
         if ring.try_push(item) is None:
             lat.append(ring.stats.last_claim_s)
+            tick.append(ring.stats.last_ticket_s)
             n += 1
         if ring.try_pop() is not None:
             lat.append(ring.stats.last_claim_s)
+            tick.append(ring.stats.last_ticket_s)
             n += 1
     rate = n / (time.perf_counter() - t0)
-    out.put((rate, n, ring.stats.round_trips - rt0, lat[::4]))
+    out.put((rate, n, ring.stats.round_trips - rt0, lat[::4], tick[::4]))
     ring.verbs.close()
 
 
@@ -104,6 +112,11 @@ def _run(kind: str, clients: int, capacity: int, seconds: float) -> list[Any]:
         stop_process(host)
 
 
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--clients", default="1,4,16,32")
@@ -113,8 +126,9 @@ def main() -> int:
     counts = [int(c) for c in args.clients.split(",")]
     header = (
         f"{'clients':>7} {'raw RT/s':>9} {'ring ops/s':>10} {'RT/op':>6} {'target':>8} "
-        f"{'vs target':>9} {'p50 claim':>10} {'p99 claim':>10}"
+        f"{'vs target':>9} {'p50 claim':>10} {'p99 claim':>10} {'p99 ticket':>10}"
     )
+    print(_load())
     print(header)
     print("-" * len(header))
     for c in counts:
@@ -123,15 +137,18 @@ def main() -> int:
         ops = sum(r[0] for r in res)
         rts = sum(r[2] for r in res)
         lat = sorted(x for r in res for x in r[3])
+        tick = sorted(x for r in res for x in r[4])
         rt_per_op = rts / max(1, sum(r[1] for r in res))
         target = 0.8 * raw / CRITICAL_PATH_RTS
         p50 = statistics.median(lat) * 1e6 if lat else float("nan")
         p99 = lat[int(0.99 * (len(lat) - 1))] * 1e6 if lat else float("nan")
+        t99 = tick[int(0.99 * (len(tick) - 1))] * 1e6 if tick else float("nan")
         print(
             f"{c:>7} {raw:>9.0f} {ops:>10.0f} {rt_per_op:>6.2f} {target:>8.0f} "
-            f"{ops / target:>8.0%} {p50:>8.0f}us {p99:>8.0f}us",
+            f"{ops / target:>8.0%} {p50:>8.0f}us {p99:>8.0f}us {t99:>8.0f}us",
             flush=True,
         )
+    print(_load())
     return 0
 
 
