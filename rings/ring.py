@@ -90,8 +90,6 @@ from rings.layout import (
     RingLayout,
     SeatKind,
     SlotState,
-    seat,
-    stamp,
     unpack_seat,
 )
 from rings.verbs import CAS, FAA, READ, WRITE, Op, Verbs
@@ -126,6 +124,18 @@ _SKIP = 3  # consumer: a tombstone at our position; free it and take a new ticke
 _MINE = 4  # already claimed by this peer
 
 
+# Stamp and seat words are built inline on the hot path (rings.layout.stamp() / seat() spell
+# the same arithmetic): a push and a pop build about ten of them.
+_FREE = int(SlotState.FREE)
+_CLAIMED_PUSH = int(SlotState.CLAIMED_PUSH)
+_PUBLISHED = int(SlotState.PUBLISHED)
+_CLAIMED_POP = int(SlotState.CLAIMED_POP)
+_TOMBSTONE = int(SlotState.TOMBSTONE)
+_ORPHANED = int(SlotState.ORPHANED)
+_TAKING = int(SeatKind.TAKING)
+_HOLDS = int(SeatKind.HOLDS)
+
+
 def _push_view(word: int, p: int, me: int) -> int:
     pos = word >> POS_SHIFT
     if pos < p:
@@ -133,9 +143,9 @@ def _push_view(word: int, p: int, me: int) -> int:
     if pos > p:
         return _VOID
     state = word & _STATE_MASK
-    if state == SlotState.FREE:
+    if state == _FREE:
         return _READY
-    if state == SlotState.CLAIMED_PUSH and (word >> STATE_BITS) & MAX_HOLDER == me:
+    if state == _CLAIMED_PUSH and (word >> STATE_BITS) & MAX_HOLDER == me:
         return _MINE
     return _VOID
 
@@ -147,19 +157,15 @@ def _pop_view(word: int, q: int, me: int) -> int:
     if pos > q:
         return _VOID
     state = word & _STATE_MASK
-    if state == SlotState.PUBLISHED or state == SlotState.ORPHANED:
+    if state == _PUBLISHED or state == _ORPHANED:
         return _READY
-    if state == SlotState.FREE or state == SlotState.CLAIMED_PUSH:
+    if state == _FREE or state == _CLAIMED_PUSH:
         return _WAIT
-    if state == SlotState.TOMBSTONE:
+    if state == _TOMBSTONE:
         return _SKIP
     if (word >> STATE_BITS) & MAX_HOLDER == me:
         return _MINE
     return _VOID
-
-
-def _word(value: int) -> bytes:
-    return _Q.pack(value)
 
 
 class RingStats:
@@ -178,14 +184,15 @@ class RingStats:
 
     def __init__(self) -> None:
         self.last_claim_s = 0.0
-        """Seconds the last successful claim took (from the first verb to the won CAS)."""
+        """Seconds the last successful claim took (from the first verb to the answer of the
+        round trip whose stamp CAS won)."""
         self.last_ticket_s = 0.0
         """Seconds from the last successful operation's first verb to its ticket."""
         self.pushes = 0
         self.pops = 0
         self.round_trips = 0
         self.claim_retries = 0
-        """Tickets this peer had to give up (void, taken) and replace."""
+        """Tickets this peer had to give up (given up by the host, or past) and replace."""
         self.tombstones_skipped = 0
         self.orphans_taken = 0
         """ORPHANED items (a dead or idle consumer's ticket) this peer delivered."""
@@ -205,24 +212,24 @@ class Ring:
         self.stats = RingStats()
         lay = self.layout
         self._seat_off = (lay.seat_offset(self.me, PUSH), lay.seat_offset(self.me, POP))
-        # Outstanding ticket per side (-1: none) and whether its seat says HOLDS(ticket).
+        # Outstanding ticket per side (-1: none) and whether our seat says HOLDS(ticket).
         self._ticket = [-1, -1]
         self._declared = [False, False]
         self._seq = -1  # -1: seats not read yet; the first operation resumes from them
         self._seen = [0, 0]  # last tail / head read: where a big ring's stamp window starts
         self._skip: list[Op] = []  # a tombstone skip, posted with the next ticket batch
-        self._last_old = 0  # the stamp a failed pop claim found
-        self._last_hint = -1  # the orphan hint a pop claim read (-1: none)
-        self._last_tail = 0  # the tail a pop claim read
-        # Set when try_push / try_pop came back empty-handed: the slot our ticket waits for
-        # is one step from ready, so the blocking layer polls again at once.
-        self._soon = False
-        self._soon_polls = 0
         self._whole = self.cap <= WINDOW_SLOTS
         self._first_read = min(lay.slot_size, WHOLE_SLOT_READ)
         if self._first_read < lay.slot_size:
             self._first_read = SPECULATIVE_READ
         self._free_with_claim = self._first_read == lay.slot_size
+        self._last_old = 0  # the stamp a failed pop claim found
+        self._last_hint = -1  # the orphan hint a pop claim read (-1: none)
+        self._last_tail = 0  # the tail a pop claim read
+        # Set when try_push / try_pop came back empty-handed and the slot our ticket waits
+        # for is one step from ready: the blocking layer then polls again at once.
+        self._soon = False
+        self._soon_polls = 0
 
     # -- helpers -------------------------------------------------------------------------
     def _batch(self, ops: list[Op]) -> list[Any]:
@@ -251,32 +258,31 @@ class Ring:
                 self._ticket[side] = pos
                 self._declared[side] = True
 
-    def _take(self, side: int) -> tuple[int, int, int]:
-        """Ticket round trip: (position, its slot's stamp or -1 if unseen, orphan hint)."""
+    def _take(self, side: int) -> tuple[int, int, bytes]:
+        """The ticket round trip: (position, its slot's stamp or -1 if the window missed it,
+        the header bytes from OFF_HEAD)."""
         self._seq += 1
         self._declared[side] = False  # the seat says TAKING from this batch on
         cap = self.cap
-        ops: list[Op] = self._skip
+        ops = self._skip
         self._skip = []
-        ops.append((WRITE, self._seat_off[side], _word(seat(SeatKind.TAKING, self._seq))))
+        ops.append((WRITE, self._seat_off[side], _Q.pack(self._seq << STATE_BITS | _TAKING)))
         ops.append((FAA, OFF_TAIL if side == PUSH else OFF_HEAD, 1))
         if self._whole:
             ops.append((READ, OFF_HEAD, _V_STAMPS + 8 * cap))
             res = self._batch(ops)
             pos, view = res[-2], res[-1]
-            word = _Q.unpack_from(view, _V_STAMPS + 8 * (pos % cap))[0]
-        else:
-            first = self._seen[side] % cap
-            n = min(WINDOW_SLOTS, cap - first)
-            ops.append((READ, OFF_HEAD, _V_STAMPS))
-            ops.append((READ, STAMPS_OFFSET + 8 * first, 8 * n))
-            res = self._batch(ops)
-            pos, view, window = res[-3], res[-2], res[-1]
-            k = pos % cap - first
-            word = _Q.unpack_from(window, 8 * k)[0] if 0 <= k < n else -1
+            return pos, _Q.unpack_from(view, _V_STAMPS + 8 * (pos % cap))[0], view
+        first = self._seen[side] % cap
+        n = min(WINDOW_SLOTS, cap - first)
+        ops.append((READ, OFF_HEAD, _V_STAMPS))
+        ops.append((READ, STAMPS_OFFSET + 8 * first, 8 * n))
+        res = self._batch(ops)
+        pos, view, window = res[-3], res[-2], res[-1]
         self._seen[PUSH] = _Q.unpack_from(view, _V_TAIL)[0]
         self._seen[POP] = _Q.unpack_from(view, _V_HEAD)[0]
-        return pos, word, _Q.unpack_from(view, _V_ORPHAN)[0] - 1
+        k = pos % cap - first
+        return pos, _Q.unpack_from(window, 8 * k)[0] if 0 <= k < n else -1, view
 
     # -- producer ------------------------------------------------------------------------
     def encode(self, item: Mapping[str, Any]) -> bytes:
@@ -293,31 +299,28 @@ class Ring:
         lay = self.layout
         me = self.me
         seat_off = self._seat_off[PUSH]
-        t0 = time.perf_counter()
+        t0 = t_ticket = time.perf_counter()
         if self._seq < 0:
             self._resume()
         while True:
             p = self._ticket[PUSH]
-            stamp_off = lay.stamp_offset(p)
-            free = stamp(p, SlotState.FREE)
-            mine = stamp(p, SlotState.CLAIMED_PUSH, me)
             if p < 0:
                 p, word, _ = self._take(PUSH)
                 t_ticket = time.perf_counter()
-                stamp_off = lay.stamp_offset(p)
-                free = stamp(p, SlotState.FREE)
-                mine = stamp(p, SlotState.CLAIMED_PUSH, me)
-                if word == free:
+                if word == p << POS_SHIFT | _FREE:
                     # Our own ticket's slot is FREE(p): only we can claim it, and nothing
                     # but our claim changes it while our seat says TAKING, so the claim,
                     # the payload and the publish go in one batch; the seat is declared
                     # last (see the module docstring, push round trip 2).
+                    stamp_off = lay.stamp_offset(p)
+                    free = p << POS_SHIFT
+                    mine = free | me << STATE_BITS | _CLAIMED_PUSH
                     res = self._batch(
                         [
                             (CAS, stamp_off, free, mine),
                             (WRITE, lay.payload_offset(p), pl.frame(body, p)),
-                            (CAS, stamp_off, mine, stamp(p, SlotState.PUBLISHED)),
-                            (WRITE, seat_off, _word(seat(SeatKind.HOLDS, p))),
+                            (CAS, stamp_off, mine, free | _PUBLISHED),
+                            (WRITE, seat_off, _Q.pack(p << STATE_BITS | _HOLDS)),
                         ]
                     )
                     if res[0] != free:
@@ -327,17 +330,17 @@ class Ring:
                         )
                     self._published(res[2], mine, p, t0, t_ticket, time.perf_counter())
                     return True
-                view = _WAIT if word < 0 else _push_view(word, p, me)
-                if view == _VOID:
+                if word >= 0 and _push_view(word, p, me) == _VOID:
                     self.stats.claim_retries += 1
                     continue
                 self._ticket[PUSH] = p
-            else:
-                t_ticket = t0
             # An outstanding ticket: declare it, then claim it by CAS before any write.
+            stamp_off = lay.stamp_offset(p)
+            free = p << POS_SHIFT
+            mine = free | me << STATE_BITS | _CLAIMED_PUSH
             ops: list[Op] = [(CAS, stamp_off, free, mine), (READ, OFF_HEAD, 8)]
             if not self._declared[PUSH]:
-                ops.insert(0, (WRITE, seat_off, _word(seat(SeatKind.HOLDS, p))))
+                ops.insert(0, (WRITE, seat_off, _Q.pack(p << STATE_BITS | _HOLDS)))
             res = self._batch(ops)
             old = res[-2]
             self._declared[PUSH] = True
@@ -346,10 +349,9 @@ class Ring:
                 res = self._batch(
                     [
                         (WRITE, lay.payload_offset(p), pl.frame(body, p)),
-                        (CAS, stamp_off, mine, stamp(p, SlotState.PUBLISHED)),
+                        (CAS, stamp_off, mine, free | _PUBLISHED),
                     ]
                 )
-                self._ticket[PUSH] = -1
                 self._published(res[1], mine, p, t0, t_ticket, t_claim)
                 return True
             if _push_view(old, p, me) == _WAIT:
@@ -359,9 +361,9 @@ class Ring:
                 state = old & _STATE_MASK
                 head = _Q.unpack(res[-1])[0]
                 self._soon = old >> POS_SHIFT == p - self.cap and (
-                    state == SlotState.CLAIMED_POP
-                    or state == SlotState.ORPHANED
-                    or (state == SlotState.PUBLISHED and p - self.cap < head)
+                    state == _CLAIMED_POP
+                    or state == _ORPHANED
+                    or (state == _PUBLISHED and p - self.cap < head)
                 )
                 return False
             self._ticket[PUSH] = -1
@@ -370,12 +372,12 @@ class Ring:
     def _published(
         self, old: int, mine: int, p: int, t0: float, t_ticket: float, t_claim: float
     ) -> None:
+        self._ticket[PUSH] = -1
         if old != mine:
             # Only the host changes a claimed stamp, and only after revoking us.
             raise ConnectionLost(
                 f"ring {self.name!r}: claim of position {p} was revoked before publish"
             )
-        self._ticket[PUSH] = -1
         self.stats.last_ticket_s = t_ticket - t0
         self.stats.last_claim_s = t_claim - t0
         self.stats.pushes += 1
@@ -401,50 +403,50 @@ class Ring:
         while True:
             q = self._ticket[POP]
             if q < 0:
-                q, word, orphan = self._take(POP)
+                q, word, view = self._take(POP)
                 t_ticket = time.perf_counter()
-                view = _WAIT if word < 0 else _pop_view(word, q, me)
-                if view == _READY:
+                ready = _pop_view(word, q, me) if word >= 0 else _WAIT
+                if ready == _READY:
                     # PUBLISHED(q) seen after our own ticket: claim, read, free in one batch.
                     item = self._claim(q, word, q, t0, t_ticket, optimistic=True)
                     if item is not None:
                         return item
                     word = self._last_old
-                    view = _pop_view(word, q, me)
-                if view == _SKIP:
+                    ready = _pop_view(word, q, me)
+                if ready == _SKIP:
                     self._skip_tombstone(q, word)
                     continue
-                if view != _WAIT and view != _READY:
+                if ready != _WAIT and ready != _READY:
                     self.stats.claim_retries += 1
                     continue
                 self._ticket[POP] = q
-                item = self._take_orphan(orphan, q, t0, t_ticket)
+                hint = _Q.unpack_from(view, _V_ORPHAN)[0] - 1
+                item = self._take_orphan(hint, q, t0, t_ticket)
                 if item is not None:
                     return item
             # An outstanding ticket: declare it, and claim it if it has been published.
-            expect = stamp(q, SlotState.PUBLISHED)
+            expect = q << POS_SHIFT | _PUBLISHED
             while True:
                 item = self._claim(q, expect, q, t0, t_ticket)
                 if item is not None:
                     return item
                 old = self._last_old
-                view = _pop_view(old, q, me)
-                if view != _READY:
+                ready = _pop_view(old, q, me)
+                if ready != _READY:
                     break
                 expect = old  # ORPHANED(q): the host gave our idle ticket up; try it anyway
-            if view == _WAIT:
+            if ready == _WAIT:
                 # Nothing at our position yet: the ticket stays ours. It is soon published
                 # if its producer is writing it, or holds its ticket and the slot is free.
                 state = old & _STATE_MASK
                 self._soon = old >> POS_SHIFT == q and (
-                    state == SlotState.CLAIMED_PUSH
-                    or (state == SlotState.FREE and q < self._last_tail)
+                    state == _CLAIMED_PUSH or (state == _FREE and q < self._last_tail)
                 )
                 # An ORPHANED item may be what holds the ring up (it blocks its slot's next
                 # lap): take it.
                 return self._take_orphan(self._last_hint, q, t0, t_ticket)
             self._ticket[POP] = -1
-            if view == _SKIP:
+            if ready == _SKIP:
                 self._skip_tombstone(q, old)
             else:
                 self.stats.claim_retries += 1
@@ -454,7 +456,7 @@ class Ring:
     ) -> dict[str, Any] | None:
         if orphan < 0 or orphan == q:
             return None
-        item = self._claim(orphan, stamp(orphan, SlotState.ORPHANED), q, t0, t_ticket)
+        item = self._claim(orphan, orphan << POS_SHIFT | _ORPHANED, q, t0, t_ticket)
         if item is not None:
             self.stats.orphans_taken += 1
         return item
@@ -472,8 +474,9 @@ class Ring:
         claim won, else None with the stamp it found in ``self._last_old``."""
         lay = self.layout
         stamp_off = lay.stamp_offset(pos)
-        mine = stamp(pos, SlotState.CLAIMED_POP, self.me)
-        holds = (WRITE, self._seat_off[POP], _word(seat(SeatKind.HOLDS, q)))
+        mine = pos << POS_SHIFT | self.me << STATE_BITS | _CLAIMED_POP
+        freed = (pos + self.cap) << POS_SHIFT | _FREE
+        holds = (WRITE, self._seat_off[POP], _Q.pack(q << STATE_BITS | _HOLDS))
         ops: list[Op] = []
         if not optimistic and not self._declared[POP]:
             ops.append(holds)
@@ -481,7 +484,7 @@ class Ring:
         ops.append((CAS, stamp_off, expect, mine))
         ops.append((READ, lay.payload_offset(pos), self._first_read))
         if self._free_with_claim:
-            ops.append((CAS, stamp_off, mine, stamp(pos + self.cap, SlotState.FREE)))
+            ops.append((CAS, stamp_off, mine, freed))
         if pos != q:  # whoever tries the hinted orphan clears the hint; the host renews it
             ops.append((CAS, OFF_ORPHAN_HINT, pos + 1, 0))
         elif not optimistic:  # polling our own ticket: the counters and the orphan hint
@@ -500,21 +503,21 @@ class Ring:
         t_claim = time.perf_counter()
         data: bytes = res[i + 1]
         if self._free_with_claim:
-            freed = res[i + 2]
+            was = res[i + 2]
         else:
             length = int.from_bytes(data[:4], "little")
             more = pl.HEADER_SIZE + length - len(data)
             tail: list[Op] = []
             if 0 < more <= lay.slot_size - len(data):
                 tail.append((READ, lay.payload_offset(pos) + len(data), more))
-            tail.append((CAS, stamp_off, mine, stamp(pos + self.cap, SlotState.FREE)))
+            tail.append((CAS, stamp_off, mine, freed))
             r = self._batch(tail)
             if len(r) == 2:
                 data += r[0]
-            freed = r[-1]
+            was = r[-1]
         if pos == q:
             self._ticket[POP] = -1
-        if freed != mine:
+        if was != mine:
             raise ConnectionLost(
                 f"ring {self.name!r}: claim of position {pos} was revoked before free"
             )
@@ -529,7 +532,7 @@ class Ring:
 
     def _skip_tombstone(self, q: int, word: int) -> None:
         self._skip.append(
-            (CAS, self.layout.stamp_offset(q), word, stamp(q + self.cap, SlotState.FREE))
+            (CAS, self.layout.stamp_offset(q), word, (q + self.cap) << POS_SHIFT | _FREE)
         )
         self.stats.tombstones_skipped += 1
 

@@ -143,7 +143,9 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
     return out
 
 
-def check(config: ModelConfig, workdir: Path, timeout: float = 900) -> ModelResult:
+def check(
+    config: ModelConfig, workdir: Path, timeout: float = 3600, memlim_mb: int = MEMLIM_MB
+) -> ModelResult:
     """Build and run pan for one configuration in ``workdir``."""
     workdir.mkdir(parents=True, exist_ok=True)
     shutil.copy(MODEL, workdir / MODEL.name)
@@ -158,7 +160,7 @@ def check(config: ModelConfig, workdir: Path, timeout: float = 900) -> ModelResu
             "-w",
             "-DSAFETY",
             "-DCOLLAPSE",
-            f"-DMEMLIM={MEMLIM_MB}",
+            f"-DMEMLIM={memlim_mb}",
             "-o",
             "pan",
             "pan.c",
@@ -183,10 +185,12 @@ def check(config: ModelConfig, workdir: Path, timeout: float = 900) -> ModelResu
     )
 
 
-def check_all(configs: list[ModelConfig], workdir: Path, jobs: int = 2) -> list[ModelResult]:
+def check_all(
+    configs: list[ModelConfig], workdir: Path, jobs: int = 2, memlim_mb: int = MEMLIM_MB
+) -> list[ModelResult]:
     """Run configurations ``jobs`` at a time (each is one spin, one gcc, one pan process)."""
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda c: check(c, workdir / c.name), configs))
+        return list(pool.map(lambda c: check(c, workdir / c.name, memlim_mb=memlim_mb), configs))
 
 
 def main() -> int:
@@ -194,6 +198,9 @@ def main() -> int:
     ap.add_argument("--long", action="store_true", help="also the large configurations")
     ap.add_argument("--only", action="append", help="run only this configuration (repeatable)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument(
+        "--memlim", type=int, default=MEMLIM_MB, help="MB per pan (the large ones need ~6000)"
+    )
     args = ap.parse_args()
     problem = tools_missing()
     if problem:
@@ -205,7 +212,7 @@ def main() -> int:
         if (args.only and c.name in args.only) or (not args.only and (args.long or not c.long))
     ]
     with tempfile.TemporaryDirectory(prefix="ring-model-") as tmp:
-        results = check_all(chosen, Path(tmp), args.jobs)
+        results = check_all(chosen, Path(tmp), args.jobs, args.memlim)
     for result in results:
         print(result.line())
         print(f"       {result.config.what}")
