@@ -18,10 +18,11 @@ import logging
 import os
 import sys
 
-from rings.config import ServiceConfig
-from rings.errors import DiffringError
+from contracts.config import ServiceConfig
+from contracts.errors import DiffringError
+from contracts.roles import Role
 
-SERVICES = ("controller", "encoder", "transformer", "decoder", "all")
+SERVICES = ("controller", *(role.value for role in Role), "all")
 _MODE_ALIASES = {"decode": "decoder", "encode": "encoder"}
 
 
@@ -85,12 +86,14 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_controller(cfg, token, env)
         if service == "all":
-            from controller.main import run_all
+            # The baseline composes the controller with in-process model stages: the one
+            # place that imports both sides.
+            from baseline import run_all
 
             return run_all(cfg, token, env)
         from workers.main import run_worker
 
-        return run_worker(service, cfg, token, env)
+        return run_worker(Role(service), cfg, token, env)
     except DiffringError as exc:
         logging.getLogger("diffring").error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)

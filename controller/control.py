@@ -1,5 +1,5 @@
 """The control channel server: workers register, heartbeat, claim, report progress and
-results (message layouts: :mod:`rings.messages`).
+results (message layouts: :mod:`contracts.messages`).
 
 Same framing and the same token handshake as the ring ports (:mod:`rings.wire`). A worker's
 connection is its liveness: when it drops, every lease the worker holds is revoked at once
@@ -15,9 +15,9 @@ import secrets
 import struct
 from typing import Any
 
+from contracts.messages import CONTROL_RING, Op
 from controller.coordinator import ControlError, Coordinator, WorkerInfo
 from rings import wire
-from rings.messages import CONTROL_RING, Op
 from rings.ports import bind_error
 
 log = logging.getLogger("diffring.controller.control")

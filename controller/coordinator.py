@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts.errors import DiffringError
+from contracts.roles import Role
 from controller.tasks import TERMINAL, Stage, Task, TaskTable
-from rings.errors import DiffringError
 from rings.ring import Ring
 
 log = logging.getLogger("diffring.controller")
@@ -38,7 +39,7 @@ class ControlError(DiffringError):
 @dataclass
 class WorkerInfo:
     worker_id: int
-    role: str
+    role: Role
     name: str
     pid: int
     segment: str
@@ -162,11 +163,13 @@ class Coordinator:
                 f"this controller serves pipeline {self.pipeline!r}; worker {name} is "
                 f"configured for {pipeline!r}"
             )
-        if role not in ("encoder", "transformer", "decoder"):
-            raise ControlError(f"unknown worker role {role!r}")
+        try:
+            known = Role(role)
+        except ValueError:
+            raise ControlError(f"unknown worker role {role!r}") from None
         wid = self._next_worker
         self._next_worker += 1
-        info = WorkerInfo(wid, role, name, pid, segment, pipeline)
+        info = WorkerInfo(wid, known, name, pid, segment, pipeline)
         self.workers[wid] = info
         log.info("worker %d registered: %s %s pid=%d segment=%s", wid, role, name, pid, segment)
         return info
@@ -188,7 +191,7 @@ class Coordinator:
             t = self.table.get(tid)
             if t is None or t.cancel_requested or t.stage in TERMINAL:
                 cancel.append(tid)
-        past = {"encoder": (Stage.PHASE2, Stage.DECODING), "transformer": ()}
+        past = {Role.ENCODER: (Stage.PHASE2, Stage.DECODING), Role.TRANSFORMER: ()}
         drop = []
         for tid, attempt in staged:
             t = self.table.get(tid)
@@ -369,7 +372,7 @@ class Coordinator:
         self._drain_requeue()
 
     def workers_by_role(self) -> dict[str, list[dict[str, Any]]]:
-        out: dict[str, list[dict[str, Any]]] = {"encoder": [], "transformer": [], "decoder": []}
+        out: dict[str, list[dict[str, Any]]] = {role.value: [] for role in Role}
         for w in self.workers.values():
             out.setdefault(w.role, []).append(w.public())
         return out

@@ -21,13 +21,10 @@ from typing import Any
 
 import httpx
 
+from contracts.pipelines import TASK_SPECS
+from contracts.roles import Role
+
 ROOT = Path(__file__).resolve().parent.parent
-PIPELINES = {
-    "wan_t2v": ("wan2.1", "t2v"),
-    "wan_i2v": ("wan2.1", "i2v"),
-    "qwen_t2i": ("qwen_image", "t2i"),
-    "qwen_i2i": ("qwen_image", "i2i"),
-}
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -53,7 +50,7 @@ def group_config(
     **overrides: Any,
 ) -> dict[str, Any]:
     """One config file for every role of a group (each service reads what it needs)."""
-    model_cls, task = PIPELINES[pipeline]
+    spec = TASK_SPECS[pipeline]
     p = dict(ports or {})
     if not p:
         ctl, req, ph1, ph2, http = free_ports(5)
@@ -69,8 +66,8 @@ def group_config(
     }
     disagg.update(overrides.pop("disagg_config", {}))
     cfg: dict[str, Any] = {
-        "model_cls": model_cls,
-        "task": task,
+        "model_cls": spec.model_cls,
+        "task": spec.task,
         "model_path": str(model_path),
         "output_dir": str(workdir / "results"),
         # Several CPU workers share the cores of one machine here: one thread each.
@@ -170,14 +167,11 @@ class LocalGroup:
     def start_all(self, encoders: int = 1, transformers: int = 1, decoders: int = 1) -> None:
         self.start("controller")
         self.wait_http()
-        for role, n in (
-            ("encoder", encoders),
-            ("transformer", transformers),
-            ("decoder", decoders),
-        ):
+        counts = {Role.ENCODER: encoders, Role.TRANSFORMER: transformers, Role.DECODER: decoders}
+        for role, n in counts.items():
             for _ in range(n):
                 self.start(role)
-        self.wait_workers({"encoder": encoders, "transformer": transformers, "decoder": decoders})
+        self.wait_workers({role.value: n for role, n in counts.items()})
 
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM workers first (they drain), then the controller; kill what lingers."""
@@ -223,7 +217,7 @@ def wait_task(url: str, task_id: str, timeout: float = 600) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="run a local group until Ctrl+C")
-    ap.add_argument("--pipeline", choices=sorted(PIPELINES), required=True)
+    ap.add_argument("--pipeline", choices=sorted(TASK_SPECS), required=True)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--workdir", default="out/group")
     ap.add_argument("--encoders", type=int, default=1)

@@ -11,11 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.requests import Request
 from starlette.responses import Response
 
+from contracts.metrics import DURATION_BUCKETS, CallbackCollector, Sample
+from contracts.roles import Role
 from controller.coordinator import Coordinator
 from controller.tasks import Task
-from workers.metrics import DURATION_BUCKETS, CallbackCollector
-
-Sample = tuple[str, str, dict[str, str], float]
 
 
 class ControllerMetrics:
@@ -57,7 +56,7 @@ class ControllerMetrics:
         yield ("diffring_tasks_in_flight", "Tasks accepted and not finished", {},
                float(self.co.table.in_flight()))
         now = time.time()
-        roles: dict[str, int] = {"encoder": 0, "transformer": 0, "decoder": 0}
+        roles: dict[str, int] = dict.fromkeys(Role, 0)
         for w in self.co.workers.values():
             roles[w.role] = roles.get(w.role, 0) + 1
             yield ("diffring_worker_heartbeat_age_seconds", "Seconds since a worker's last "

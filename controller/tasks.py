@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from contracts.roles import Role
+
 log = logging.getLogger("diffring.controller.tasks")
 
 MAX_ATTEMPTS = 3
@@ -46,18 +48,18 @@ class Stage(enum.StrEnum):
 TERMINAL = {Stage.COMPLETED, Stage.FAILED, Stage.CANCELLED}
 # The stage a task is in while a worker of each role holds it, and after its handoff.
 WORKING_STAGE = {
-    "encoder": Stage.ENCODING,
-    "transformer": Stage.DENOISING,
-    "decoder": Stage.DECODING,
+    Role.ENCODER: Stage.ENCODING,
+    Role.TRANSFORMER: Stage.DENOISING,
+    Role.DECODER: Stage.DECODING,
 }
-HANDOFF_STAGE = {"encoder": Stage.PHASE1, "transformer": Stage.PHASE2}
+HANDOFF_STAGE = {Role.ENCODER: Stage.PHASE1, Role.TRANSFORMER: Stage.PHASE2}
 # Which stages a claim of each role is valid from. A worker publishes to the next ring
 # before its handoff message reaches the controller, so the next stage may claim the ring
 # item first: the item itself proves the handoff, and the late message is then ignored.
 CLAIMABLE_FROM = {
-    "encoder": (Stage.QUEUED,),
-    "transformer": (Stage.PHASE1, Stage.ENCODING),
-    "decoder": (Stage.PHASE2, Stage.DENOISING),
+    Role.ENCODER: (Stage.QUEUED,),
+    Role.TRANSFORMER: (Stage.PHASE1, Stage.ENCODING),
+    Role.DECODER: (Stage.PHASE2, Stage.DENOISING),
 }
 
 
@@ -275,7 +277,7 @@ class TaskTable:
         self._set(task, Stage.QUEUED)
 
     def claim(
-        self, task_id: str, attempt: int, role: str, worker: str, worker_id: int, lease_s: float
+        self, task_id: str, attempt: int, role: Role, worker: str, worker_id: int, lease_s: float
     ) -> tuple[bool, str]:
         """A worker claimed this task from its ring: may it go on?"""
         task = self.tasks.get(task_id)
@@ -309,7 +311,7 @@ class TaskTable:
         task.step, task.steps = step, steps
         task.updated_at = time.time()
 
-    def handoff(self, task: Task, role: str) -> None:
+    def handoff(self, task: Task, role: Role) -> None:
         task.worker_id = None
         task.lease_expires = None
         self._set(task, HANDOFF_STAGE[role])

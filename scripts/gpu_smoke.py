@@ -96,7 +96,7 @@ if _TRACE_DIR:
         return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                 "device": str(t.device), "nbytes": t.numel() * t.element_size()}
 
-    def _patch_staging(m):
+    def _patch_pool(m):
         orig_start = m.StagingPool.start
         def start(self, engine):
             orig_start(self, engine)
@@ -106,6 +106,7 @@ if _TRACE_DIR:
                   capacity=self.capacity, base_addr=hex(buf.data_ptr()))
         m.StagingPool.start = start
 
+    def _patch_handoff(m):
         orig_stage = m.stage_tensors
         @functools.wraps(orig_stage)
         def stage_tensors(pool, engine, tensors, **kw):
@@ -147,17 +148,17 @@ if _TRACE_DIR:
         m.TransferEngine.read = read
 
     def _patch_stages(m):
-        orig_encode = m.EncoderStage.encode
+        orig_encode = m.WanEncoder.encode
         def encode(self, req, image_bytes=None):
             _sync(); t0 = time.perf_counter()
             out = orig_encode(self, req, image_bytes)
             _sync(); dt = time.perf_counter() - t0
-            _emit("encode", seconds=round(dt, 6), device=self.device, dtype=self.dtype,
+            _emit("encode", seconds=round(dt, 6), device=self.device_name, dtype=self.dtype_name,
                   peak_gib=_peak_gib(), tensors={k: _tinfo(v) for k, v in out.items()})
             return out
-        m.EncoderStage.encode = encode
+        m.WanEncoder.encode = encode
 
-        orig_denoise = m.TransformerStage.denoise
+        orig_denoise = m.WanTransformer.denoise
         def denoise(self, req, tensors, on_step=None, should_stop=None):
             steps = []
             _sync(); t0 = time.perf_counter()
@@ -169,22 +170,23 @@ if _TRACE_DIR:
                     on_step(k, n)
             out = orig_denoise(self, req, tensors, on_step=wrapped, should_stop=should_stop)
             _sync(); dt = time.perf_counter() - t0
-            _emit("denoise", seconds=round(dt, 6), step_seconds=steps, device=self.device,
-                  dtype=self.dtype, attention=self.attention, peak_gib=_peak_gib(),
+            _emit("denoise", seconds=round(dt, 6), step_seconds=steps, device=self.device_name,
+                  dtype=self.dtype_name, attention=self.attention, peak_gib=_peak_gib(),
                   guidance_scale=req.guidance_scale,
                   tensors={k: _tinfo(v) for k, v in out.items()})
             return out
-        m.TransformerStage.denoise = denoise
+        m.WanTransformer.denoise = denoise
 
-        orig_decode = m.DecoderStage.decode
+    def _patch_base(m):
+        orig_decode = m.DecoderAdapter.decode
         def decode(self, req, tensors):
             _sync(); t0 = time.perf_counter()
             art = orig_decode(self, req, tensors)
             dt = time.perf_counter() - t0
-            _emit("decode", seconds=round(dt, 6), device=self.device, dtype=self.dtype,
+            _emit("decode", seconds=round(dt, 6), device=self.device_name, dtype=self.dtype_name,
                   peak_gib=_peak_gib(), result_bytes=len(art.data), media_type=art.media_type)
             return art
-        m.DecoderStage.decode = decode
+        m.DecoderAdapter.decode = decode
 
     def _patch_wan(m):
         orig = m.WanDecoder.decode_float
@@ -208,9 +210,13 @@ if _TRACE_DIR:
             return data
         m.encode_mp4 = encode_mp4
 
-    _PATCHES = {"workers.staging": _patch_staging, "workers.transfer": _patch_transfer,
-                "workers.models.stages": _patch_stages, "workers.models.wan": _patch_wan,
-                "workers.models.media": _patch_media}
+    def _patch_wan_module(m):
+        _patch_stages(m)
+        _patch_wan(m)
+
+    _PATCHES = {"tensorplane.pool": _patch_pool, "tensorplane.handoff": _patch_handoff,
+                "tensorplane.engine": _patch_transfer, "workers.models.base": _patch_base,
+                "workers.models.wan": _patch_wan_module, "workers.models.media": _patch_media}
 
     class _Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):

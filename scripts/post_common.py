@@ -20,48 +20,66 @@ from typing import Any
 
 import httpx
 
-MAX_IMAGE_BYTES = 32 << 20  # the front door's limit (controller/frontdoor.py)
+MAX_IMAGE_BYTES = 32 << 20  # the front door's limit (controller/schemas.py)
 TERMINAL = ("completed", "failed", "cancelled")
+
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # the request scripts run from anywhere
+    sys.path.insert(0, str(REPO))
+
+from contracts.pipelines import TaskSpec, task_spec  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Pipeline:
-    name: str
-    kind: str  # "video" or "image": the front door's endpoint
+    """A pipeline's example group: its front door and a sample prompt. What the pipeline
+    itself is (image or video, input image or not) comes from its :class:`TaskSpec`."""
+
+    spec: TaskSpec
     port: int  # front door of the example group (configs/disagg/)
-    needs_image: bool
     prompt: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kind(self) -> str:
+        """The front door's endpoint: ``video`` or ``image``."""
+        return self.spec.output
+
+    @property
+    def needs_image(self) -> bool:
+        return self.spec.needs_image
 
 
 PIPELINES = {
-    "wan_t2v": Pipeline(
-        name="wan_t2v",
-        kind="video",
-        port=8002,
-        needs_image=False,
-        prompt="Two anthropomorphic cats in boxing gear fight on a spotlighted stage.",
-    ),
-    "wan_i2v": Pipeline(
-        name="wan_i2v",
-        kind="video",
-        port=8004,
-        needs_image=True,
-        prompt="The cat in the picture turns its head and looks into the camera, soft daylight.",
-    ),
-    "qwen_t2i": Pipeline(
-        name="qwen_t2i",
-        kind="image",
-        port=8008,
-        needs_image=False,
-        prompt="A coffee shop entrance with a chalkboard sign, warm morning light.",
-    ),
-    "qwen_i2i": Pipeline(
-        name="qwen_i2i",
-        kind="image",
-        port=8012,
-        needs_image=True,
-        prompt="Change the background to a snowy mountain landscape, keep the subject unchanged.",
-    ),
+    p.name: p
+    for p in (
+        Pipeline(
+            task_spec("wan_t2v"),
+            port=8002,
+            prompt="Two anthropomorphic cats in boxing gear fight on a spotlighted stage.",
+        ),
+        Pipeline(
+            task_spec("wan_i2v"),
+            port=8004,
+            prompt="The cat in the picture turns its head and looks into the camera, soft "
+            "daylight.",
+        ),
+        Pipeline(
+            task_spec("qwen_t2i"),
+            port=8008,
+            prompt="A coffee shop entrance with a chalkboard sign, warm morning light.",
+        ),
+        Pipeline(
+            task_spec("qwen_i2i"),
+            port=8012,
+            prompt="Change the background to a snowy mountain landscape, keep the subject "
+            "unchanged.",
+        ),
+    )
 }
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rings.config import DEFAULT_TOKEN, DisaggConfig, ServiceConfig
-from rings.errors import ConfigError, DiffringError
+from contracts.config import DEFAULT_TOKEN, DisaggConfig, ServiceConfig
+from contracts.errors import ConfigError, DiffringError
 from run_service import _parse, build_config
 
 

@@ -106,7 +106,8 @@ def test_disaggregated_equals_baseline(pipeline: str, tiny_models: Path, input_p
 
 def test_many_to_many(tiny_models: Path, workdir: Path) -> None:
     """2 encoders, 3 transformers, 2 decoders, 12 concurrent requests: each completes once."""
-    from workers.models import GenerationRequest, LocalPipeline
+    from contracts.request import GenerationRequest
+    from workers.models import LocalPipeline
 
     pipeline, n = "qwen_t2i", 12
     ref = LocalPipeline(tiny_models / pipeline, pipeline)

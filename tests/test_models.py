@@ -21,16 +21,18 @@ import torch
 # Tiny ops on a busy 2-core machine get hundreds of times slower with extra threads.
 torch.set_num_threads(1)
 
-from workers.models import (  # noqa: E402  (after the thread setting, on purpose)
-    TASKS,
-    DecoderStage,
-    EncoderStage,
-    GenerationRequest,
+from contracts.errors import (  # noqa: E402  (after the thread setting, on purpose)
     InvalidRequestError,
     ModelLoadError,
     StageCancelled,
     StageInputError,
-    TransformerStage,
+)
+from contracts.pipelines import TASKS  # noqa: E402
+from contracts.request import GenerationRequest  # noqa: E402
+from workers.models import (  # noqa: E402
+    DecoderAdapter,
+    EncoderAdapter,
+    TransformerAdapter,
     get_family,
     run_pipeline,
 )
@@ -77,14 +79,16 @@ def _load_script() -> Any:
 
 
 _STAGES: dict[tuple[str, str, str], Any] = {}
+ADAPTERS: dict[str, Any] = {
+    "encoder": EncoderAdapter, "transformer": TransformerAdapter, "decoder": DecoderAdapter
+}
 
 
 def stage(kind: str, models: Path, task: str, dtype: str = "float32") -> Any:
     """Loaded stages, cached for the session (loading is the slow part of small tests)."""
     key = (kind, task, dtype)
     if key not in _STAGES:
-        cls = {"encoder": EncoderStage, "transformer": TransformerStage, "decoder": DecoderStage}
-        obj = cls[kind](models / task, task, device="cpu", dtype=dtype)
+        obj = ADAPTERS[kind].for_task(models / task, task, device="cpu", dtype=dtype)
         obj.load()
         _STAGES[key] = obj
     return _STAGES[key]
@@ -115,7 +119,7 @@ def diffusers_reference(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     extra: dict[str, Any] = {}
     if task == "qwen_i2i":
-        from workers.models.qwen import QwenEditProcessor
+        from workers.models.qwen_text import QwenEditProcessor
 
         extra["processor"] = QwenEditProcessor.from_pretrained(models / task / "processor")
     pipeline_cls = getattr(diffusers, get_family(task).pipeline_class)
@@ -312,8 +316,7 @@ def _partial_folder(src: Path, dst: Path, parts: list[str]) -> Path:
 
 
 def _make_stage(kind: str, folder: Path, task: str) -> Any:
-    cls = {"encoder": EncoderStage, "transformer": TransformerStage, "decoder": DecoderStage}
-    return cls[kind](folder, task)
+    return ADAPTERS[kind].for_task(folder, task)
 
 
 @pytest.mark.parametrize(("kind", "task"), sorted(OWN_COMPONENTS))
@@ -334,30 +337,30 @@ def test_stage_loads_only_its_components(
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:
-    stage_ = DecoderStage(tmp_path / "nowhere", "wan_t2v")  # constructor does no I/O
+    stage_ = DecoderAdapter.for_task(tmp_path / "nowhere", "wan_t2v")  # constructor does no I/O
     with pytest.raises(ModelLoadError, match="does not exist"):
         stage_.load()
 
 
 def test_wrong_dit_for_task(tiny_models: Path) -> None:
     with pytest.raises(ModelLoadError, match="is a T2V DiT, but the task is wan_i2v"):
-        TransformerStage(tiny_models / "wan_t2v", "wan_i2v").load()
+        TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_i2v").load()
 
 
 def test_stage_settings_are_checked(tiny_models: Path) -> None:
     with pytest.raises(ModelLoadError, match="dtype must be one of float32, bfloat16"):
-        EncoderStage(tiny_models / "wan_t2v", "wan_t2v", dtype="float64")
+        EncoderAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", dtype="float64")
     with pytest.raises(ModelLoadError, match="device must be"):
-        EncoderStage(tiny_models / "wan_t2v", "wan_t2v", device="gpu0")
+        EncoderAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", device="gpu0")
     with pytest.raises(ModelLoadError, match="unknown task 'sdxl'"):
-        DecoderStage(tiny_models / "wan_t2v", "sdxl")
+        DecoderAdapter.for_task(tiny_models / "wan_t2v", "sdxl")
     with pytest.raises(ModelLoadError, match="unknown attention backend 'xformers'"):
-        TransformerStage(tiny_models / "wan_t2v", "wan_t2v", attention="xformers")
+        TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", attention="xformers")
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="CUDA is not available"):
-            DecoderStage(tiny_models / "wan_t2v", "wan_t2v", device="cuda:0").load()
+            DecoderAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", device="cuda:0").load()
     with pytest.raises(ModelLoadError, match="call load"):
-        EncoderStage(tiny_models / "wan_t2v", "wan_t2v").encode(small_request("wan_t2v"))
+        EncoderAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v").encode(small_request("wan_t2v"))
 
 
 @pytest.mark.parametrize(
@@ -369,7 +372,7 @@ def test_attention_backend_unavailable_names_the_package(
     module = package.replace("-", "_")
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{package} is installed here")
-    dit = TransformerStage(tiny_models / "qwen_t2i", "qwen_t2i", attention=backend)
+    dit = TransformerAdapter.for_task(tiny_models / "qwen_t2i", "qwen_t2i", attention=backend)
     with pytest.raises(ModelLoadError, match=f"needs the '{package}' package.*pip install"):
         dit.load()
 

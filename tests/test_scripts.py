@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from rings.config import ServiceConfig
+from contracts.config import ServiceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs" / "disagg"
@@ -132,7 +132,7 @@ def test_inconsistent_group_is_refused(tmp_path: Path) -> None:
 
 
 def test_mooncake_config_file() -> None:
-    from workers.transfer import MooncakeSettings
+    from tensorplane.engine import MooncakeSettings
 
     path = ROOT / "configs" / "mooncake_config.json"
     assert json.loads(path.read_text()) == {
@@ -150,7 +150,7 @@ def test_mooncake_config_file() -> None:
 def test_readme_documents_every_config_field() -> None:
     import dataclasses
 
-    from rings.config import DisaggConfig, ServerConfig
+    from contracts.config import DisaggConfig, ServerConfig
 
     readme = (ROOT / "README.md").read_text()
     start = readme.index("## Configuration reference")

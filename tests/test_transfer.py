@@ -1,4 +1,4 @@
-"""Tests of workers.transfer / workers.staging.
+"""Tests of the tensor plane (tensorplane: engine, pool, descriptors, handoff).
 
 Unit tests run in-process; the integration tests start a producer process (this file run as
 ``python tests/test_transfer.py producer``) that stages tensors in its pool and prints their
@@ -30,23 +30,18 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the producer runs this file as a script
     sys.path.insert(0, str(REPO))
 
-from workers.staging import ALIGN, checksum  # noqa: E402
-from workers.transfer import (  # noqa: E402
+from tensorplane.descriptor import TensorDescriptor, checksum  # noqa: E402
+from tensorplane.engine import MooncakeSettings, TransferEngine, rdma_devices  # noqa: E402
+from tensorplane.errors import (  # noqa: E402
     ChecksumMismatch,
     DescriptorError,
     MooncakeConfigError,
-    MooncakeSettings,
     PoolExhausted,
     RequestTooLarge,
-    StagingPool,
-    TensorDescriptor,
-    TransferEngine,
     TransferFailed,
-    pull_tensors,
-    rdma_devices,
-    stage_bytes,
-    stage_tensors,
 )
+from tensorplane.handoff import pull_tensors, stage_bytes, stage_tensors  # noqa: E402
+from tensorplane.pool import ALIGN, StagingPool  # noqa: E402
 
 IMAGE_BYTES = bytes(range(256)) * 40 + b"tail"  # odd length, stands in for an encoded image
 

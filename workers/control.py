@@ -1,4 +1,4 @@
-"""The worker's end of the control channel (message layouts: :mod:`rings.messages`).
+"""The worker's end of the control channel (message layouts: :mod:`contracts.messages`).
 
 One TCP connection per worker, authenticated like the ring ports. Calls are synchronous
 request/reply and thread-safe (the pull loop and the heartbeat thread share it).
@@ -10,16 +10,12 @@ import logging
 import threading
 from typing import Any
 
+from contracts.errors import ConnectionLost, ControlRefused
+from contracts.messages import CONTROL_RING, Op
 from rings import wire
-from rings.errors import ConnectionLost, DiffringError
-from rings.messages import CONTROL_RING, Op
 from rings.tcp import handshake, open_socket, recv_frame
 
 log = logging.getLogger("diffring.worker.control")
-
-
-class ControlRefused(DiffringError):
-    """The controller answered a control request with an error."""
 
 
 class ControlClient:

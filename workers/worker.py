@@ -1,19 +1,21 @@
-"""Pull workers: one class per role over one shared loop.
+"""The pull loop every worker runs, one task at a time (:meth:`StageWorker.step`):
 
-The loop, for one task (``StageWorker.step``):
-  1. claim    pop a slot from the role's input ring; tell the controller (lease starts);
-              a refused claim (cancelled, stale attempt) releases the inputs and moves on
+  1. claim    pop a slot from the role's input ring; tell the controller (its lease on the
+              task starts); a refused claim releases the inputs and moves on
   2. fetch    pull the input tensors from the producer's pool with Mooncake, verify them,
-              release the producer's buffers
-  3. compute  the role's model stage
+              release the producer's buffers                    (role: ``fetch_inputs``)
+  3. compute  the role's model stage                            (role: ``compute``)
   4. publish  stage the outputs in this worker's pool and push their descriptors to the
               next ring (blocking while it is full: backpressure), or, for the decoder,
-              write the result and send it to the controller
-  5. release  report the handoff (lease ends); forget the task
+              write the result file                             (role: ``publish``)
+  5. release  tell the controller the task left this worker (handoff, or the completed
+              result): the lease ends                           (role: ``release``)
 
-Lifecycle: RUNNING -> DRAINING (SIGTERM/SIGINT: finish the claimed task, claim nothing new)
--> STOPPED. A fatal error (lost ring or control connection, model failure at start) is
-reported to the controller before exiting, so the worker's leases are revoked at once.
+The role classes (:mod:`workers.roles`) fill in steps 2-5; the claim, the failure path and
+the lifecycle are shared. Lifecycle: RUNNING -> DRAINING (SIGTERM/SIGINT: finish the claimed
+task, claim nothing new) -> STOPPED. A fatal error (lost ring or control connection, model
+failure at start) is reported to the controller before exiting, so the worker's leases are
+revoked at once.
 """
 
 from __future__ import annotations
@@ -27,16 +29,32 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from rings.config import ServiceConfig
-from rings.errors import ConnectionLost, DiffringError, PayloadCorrupt, RingFull, StageError
-from rings.messages import STAGE_INPUT_KIND, STAGE_RINGS, Op, Stage
+from contracts.config import ServiceConfig
+from contracts.errors import (
+    ConnectionLost,
+    ControlRefused,
+    DiffringError,
+    ModelError,
+    PayloadCorrupt,
+    RingFull,
+    StageCancelled,
+    StageError,
+    TransferError,
+)
+from contracts.messages import ROLE_INPUT_KIND, Op
+from contracts.metrics import serve_metrics
+from contracts.roles import ROLE_RINGS, Role
 from rings.ring import Ring
 from rings.verbs import connect
-from workers.control import ControlClient, ControlRefused
-from workers.metrics import WorkerMetrics, serve_metrics
+from tensorplane.descriptor import TensorDescriptor
+from tensorplane.engine import MooncakeSettings, TransferEngine
+from tensorplane.handoff import pull_tensors
+from tensorplane.pool import StagingPool
+from workers.control import ControlClient
+from workers.metrics import WorkerMetrics
+from workers.models.base import StageAdapter
 
 log = logging.getLogger("diffring.worker")
 
@@ -47,6 +65,15 @@ class State(enum.Enum):
     RUNNING = "running"
     DRAINING = "draining"
     STOPPED = "stopped"
+
+
+class Idle(enum.Enum):
+    """What :meth:`StageWorker.claim` returns when there is no task to run."""
+
+    EMPTY = "empty"
+    """The input ring had nothing."""
+    SKIPPED = "skipped"
+    """An item was taken from the ring but is not this worker's to run."""
 
 
 class TaskDropped(Exception):
@@ -61,12 +88,18 @@ class Job:
     attempt: int
     item: dict[str, Any]
     cancel: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    """What the publish step leaves for the release step (the decoder's result)."""
 
 
 class StageWorker:
-    """Shared pull loop. Subclasses set ``role`` and implement ``load_model`` / ``process``."""
+    """The shared pull loop. A role class sets ``role`` and ``adapter`` and fills in the
+    steps ``fetch_inputs``, ``compute``, ``publish``, ``release``."""
 
-    role: Stage
+    role: ClassVar[Role]
+    adapter: ClassVar[type[StageAdapter]]
+    """The stage adapter interface of this role; the task picks the family's class."""
+    stage: Any
 
     def __init__(self, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> None:
         self.cfg = cfg
@@ -77,7 +110,7 @@ class StageWorker:
         self._wake = threading.Event()
         self.current: Job | None = None
         # (task_id, attempt) -> descriptors of outputs staged for the next stage.
-        self.staged: dict[tuple[str, int], list[Any]] = {}
+        self.staged: dict[tuple[str, int], list[TensorDescriptor]] = {}
         self._staged_lock = threading.Lock()
         self.control = ControlClient(
             cfg.disagg_config.bootstrap_addr, cfg.disagg_config.control_port, token
@@ -100,9 +133,6 @@ class StageWorker:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Load the model, start Mooncake, join the rings and register with the controller."""
-        from workers.staging import StagingPool
-        from workers.transfer import MooncakeSettings, TransferEngine
-
         srv = self.cfg.server
         if srv.metric_port is not None:
             self._metrics_server = serve_metrics(
@@ -124,7 +154,7 @@ class StageWorker:
 
     def _connect(self) -> None:
         """Join the rings and register with the controller; start heartbeating."""
-        in_name, out_name = STAGE_RINGS[self.role]
+        in_name, out_name = ROLE_RINGS[self.role]
         self.in_ring = self._join(in_name)
         if out_name is not None:
             self.out_ring = self._join(out_name)
@@ -288,44 +318,20 @@ class StageWorker:
     # -- one task --------------------------------------------------------------------------------
     def step(self) -> bool:
         """Claim and process at most one task; False when the input ring was empty."""
-        assert self.in_ring is not None
-        # 1. claim
-        try:
-            item = self.in_ring.try_pop()
-        except PayloadCorrupt as exc:
-            log.error("worker %s: dropped a corrupt %s slot: %s", self.name, self.in_ring.name, exc)
-            return True
-        if item is None:
-            return False
-        self.metrics.claim_seconds.labels(self.in_ring.name, "pop").observe(
-            self.in_ring.stats.last_claim_s
-        )
-        if item.get("kind") != STAGE_INPUT_KIND[self.role]:
-            log.error(
-                "worker %s: unexpected %r item in ring %s",
-                self.name,
-                item.get("kind"),
-                self.in_ring.name,
-            )
-            return True
-        job = Job(str(item["task_id"]), int(item["attempt"]), item)
-        reply = self.control.call(
-            Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
-        )
-        if not reply["proceed"]:
-            log.info(
-                "task %s stage=%s worker=%s dropped: %s",
-                job.task_id,
-                self.role.value,
-                self.name,
-                reply.get("reason"),
-            )
-            self.release_inputs(job)
-            return True
+        job = self.claim()  # 1. claim
+        if isinstance(job, Idle):
+            return job is Idle.SKIPPED
         self.current = job
         t0 = time.monotonic()
         try:
-            self.process(job)
+            with self.timed("fetch"):
+                inputs = self.fetch_inputs(job)  # 2. fetch
+            self.check_cancel(job)
+            with self.timed("compute"):
+                outputs = self.compute(job, inputs)  # 3. compute
+            self.check_cancel(job)
+            self.publish(job, outputs)  # 4. publish
+            self.release(job)  # 5. release
         except TaskDropped as exc:
             self.metrics.tasks.labels(self.role.value, "cancelled").inc()
             self._fail(job, str(exc), "cancelled", retryable=False)
@@ -346,11 +352,78 @@ class StageWorker:
             self.current = None
         return True
 
+    def claim(self) -> Job | Idle:
+        """Step 1: pop one item from the input ring and claim its task at the controller."""
+        assert self.in_ring is not None
+        try:
+            item = self.in_ring.try_pop()
+        except PayloadCorrupt as exc:
+            log.error("worker %s: dropped a corrupt %s slot: %s", self.name, self.in_ring.name, exc)
+            return Idle.SKIPPED
+        if item is None:
+            return Idle.EMPTY
+        self.metrics.claim_seconds.labels(self.in_ring.name, "pop").observe(
+            self.in_ring.stats.last_claim_s
+        )
+        if item.get("kind") != ROLE_INPUT_KIND[self.role]:
+            log.error(
+                "worker %s: unexpected %r item in ring %s",
+                self.name,
+                item.get("kind"),
+                self.in_ring.name,
+            )
+            return Idle.SKIPPED
+        job = Job(str(item["task_id"]), int(item["attempt"]), item)
+        reply = self.control.call(
+            Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
+        )
+        if not reply["proceed"]:
+            log.info(
+                "task %s stage=%s worker=%s dropped: %s",
+                job.task_id,
+                self.role.value,
+                self.name,
+                reply.get("reason"),
+            )
+            self.release_inputs(job)
+            return Idle.SKIPPED
+        return job
+
+    # -- steps 2-5: the role classes fill these in ---------------------------------------------
+    def fetch_inputs(self, job: Job) -> Any:
+        """Step 2: the inputs of ``compute``, pulled from the producer."""
+        raise NotImplementedError
+
+    def compute(self, job: Job, inputs: Any) -> Any:
+        """Step 3: run the role's model stage."""
+        raise NotImplementedError
+
+    def publish(self, job: Job, outputs: Any) -> None:
+        """Step 4: hand the outputs on (next ring, or the result file)."""
+        raise NotImplementedError
+
+    def release(self, job: Job) -> None:
+        """Step 5: tell the controller the task has left this worker; the lease ends."""
+        raise NotImplementedError
+
+    def load_model(self) -> None:
+        """Construct and load this role's model stage (before joining the rings)."""
+        self.stage = self.adapter.for_task(
+            self.model_path(),
+            self.cfg.pipeline,
+            self.cfg.device,
+            self.cfg.dtype,
+            **self.adapter_options(),
+        )
+        self.stage.load()
+
+    def adapter_options(self) -> dict[str, Any]:
+        """Role-specific settings of the stage adapter."""
+        return {}
+
+    # -- failure path ------------------------------------------------------------------------------
     def describe_failure(self, exc: Exception) -> tuple[str, str, bool]:
         """(message, error_type, retryable) of a task failure."""
-        from workers.models import ModelError, StageCancelled
-        from workers.transfer import TransferError
-
         if isinstance(exc, StageCancelled):
             return str(exc), "cancelled", False
         if isinstance(exc, TransferError | ConnectionLost | RingFull):
@@ -384,9 +457,7 @@ class StageWorker:
             log.error("controller refused the failure report of %s: %s", job.task_id, exc)
 
     # -- helpers for the roles ---------------------------------------------------------------------
-    def descriptors(self, job: Job) -> list[Any]:
-        from workers.staging import TensorDescriptor
-
+    def descriptors(self, job: Job) -> list[TensorDescriptor]:
         return [TensorDescriptor.from_dict(d) for d in job.item.get("tensors", [])]
 
     def release_inputs(self, job: Job) -> None:
@@ -396,14 +467,12 @@ class StageWorker:
             self.pool.release_producers(self.engine, descs, task_id=job.task_id)
 
     def pull(self, job: Job) -> dict[str, Any]:
-        from workers.staging import pull_tensors
-
+        """Pull the job's input tensors onto this worker's device (and release them)."""
         descs = self.descriptors(job)
         t0 = time.monotonic()
-        with self.timed("fetch"):
-            out = pull_tensors(
-                self.engine, self.pool, descs, device=self.cfg.device, task_id=job.task_id
-            )
+        out = pull_tensors(
+            self.engine, self.pool, descs, device=self.cfg.device, task_id=job.task_id
+        )
         self.metrics.transfer_seconds.labels("pull").observe(time.monotonic() - t0)
         self.metrics.transfer_bytes.labels("pull").inc(sum(d.nbytes for d in descs))
         return out
@@ -412,40 +481,6 @@ class StageWorker:
         if job.cancel.is_set():
             raise TaskDropped(f"task {job.task_id} cancelled")
 
-    def publish(self, job: Job, kind: str, tensors: Mapping[str, Any]) -> None:
-        """Stage ``tensors`` and push their descriptors to the next ring (backpressure)."""
-        from workers.staging import stage_tensors
-
-        assert self.out_ring is not None
-        with self.timed("stage"):
-            descs = stage_tensors(self.pool, self.engine, dict(tensors), task_id=job.task_id)
-        key = (job.task_id, job.attempt)
-        with self._staged_lock:
-            self.staged[key] = descs
-        payload = {
-            "kind": kind,
-            "task_id": job.task_id,
-            "attempt": job.attempt,
-            "pipeline": job.item["pipeline"],
-            "request": job.item["request"],
-            "tensors": [d.to_dict() for d in descs],
-            "producer": self.name,
-        }
-        body = self.out_ring.encode(payload)
-        delay = 0.001
-        with self.timed("publish"):
-            while not self.out_ring.try_push_body(body):
-                self.check_cancel(job)  # a cancelled task gives its place up
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-        self.metrics.claim_seconds.labels(self.out_ring.name, "push").observe(
-            self.out_ring.stats.last_claim_s
-        )
-        self.control.call(
-            Op.HANDOFF, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
-        )
-
-    # -- role hooks --------------------------------------------------------------------------------
     def model_path(self) -> str:
         if not self.cfg.model_path:
             raise StageError(f"{self.role.value} worker needs model_path (config or --model_path)")
@@ -453,126 +488,3 @@ class StageWorker:
 
     def pool_device(self) -> str:
         return self.cfg.device
-
-    def load_model(self) -> None:
-        raise NotImplementedError
-
-    def process(self, job: Job) -> None:
-        raise NotImplementedError
-
-
-class EncoderWorker(StageWorker):
-    role = Stage.ENCODER
-
-    def load_model(self) -> None:
-        from workers.models import EncoderStage
-
-        self.stage = EncoderStage(
-            self.model_path(), self.cfg.pipeline, self.cfg.device, self.cfg.dtype
-        )
-        self.stage.load()
-
-    def process(self, job: Job) -> None:
-        from workers.models import GenerationRequest
-        from workers.staging import TensorDescriptor, pull_tensors
-
-        req = GenerationRequest.from_dict(job.item["request"])
-        image = None
-        if job.item.get("image"):
-            # The controller owns the staged image until the task ends (a retry needs it).
-            desc = TensorDescriptor.from_dict(job.item["image"])
-            out = pull_tensors(
-                self.engine, self.pool, [desc], device="cpu", task_id=job.task_id, release=False
-            )
-            image = out[desc.name].numpy().tobytes()
-        self.check_cancel(job)
-        with self.timed("compute"):
-            tensors = self.stage.encode(req, image)
-        self.check_cancel(job)
-        self.publish(job, "phase1", tensors)
-
-
-class TransformerWorker(StageWorker):
-    role = Stage.TRANSFORMER
-
-    def load_model(self) -> None:
-        from workers.models import TransformerStage
-
-        self.stage = TransformerStage(
-            self.model_path(),
-            self.cfg.pipeline,
-            self.cfg.device,
-            self.cfg.dtype,
-            self.cfg.attention_backend,
-        )
-        self.stage.load()
-
-    def process(self, job: Job) -> None:
-        from workers.models import GenerationRequest
-
-        req = GenerationRequest.from_dict(job.item["request"])
-        inputs = self.pull(job)
-        self.check_cancel(job)
-
-        def on_step(k: int, n: int) -> None:
-            reply = self.control.call(
-                Op.PROGRESS, task_id=job.task_id, attempt=job.attempt, step=k, steps=n
-            )
-            if reply.get("cancel"):
-                job.cancel.set()
-
-        with self.timed("compute"):
-            latents = self.stage.denoise(
-                req, inputs, on_step=on_step, should_stop=job.cancel.is_set
-            )
-        self.check_cancel(job)
-        self.publish(job, "phase2", latents)
-
-
-class DecoderWorker(StageWorker):
-    role = Stage.DECODER
-
-    def load_model(self) -> None:
-        from workers.models import DecoderStage
-
-        self.stage = DecoderStage(
-            self.model_path(), self.cfg.pipeline, self.cfg.device, self.cfg.dtype
-        )
-        self.stage.load()
-
-    def process(self, job: Job) -> None:
-        from workers.models import GenerationRequest
-
-        req = GenerationRequest.from_dict(job.item["request"])
-        latents = self.pull(job)
-        self.check_cancel(job)
-        with self.timed("compute"):
-            art = self.stage.decode(req, latents)
-        out_dir = Path(self.cfg.output_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        local = out_dir / f"{job.task_id}.{art.extension}"
-        tmp = local.with_name(local.name + ".part")
-        tmp.write_bytes(art.data)
-        tmp.replace(local)
-        reply = self.control.call(
-            Op.COMPLETE,
-            task_id=job.task_id,
-            attempt=job.attempt,
-            extension=art.extension,
-            media_type=art.media_type,
-            data=art.data,
-            worker_path=str(local.resolve()),
-        )
-        if not reply.get("accepted"):
-            log.info(
-                "task %s: result of attempt %d not needed (already completed)",
-                job.task_id,
-                job.attempt,
-            )
-
-
-WORKERS: dict[str, type[StageWorker]] = {
-    "encoder": EncoderWorker,
-    "transformer": TransformerWorker,
-    "decoder": DecoderWorker,
-}

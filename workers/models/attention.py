@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 
-from .base import ATTENTION_BACKENDS, ModelLoadError, check_backend_name
+from contracts.errors import ModelLoadError
+from contracts.pipelines import ATTENTION_BACKENDS
+
+from .components import check_backend_name
 
 logger = logging.getLogger(__name__)
 

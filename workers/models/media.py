@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base import StageInputError
+from contracts.errors import StageInputError
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -28,14 +28,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from functools import cache
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from transformers import Qwen2VLProcessor
 
-from ._common import (
+from contracts.errors import (
+    InvalidRequestError,
+    StageInputError,
+)
+from contracts.request import GenerationRequest
+
+from .attention import apply_attention_backend
+from .base import (
+    DecoderAdapter,
+    EncoderAdapter,
+    StepCallback,
+    StopCheck,
+    TransformerAdapter,
+)
+from .components import (
+    check_request_task,
+    require_tensor,
+)
+from .diffusers_glue import (
     check_schedule,
     cpu_generator,
     fresh_scheduler,
@@ -44,87 +60,13 @@ from ._common import (
     load_scheduler,
     load_transformers_model,
 )
-from .attention import apply_attention_backend
-from .base import (
-    DecoderAdapter,
-    EncoderAdapter,
-    GenerationRequest,
-    InvalidRequestError,
-    StageInputError,
-    StepCallback,
-    StopCheck,
-    TransformerAdapter,
-    check_request_task,
-    require_tensor,
-)
 from .media import decode_image
+from .qwen_text import QwenEditProcessor, prompt_template
 
 logger = logging.getLogger(__name__)
 
 # Qwen-Image-Edit sizes its condition image to this many pixels (diffusers: 1024 * 1024).
 _EDIT_CONDITION_AREA = 1024 * 1024
-
-
-class QwenEditProcessor(Qwen2VLProcessor):
-    """Qwen2-VL processor made of an image processor and a tokenizer only.
-
-    transformers 5's ``Qwen2VLProcessor`` also insists on a video processor, which needs
-    torchvision; Qwen-Image-Edit never feeds video, so this subclass drops that part. It loads
-    from the ``processor`` folder of a Qwen-Image-Edit checkpoint.
-    """
-
-    def __init__(
-        self,
-        image_processor: Any = None,
-        tokenizer: Any = None,
-        chat_template: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            video_processor=None,
-            chat_template=chat_template,
-            **kwargs,
-        )
-
-
-class PromptTemplate(NamedTuple):
-    """How diffusers' Qwen pipelines wrap a prompt for the text encoder."""
-
-    template: str
-    """Chat template with ``{}`` for the prompt."""
-    drop: int
-    """Leading hidden states (the system prompt) the pipeline drops."""
-    max_length: int
-    """Token limit after the drop (the tokenizer gets ``max_length + drop``)."""
-
-
-@cache
-def prompt_template(edit: bool) -> PromptTemplate:
-    """The prompt template of diffusers' pipeline, read from the pipeline class itself so that
-    it cannot drift from the installed diffusers."""
-    from diffusers import QwenImageEditPipeline, QwenImagePipeline
-
-    bare: Any
-    if edit:
-        bare = QwenImageEditPipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=None,
-            tokenizer=None,
-            processor=None,
-            transformer=None,
-        )
-    else:
-        bare = QwenImagePipeline(
-            scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
-        )
-    return PromptTemplate(
-        bare.prompt_template_encode,
-        bare.prompt_template_encode_start_idx,
-        bare.tokenizer_max_length,
-    )
 
 
 def _vae_scale_factor(vae_config: Mapping[str, Any]) -> int:
@@ -294,17 +236,64 @@ class QwenTransformer(TransformerAdapter):
         should_stop: StopCheck | None = None,
     ) -> dict[str, torch.Tensor]:
         from diffusers import QwenImagePipeline
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
-            calculate_shift,
-            retrieve_timesteps,
-        )
         from diffusers.utils.torch_utils import randn_tensor
 
         self._require_loaded()
         check_request_task(req, self.task, self.role)
-        assert req.true_cfg_scale is not None
+        assert req.true_cfg_scale is not None and req.infer_steps is not None
         true_cfg = req.true_cfg_scale
         cfg = true_cfg > 1.0
+        inp = self._inputs(req, tensors, cfg)
+        guidance = self._guidance(req)
+        scheduler = fresh_scheduler(self.scheduler)
+        with torch.no_grad():
+            latents = randn_tensor(
+                (1, 1, inp.channels, inp.lat_h, inp.lat_w),
+                generator=cpu_generator(req.seed),
+                device=self.device,
+                dtype=inp.prompt.dtype,
+            )
+            latents = QwenImagePipeline._pack_latents(
+                latents, 1, inp.channels, inp.lat_h, inp.lat_w
+            )
+            timesteps = self._schedule(scheduler, latents.shape[1], req.infer_steps)
+            total = len(timesteps)
+            for i, t in enumerate(timesteps):
+                self._check_stop(should_stop, i, total)
+                model_input = latents
+                if inp.image_latents is not None:
+                    model_input = torch.cat([latents, inp.image_latents], dim=1)
+                timestep = t.expand(latents.shape[0]).to(latents.dtype)
+                n_tokens = latents.size(1)
+                noise_pred = self._predict(
+                    model_input, timestep, inp.prompt, inp.prompt_mask, "cond", guidance,
+                    inp.img_shapes, n_tokens,
+                )
+                if cfg:
+                    assert inp.negative is not None
+                    neg_pred = self._predict(
+                        model_input, timestep, inp.negative, inp.negative_mask, "uncond",
+                        guidance, inp.img_shapes, n_tokens,
+                    )
+                    combined = neg_pred + true_cfg * (noise_pred - neg_pred)
+                    # Rescale the guided prediction back to the conditional one's norm.
+                    cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+                    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+                    noise_pred = combined * (cond_norm / combined_norm)
+                latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                if on_step is not None:
+                    on_step(i + 1, total)
+            latents = QwenImagePipeline._unpack_latents(
+                latents, inp.height, inp.width, self.vae_scale_factor
+            )
+        return {"latents": latents.contiguous()}
+
+    def _inputs(
+        self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor], cfg: bool
+    ) -> _DitInputs:
+        """The stage's inputs on this device, checked, with the output geometry."""
+        from diffusers import QwenImagePipeline
+
         dtype = self.transformer.dtype
 
         def text(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -324,7 +313,6 @@ class QwenTransformer(TransformerAdapter):
 
         vsf = self.vae_scale_factor
         channels = self.transformer.config.in_channels // 4
-        lat_h, lat_w = 2 * (height // (vsf * 2)), 2 * (width // (vsf * 2))
         shapes: list[tuple[int, int, int]] = [(1, height // vsf // 2, width // vsf // 2)]
         if image_latents is not None:
             if image_latents.shape[1] != channels:
@@ -337,93 +325,101 @@ class QwenTransformer(TransformerAdapter):
                 image_latents, 1, channels, cond_h, cond_w
             )
             shapes.append((1, cond_h // 2, cond_w // 2))
-        img_shapes = [shapes]  # one list of (frames, rows, cols) token grids per batch item
+        return _DitInputs(
+            prompt=prompt_embeds,
+            prompt_mask=prompt_mask,
+            negative=negative_embeds,
+            negative_mask=negative_mask,
+            image_latents=image_latents,
+            img_shapes=[shapes],  # one list of (frames, rows, cols) token grids per item
+            height=height,
+            width=width,
+            lat_h=2 * (height // (vsf * 2)),
+            lat_w=2 * (width // (vsf * 2)),
+            channels=channels,
+        )
 
-        guidance = None
+    def _guidance(self, req: GenerationRequest) -> torch.Tensor | None:
+        """The embedded guidance of guidance-distilled checkpoints (None for the others)."""
         if self.transformer.config.guidance_embeds:
             if req.guidance_scale is None:
                 raise InvalidRequestError(
                     f"{self.task}: this checkpoint is guidance-distilled; set guidance_scale"
                 )
             guidance = torch.full([1], req.guidance_scale, device=self.device, dtype=torch.float32)
-            guidance = guidance.expand(1)
-        elif req.guidance_scale is not None:
+            return guidance.expand(1)
+        if req.guidance_scale is not None:
             logger.warning("guidance_scale ignored: this checkpoint is not guidance-distilled")
+        return None
 
-        scheduler = fresh_scheduler(self.scheduler)
-        with torch.no_grad():
-            latents = randn_tensor(
-                (1, 1, channels, lat_h, lat_w),
-                generator=cpu_generator(req.seed),
-                device=self.device,
-                dtype=prompt_embeds.dtype,
+    def _schedule(self, scheduler: Any, seq_len: int, steps: int) -> Any:
+        """The timesteps of a request, with the resolution-dependent shift of the pipeline."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        mu = calculate_shift(
+            seq_len,
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        with np.errstate(divide="ignore", invalid="ignore"):  # checked just below
+            timesteps, _ = retrieve_timesteps(
+                scheduler,
+                steps,
+                self.device,
+                sigmas=sigmas,  # type: ignore[arg-type]  # an ndarray, as the pipeline's
+                mu=mu,
             )
-            latents = QwenImagePipeline._pack_latents(latents, 1, channels, lat_h, lat_w)
-            steps = req.infer_steps
-            assert steps is not None
-            sigmas = np.linspace(1.0, 1 / steps, steps)
-            mu = calculate_shift(
-                latents.shape[1],
-                scheduler.config.get("base_image_seq_len", 256),
-                scheduler.config.get("max_image_seq_len", 4096),
-                scheduler.config.get("base_shift", 0.5),
-                scheduler.config.get("max_shift", 1.15),
-            )
-            with np.errstate(divide="ignore", invalid="ignore"):  # checked just below
-                timesteps, _ = retrieve_timesteps(
-                    scheduler,
-                    steps,
-                    self.device,
-                    sigmas=sigmas,  # type: ignore[arg-type]  # an ndarray, as the pipeline's
-                    mu=mu,
-                )
-            check_schedule(scheduler, steps, self.task)
-            scheduler.set_begin_index(0)
-            total = len(timesteps)
+        check_schedule(scheduler, steps, self.task)
+        scheduler.set_begin_index(0)
+        return timesteps
 
-            def predict(
-                model_input: torch.Tensor,
-                timestep: torch.Tensor,
-                embeds: torch.Tensor,
-                mask: torch.Tensor | None,
-                branch: str,
-            ) -> torch.Tensor:
-                with self.transformer.cache_context(branch):
-                    pred = self.transformer(
-                        hidden_states=model_input,
-                        timestep=timestep / 1000,
-                        guidance=guidance,
-                        encoder_hidden_states_mask=mask,
-                        encoder_hidden_states=embeds,
-                        img_shapes=img_shapes,
-                        attention_kwargs={},
-                        return_dict=False,
-                    )[0]
-                # Edit: the DiT also returns the condition image's tokens; keep the target's.
-                return pred[:, : latents.size(1)] if self.edit else pred
+    def _predict(
+        self,
+        model_input: torch.Tensor,
+        timestep: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        branch: str,
+        guidance: torch.Tensor | None,
+        img_shapes: list[list[tuple[int, int, int]]],
+        n_tokens: int,
+    ) -> torch.Tensor:
+        """One DiT forward of one CFG branch."""
+        with self.transformer.cache_context(branch):
+            pred = self.transformer(
+                hidden_states=model_input,
+                timestep=timestep / 1000,
+                guidance=guidance,
+                encoder_hidden_states_mask=mask,
+                encoder_hidden_states=embeds,
+                img_shapes=img_shapes,
+                attention_kwargs={},
+                return_dict=False,
+            )[0]
+        # Edit: the DiT also returns the condition image's tokens; keep the target's.
+        out: torch.Tensor = pred[:, :n_tokens] if self.edit else pred
+        return out
 
-            for i, t in enumerate(timesteps):
-                self._check_stop(should_stop, i, total)
-                model_input = latents
-                if image_latents is not None:
-                    model_input = torch.cat([latents, image_latents], dim=1)
-                timestep = t.expand(latents.shape[0]).to(latents.dtype)
-                noise_pred = predict(model_input, timestep, prompt_embeds, prompt_mask, "cond")
-                if cfg:
-                    assert negative_embeds is not None
-                    neg_pred = predict(
-                        model_input, timestep, negative_embeds, negative_mask, "uncond"
-                    )
-                    combined = neg_pred + true_cfg * (noise_pred - neg_pred)
-                    # Rescale the guided prediction back to the conditional one's norm.
-                    cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
-                    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
-                    noise_pred = combined * (cond_norm / combined_norm)
-                latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-                if on_step is not None:
-                    on_step(i + 1, total)
-            latents = QwenImagePipeline._unpack_latents(latents, height, width, vsf)
-        return {"latents": latents.contiguous()}
+
+class _DitInputs(NamedTuple):
+    prompt: torch.Tensor
+    prompt_mask: torch.Tensor | None
+    negative: torch.Tensor | None
+    negative_mask: torch.Tensor | None
+    image_latents: torch.Tensor | None
+    """Packed condition-image latents (edit), else None."""
+    img_shapes: list[list[tuple[int, int, int]]]
+    height: int
+    width: int
+    lat_h: int
+    lat_w: int
+    channels: int
 
 
 class QwenDecoder(DecoderAdapter):
@@ -461,11 +457,4 @@ class QwenDecoder(DecoderAdapter):
         return np.asarray(pixels[0])
 
 
-__all__ = [
-    "PromptTemplate",
-    "QwenDecoder",
-    "QwenEditProcessor",
-    "QwenEncoder",
-    "QwenTransformer",
-    "prompt_template",
-]
+__all__ = ["QwenDecoder", "QwenEncoder", "QwenTransformer"]

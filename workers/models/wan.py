@@ -28,7 +28,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._common import (
+from contracts.errors import (
+    InvalidRequestError,
+    ModelLoadError,
+    StageInputError,
+)
+from contracts.request import GenerationRequest
+
+from .attention import apply_attention_backend
+from .base import (
+    DecoderAdapter,
+    EncoderAdapter,
+    StepCallback,
+    StopCheck,
+    TransformerAdapter,
+)
+from .components import (
+    check_request_task,
+    read_model_index,
+    require_tensor,
+)
+from .diffusers_glue import (
     check_schedule,
     cpu_generator,
     fresh_scheduler,
@@ -36,21 +56,6 @@ from ._common import (
     load_diffusers_model,
     load_scheduler,
     load_transformers_model,
-)
-from .attention import apply_attention_backend
-from .base import (
-    DecoderAdapter,
-    EncoderAdapter,
-    GenerationRequest,
-    InvalidRequestError,
-    ModelLoadError,
-    StageInputError,
-    StepCallback,
-    StopCheck,
-    TransformerAdapter,
-    check_request_task,
-    read_model_index,
-    require_tensor,
 )
 from .media import decode_image
 

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rings.config import DisaggConfig, ServiceConfig  # noqa: E402
-from rings.errors import ConfigError  # noqa: E402
+from contracts.config import DisaggConfig, ServiceConfig  # noqa: E402
+from contracts.errors import ConfigError  # noqa: E402
 
 ROLES = ("controller", "encoder", "transformer", "decoder")
 WORKER_ROLES = ROLES[1:]

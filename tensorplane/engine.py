@@ -1,18 +1,11 @@
-"""Mooncake transport for stage-to-stage tensors: settings, errors and the engine wrapper.
+"""The Mooncake engine wrapper and its settings.
 
 Every worker process owns one :class:`TransferEngine` (one Mooncake engine) and one
-registered :class:`~workers.staging.StagingPool`. A producer stages tensors into its pool
-and publishes :class:`~workers.staging.TensorDescriptor` s; a consumer pulls them with a
-one-sided Mooncake read and then releases the producer's block with a one-sided write.
-
-Public surface (the staging half lives in ``workers.staging`` and is re-exported here):
+registered :class:`~tensorplane.pool.StagingPool`.
 
 - ``MooncakeSettings`` - what Mooncake needs to start, resolved once at the entry point.
 - ``TransferEngine`` - ``start()``, ``session_id``, ``register``/``unregister``,
   ``read``/``write`` (bounded in time), ``close()``.
-- ``TransferError`` and subclasses - every failure carries ``task_id``, ``tensor``, ``peer``.
-- ``StagingPool``, ``TensorDescriptor``, ``stage_tensors``, ``stage_bytes``,
-  ``pull_tensors`` - see ``workers.staging``.
 
 Mooncake is imported lazily (inside :meth:`TransferEngine.start`), so this module imports on
 machines without it, and a missing package is an error that says what to install.
@@ -42,41 +35,14 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from rings.errors import TransferError as _ProjectTransferError
-
-if TYPE_CHECKING:
-    from workers.staging import (
-        Block,
-        PoolStats,
-        StagingPool,
-        TensorDescriptor,
-        pull_tensors,
-        stage_bytes,
-        stage_tensors,
-    )
-
-__all__ = [
-    "Block",
-    "ChecksumMismatch",
-    "DescriptorError",
-    "EngineError",
-    "MooncakeConfigError",
-    "MooncakeNotInstalled",
-    "MooncakeSettings",
-    "PoolExhausted",
-    "PoolStats",
-    "RequestTooLarge",
-    "StagingPool",
-    "TensorDescriptor",
-    "TransferEngine",
-    "TransferError",
-    "TransferFailed",
-    "pull_tensors",
-    "stage_bytes",
-    "stage_tensors",
-]
+from tensorplane.errors import (
+    EngineError,
+    MooncakeConfigError,
+    MooncakeNotInstalled,
+    TransferFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,102 +61,6 @@ _INSTALL_HINT: Final = (
     "CPU machines, `pip install mooncake-transfer-engine` with CUDA (it also needs the "
     "system's libibverbs.so.1: `apt-get install -y libibverbs1`)"
 )
-
-
-# --------------------------------------------------------------------------------- errors
-def _where(task_id: str | None, tensor: str | None, peer: str | None) -> str:
-    parts = [f"task {task_id}" if task_id else "", f"tensor {tensor!r}" if tensor else ""]
-    parts.append(f"peer {peer}" if peer else "")
-    return ", ".join(p for p in parts if p)
-
-
-class TransferError(_ProjectTransferError):
-    """Base of every tensor-transport error; says which task, tensor and peer it concerns."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        task_id: str | None = None,
-        tensor: str | None = None,
-        peer: str | None = None,
-    ) -> None:
-        where = _where(task_id, tensor, peer)
-        super().__init__(f"{message} [{where}]" if where else message, task_id=task_id)
-        self.tensor = tensor
-        self.peer = peer
-
-
-class MooncakeNotInstalled(TransferError):
-    """The mooncake package (or the libibverbs it links) cannot be imported."""
-
-
-class MooncakeConfigError(TransferError, ValueError):
-    """Invalid Mooncake settings: bad value, unknown key, unreadable config file."""
-
-
-class EngineError(TransferError):
-    """The engine could not start, register or unregister memory, or was used unstarted."""
-
-
-class TransferFailed(TransferError):
-    """A Mooncake read or write failed (non-zero rc, exception, or deadline passed).
-
-    ``pending`` is set when the caller stopped waiting but Mooncake still owns the call: the
-    local buffer may still be written, so it must not be reused until ``pending`` is done
-    (``StagingPool.quarantine`` does that).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        nbytes: int,
-        rc: int | None = None,
-        timed_out: bool = False,
-        pending: Future[int] | None = None,
-        task_id: str | None = None,
-        tensor: str | None = None,
-        peer: str | None = None,
-    ) -> None:
-        super().__init__(message, task_id=task_id, tensor=tensor, peer=peer)
-        self.nbytes = nbytes
-        self.rc = rc
-        self.timed_out = timed_out
-        self.pending = pending
-
-
-class ChecksumMismatch(TransferError):
-    """The bytes pulled do not hash to the descriptor's checksum (torn, stale or foreign)."""
-
-    def __init__(self, message: str, *, expected: int, actual: int, **where: str | None) -> None:
-        super().__init__(message, **where)
-        self.expected = expected
-        self.actual = actual
-
-
-class PoolExhausted(TransferError):
-    """Backpressure: no block of the requested size became free before the timeout."""
-
-    def __init__(
-        self, message: str, *, requested: int, free_bytes: int, **where: str | None
-    ) -> None:
-        super().__init__(message, **where)
-        self.requested = requested
-        self.free_bytes = free_bytes
-
-
-class RequestTooLarge(TransferError, ValueError):
-    """A request that can never fit (larger than the whole pool): failed at once, no wait."""
-
-    def __init__(self, message: str, *, requested: int, capacity: int, **where: str | None) -> None:
-        super().__init__(message, **where)
-        self.requested = requested
-        self.capacity = capacity
-
-
-class DescriptorError(TransferError, ValueError):
-    """A tensor descriptor that is malformed (unknown key, wrong type, inconsistent size)."""
 
 
 # ------------------------------------------------------------------------------- settings
@@ -571,18 +441,3 @@ class TransferEngine:
 
 
 _KEEP_ALIVE: list[Any] = []
-
-_STAGING_EXPORTS: Final = frozenset(
-    {"Block", "PoolStats", "StagingPool", "TensorDescriptor", "pull_tensors", "stage_bytes",
-     "stage_tensors"}
-)
-
-
-def __getattr__(name: str) -> Any:
-    """Re-export the staging half lazily: ``workers.staging`` imports this module (errors,
-    engine), so importing it eagerly here would be a cycle."""
-    if name in _STAGING_EXPORTS:
-        from workers import staging
-
-        return getattr(staging, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .base import InvalidRequestError, ModelLoadError
+from contracts.errors import InvalidRequestError, ModelLoadError
 
 
 def load_diffusers_model(cls: Any, path: str, dtype: torch.dtype, device: torch.device) -> Any:

@@ -35,6 +35,9 @@ whose worker's control connection drops, puts the task back in play (a new attem
 from __future__ import annotations
 
 import enum
+from typing import Final
+
+from contracts.roles import Role
 
 CONTROL_RING = "control"
 CONTROL_VERSION = 1
@@ -58,24 +61,9 @@ class Op(enum.StrEnum):
     BYE = "bye"
 
 
-class Stage(enum.StrEnum):
-    """Pipeline stages, by the ring a worker of that stage consumes."""
-
-    ENCODER = "encoder"
-    TRANSFORMER = "transformer"
-    DECODER = "decoder"
-
-
-# Which ring each stage pulls from and pushes to (None: the decoder writes a result).
-STAGE_RINGS: dict[Stage, tuple[str, str | None]] = {
-    Stage.ENCODER: ("request", "phase1"),
-    Stage.TRANSFORMER: ("phase1", "phase2"),
-    Stage.DECODER: ("phase2", None),
-}
-
-# Ring payload kind each stage consumes.
-STAGE_INPUT_KIND: dict[Stage, Kind] = {
-    Stage.ENCODER: Kind.TASK,
-    Stage.TRANSFORMER: Kind.PHASE1,
-    Stage.DECODER: Kind.PHASE2,
+# Ring payload kind each role consumes.
+ROLE_INPUT_KIND: Final[dict[Role, Kind]] = {
+    Role.ENCODER: Kind.TASK,
+    Role.TRANSFORMER: Kind.PHASE1,
+    Role.DECODER: Kind.PHASE2,
 }

@@ -1,0 +1,181 @@
+"""The one-process baseline (``--service all``): the controller's coordinator and front door
+with all three model stages run in this process (no rings, no Mooncake). The reference for
+fidelity and the baseline of the benchmarks.
+
+This is the one module that imports both :mod:`controller` and :mod:`workers`: the baseline
+is composed here, at the entry point, so neither of them knows the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from contracts.config import ServiceConfig
+from contracts.errors import ConfigError, DiffringError, StageCancelled
+from contracts.request import GenerationRequest
+from contracts.roles import Role
+from controller.app import LocalQueue, serve_http, start_metrics
+from controller.coordinator import Coordinator, WorkerInfo
+from controller.frontdoor import FrontDoor
+from controller.main import run_async
+from rings.ports import bind_socket
+from workers.models import LocalPipeline
+
+log = logging.getLogger("diffring.baseline")
+T = TypeVar("T")
+
+
+class BaselineWorker:
+    """Runs whole requests in this process, reporting the same lifecycle as the workers."""
+
+    def __init__(
+        self, cfg: ServiceConfig, co: Coordinator, jobs: LocalQueue, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        if not cfg.model_path:
+            raise ConfigError("--service all needs model_path (config) or --model_path")
+        self.cfg = cfg
+        self.pipeline = LocalPipeline(
+            cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend
+        )
+        self.co = co
+        self.jobs = jobs
+        self.loop = loop
+        self.stopping = threading.Event()
+        self.roles: dict[Role, WorkerInfo] = {}
+        self.thread = threading.Thread(target=self._run, name="baseline", daemon=True)
+
+    def on_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # hand every failure back to the worker thread
+                fut.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(call)
+        return fut.result()
+
+    def load(self) -> None:
+        if self.cfg.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.cfg.torch_threads)
+        self.pipeline.load()
+
+    def start(self) -> None:
+        self.load()
+        for role in Role:
+            self.roles[role] = self.co.on_register(role, f"all/{role}", 0, self.co.pipeline, "")
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=600)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._one(job)
+            except Exception:
+                log.exception("baseline: task %s crashed", job.get("task_id"))
+
+    def _one(self, job: dict[str, Any]) -> None:
+        tid, attempt = str(job["task_id"]), int(job["attempt"])
+        enc, dit, dec = (self.roles[r] for r in (Role.ENCODER, Role.TRANSFORMER, Role.DECODER))
+        ok, _ = self.on_loop(self.co.on_claim, enc, tid, attempt)
+        if not ok:
+            return
+        task = self.co.table.get(tid)
+        image = task.image_bytes if task is not None else None
+        req = GenerationRequest.from_dict(job["request"])
+        stop = threading.Event()
+
+        def on_step(k: int, n: int) -> None:
+            if self.on_loop(self.co.on_progress, dit, tid, attempt, k, n):
+                stop.set()
+
+        try:
+            cond = self.pipeline.encoder.encode(req, image)
+            self.on_loop(self.co.on_handoff, enc, tid, attempt)
+            if not self.on_loop(self.co.on_claim, dit, tid, attempt)[0]:
+                return
+            lat = self.pipeline.transformer.denoise(req, cond, on_step, stop.is_set)
+            self.on_loop(self.co.on_handoff, dit, tid, attempt)
+            if not self.on_loop(self.co.on_claim, dec, tid, attempt)[0]:
+                return
+            art = self.pipeline.decoder.decode(req, lat)
+            self.on_loop(
+                self.co.on_complete, dec, tid, attempt, art.extension, art.media_type, art.data
+            )
+        except StageCancelled as exc:
+            self.on_loop(self.co.on_fail, dit, tid, attempt, str(exc), "cancelled", False)
+        except Exception as exc:
+            holder = next(
+                (w for w in (enc, dit, dec) if task is not None and task.worker_id == w.worker_id),
+                dec,
+            )
+            self.on_loop(
+                self.co.on_fail,
+                holder,
+                tid,
+                attempt,
+                f"{type(exc).__name__}: {exc}",
+                type(exc).__name__,
+                False,
+            )
+
+
+async def run_all_async(
+    cfg: ServiceConfig, token: str, env: Mapping[str, str], stop: asyncio.Event
+) -> None:
+    output_dir = Path(cfg.output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
+    jobs = LocalQueue(cfg.disagg_config.rdma_buffer_slots, cfg.disagg_config.rdma_buffer_slot_size)
+    co = Coordinator(
+        pipeline=cfg.pipeline,
+        request_ring=jobs,  # type: ignore[arg-type]
+        output_dir=output_dir,
+        lease_timeout_s=cfg.lease_timeout_s,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
+        max_pending=cfg.max_pending_tasks,
+        journal=output_dir / ".journal",
+    )
+    co.restore()
+    worker = BaselineWorker(cfg, co, jobs, asyncio.get_running_loop())
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, worker.load)
+    except DiffringError:
+        http_sock.close()
+        raise
+    worker.start()
+    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all")
+    metrics_server = start_metrics(cfg, co, front, lambda: {}, None)
+    log.info(
+        "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
+    )
+    try:
+        await serve_http(front.app, http_sock, stop)
+    finally:
+        log.info("baseline shutting down")
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, worker.close)
+        http_sock.close()
+
+
+def run_all(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
+    """Entry point of ``--service all``."""
+    return run_async(lambda stop: run_all_async(cfg, token, env, stop))
