@@ -41,6 +41,7 @@ from rings.errors import (
 )
 from rings.host import RingHost
 from rings.layout import OFF_TAIL, STAMPS_OFFSET, RingLayout, SlotState, stamp
+from rings.rdma import _pyverbs, device, qp, selftest
 from rings.ring import Ring
 from rings.soak import start_ring_host, stop_process
 from rings.tcp import TcpVerbs, handshake, open_socket
@@ -94,9 +95,9 @@ def test_connect_refuses_without_device_and_names_tcp(via: str) -> None:
 
 
 def test_missing_pyverbs_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rdma, "_PV", None)
-    monkeypatch.setattr(rdma, "DEBIAN_PYVERBS_PARENTS", ("/nonexistent/dist-packages",))
-    for name in ["pyverbs", *(f"pyverbs.{m}" for m in rdma._PYVERBS_MODULES)]:
+    monkeypatch.setattr(_pyverbs, "_PV", None)
+    monkeypatch.setattr(_pyverbs, "DEBIAN_PYVERBS_PARENTS", ("/nonexistent/dist-packages",))
+    for name in ["pyverbs", *(f"pyverbs.{m}" for m in _pyverbs._PYVERBS_MODULES)]:
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules blocks an import
     with pytest.raises(TransportUnavailable) as info:
         rdma.connect("127.0.0.1", 1, layout=None, ring=RING, token=TOKEN)
@@ -250,7 +251,7 @@ class FakeFabric:
         self.next_key += 1
         return self.next_key
 
-    def _pyverbs(self) -> rdma._Pyverbs:
+    def _pyverbs(self) -> _pyverbs.Pyverbs:
         fab = self
 
         def get_device_list() -> list[Any]:
@@ -290,7 +291,7 @@ class FakeFabric:
             def close(self) -> None:
                 pass
 
-        return rdma._Pyverbs(
+        return _pyverbs.Pyverbs(
             device=SimpleNamespace(get_device_list=get_device_list, Context=Context),
             pd=SimpleNamespace(PD=PD),
             cq=SimpleNamespace(CQ=FakeCQ),
@@ -568,8 +569,8 @@ class HostThread:
 @pytest.fixture
 def fabric(monkeypatch: pytest.MonkeyPatch) -> FakeFabric:
     fab = FakeFabric()
-    monkeypatch.setattr(rdma, "_load_pyverbs", lambda: fab.pv)
-    monkeypatch.setattr(rdma, "_ATOMICS_CHECKED", set())
+    monkeypatch.setattr(_pyverbs, "load_pyverbs", lambda: fab.pv)
+    monkeypatch.setattr(selftest, "_ATOMICS_CHECKED", set())
     return fab
 
 
@@ -760,7 +761,7 @@ def test_verb_timeout_is_connection_lost(fabric: FakeFabric, rdma_host: HostThre
 
 def test_big_endian_atomics_are_refused(fabric: FakeFabric, rdma_host: HostThread) -> None:
     fabric.big_endian = True
-    rdma._ATOMICS_CHECKED.clear()
+    selftest._ATOMICS_CHECKED.clear()
     with pytest.raises(TransportUnavailable) as info:
         peer(rdma_host)
     assert "little-endian" in str(info.value) and "'tcp'" in str(info.value)
@@ -803,9 +804,9 @@ def test_unreachable_host_is_connection_lost(fabric: FakeFabric) -> None:
 # ==========================================================================================
 # 3. The real pyverbs 44 classes accept what rings.rdma builds
 # ==========================================================================================
-def _real_pyverbs() -> rdma._Pyverbs:
+def _real_pyverbs() -> _pyverbs.Pyverbs:
     try:
-        return rdma._load_pyverbs()
+        return _pyverbs.load_pyverbs()
     except TransportUnavailable as exc:
         pytest.skip(f"pyverbs is not importable here: {exc}")
 
@@ -813,12 +814,12 @@ def _real_pyverbs() -> rdma._Pyverbs:
 def test_real_pyverbs_accepts_our_attributes_and_work_requests() -> None:
     pv = _real_pyverbs()
     e = pv.enums
-    remote = rdma._QpPeer(0x1234, 9, "fe80:0000:0000:0000:0002:c903:0000:0009", 77)
-    rdma._qp_init_attr(pv, None, rdma.MAX_BATCH_WR)
-    attr, mask = rdma._init_attr(pv, 1, e.IBV_ACCESS_REMOTE_READ)
+    remote = qp.QpPeer(0x1234, 9, "fe80:0000:0000:0000:0002:c903:0000:0009", 77)
+    qp.qp_init_attr(pv, None, device.MAX_BATCH_WR)
+    attr, mask = qp.init_attr(pv, 1, e.IBV_ACCESS_REMOTE_READ)
     assert attr.qp_access_flags == e.IBV_ACCESS_REMOTE_READ and mask & e.IBV_QP_PORT
     for grh in (True, False):
-        attr, mask = rdma._rtr_attr(
+        attr, mask = qp.rtr_attr(
             pv, remote, port=1, gid_index=3, use_grh=grh, mtu=e.IBV_MTU_4096, max_dest_rd_atomic=8
         )
         assert (attr.dest_qp_num, attr.rq_psn, attr.path_mtu) == (0x1234, 77, e.IBV_MTU_4096)
@@ -826,11 +827,11 @@ def test_real_pyverbs_accepts_our_attributes_and_work_requests() -> None:
         if grh:
             assert attr.ah_attr.dgid == remote.gid and attr.ah_attr.sgid_index == 3
         assert mask & e.IBV_QP_DEST_QPN and mask & e.IBV_QP_AV
-    attr, mask = rdma._rts_attr(pv, local_psn=5, max_rd_atomic=4)
+    attr, mask = qp.rts_attr(pv, local_psn=5, max_rd_atomic=4)
     assert (attr.sq_psn, attr.max_rd_atomic) == (5, 4) and mask & e.IBV_QP_SQ_PSN
-    target = rdma._Target(0x10000, 11, 12, 4096)
+    target = qp.Target(0x10000, 11, 12, 4096)
     ops = [(READ, 128, 64), (WRITE, 192, b"x" * 8), (CAS, 64, 1, (1 << 64) - 1), (FAA, 72, -1)]
-    wrs = [rdma._build_wr(pv, i, op, 0x2000, 8, 5, target, i > 0) for i, op in enumerate(ops)]
+    wrs = [qp.build_wr(pv, i, op, 0x2000, 8, 5, target, i > 0) for i, op in enumerate(ops)]
     for a, b in itertools.pairwise(wrs):
         a.next_wr = b
     assert [w.opcode for w in wrs] == [
@@ -841,5 +842,5 @@ def test_real_pyverbs_accepts_our_attributes_and_work_requests() -> None:
     ]
     assert wrs[0].send_flags == e.IBV_SEND_SIGNALED
     assert wrs[1].send_flags == e.IBV_SEND_SIGNALED | e.IBV_SEND_FENCE
-    assert rdma._wc_status_name(pv, e.IBV_WC_RETRY_EXC_ERR) == "IBV_WC_RETRY_EXC_ERR"
-    assert "retry" in rdma._wc_status_text(pv, e.IBV_WC_RETRY_EXC_ERR)
+    assert qp.wc_status_name(pv, e.IBV_WC_RETRY_EXC_ERR) == "IBV_WC_RETRY_EXC_ERR"
+    assert "retry" in qp.wc_status_text(pv, e.IBV_WC_RETRY_EXC_ERR)
