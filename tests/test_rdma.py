@@ -32,6 +32,7 @@ import pytest
 import rings.host
 from rings import rdma
 from rings.errors import (
+    ConfigError,
     ConnectionLost,
     HandshakeError,
     TransportUnavailable,
@@ -46,7 +47,7 @@ from rings.ring import Ring
 from rings.soak import start_ring_host, stop_process
 from rings.tcp import TcpVerbs, handshake, open_socket
 from rings.tcp import connect as tcp_connect
-from rings.verbs import CAS, FAA, READ, WRITE
+from rings.verbs import CAS, FAA, RDMA_ONLY_OPTIONS, READ, WRITE, transport_options
 from rings.verbs import connect as verbs_connect
 from tests.conftest import TOKEN
 
@@ -105,6 +106,30 @@ def test_missing_pyverbs_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "pyverbs" in msg and "python3-pyverbs" in msg and "'tcp'" in msg
     assert rdma.rdma_available() is False
     assert rdma.make_rdma_join() is None
+
+
+@pytest.mark.parametrize("via", ["rdma.connect", "verbs.connect"])
+def test_misspelt_option_refused_before_looking_for_a_device(
+    via: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_pyverbs() -> Any:
+        raise AssertionError("looked for pyverbs before checking the options")
+
+    monkeypatch.setattr(_pyverbs, "load_pyverbs", no_pyverbs)
+    with pytest.raises(ConfigError) as info:
+        if via == "rdma.connect":
+            rdma.connect("127.0.0.1", 1, layout=None, ring=RING, token=TOKEN, gid_idx=1)
+        else:
+            verbs_connect("rdma", "127.0.0.1", 1, layout=None, ring=RING, token=TOKEN, gid_idx=1)
+    msg = str(info.value)
+    assert "unknown rdma transport option 'gid_idx'" in msg
+    for name in transport_options(rdma.connect):
+        assert name in msg
+
+
+def test_tcp_ignores_exactly_the_options_only_rdma_takes() -> None:
+    rdma_only = set(transport_options(rdma.connect)) - set(transport_options(tcp_connect))
+    assert set(RDMA_ONLY_OPTIONS) == rdma_only
 
 
 @no_device_only

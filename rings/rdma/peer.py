@@ -39,7 +39,7 @@ from rings.rdma.device import Device, Endpoint
 from rings.rdma.qp import VERB_NAMES, QpPeer, Target
 from rings.rdma.selftest import check_atomics
 from rings.tcp import handshake, open_socket
-from rings.verbs import READ, WRITE, Op, Verbs, check_op
+from rings.verbs import READ, WRITE, Op, Verbs, check_op, refuse_unknown_options, transport_options
 
 
 def _peer_closed(sock: socket.socket) -> bool:
@@ -156,13 +156,15 @@ def connect(
     ib_port: int = 1,
     gid_index: int = 0,
     self_test: bool = True,
-    **_: Any,
+    **unknown: Any,
 ) -> RdmaVerbs:
     """Connect to ring ``ring`` at host:port with a queue pair onto its region.
 
-    Raises TransportUnavailable (naming the tcp alternative) when pyverbs or a usable device
-    is missing, HandshakeError when the host refuses, ConnectionLost when it is unreachable.
+    Raises ConfigError naming any option it does not take (before looking for a device),
+    TransportUnavailable (naming the tcp alternative) when pyverbs or a usable device is
+    missing, HandshakeError when the host refuses, ConnectionLost when it is unreachable.
     """
+    refuse_unknown_options("rdma", unknown, transport_options(connect))
     # Through the module, not a name imported from it: tests substitute a fake pyverbs there.
     pv = _pyverbs.load_pyverbs()
     dev = Device(pv, device_name, ib_port, gid_index)
