@@ -25,11 +25,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import pytest
 
-import rings.host
 from rings import rdma
 from rings.errors import (
     ConfigError,
@@ -600,8 +599,6 @@ def fabric(monkeypatch: pytest.MonkeyPatch) -> FakeFabric:
 
 
 LAYOUT = RingLayout(RING, SLOTS, SLOT_SIZE)
-# Whether rings.host builds the rdma loopback itself (RdmaJoin protocol with ``loopback``).
-LOOPBACK_WIRED = hasattr(rings.host.RdmaJoin, "loopback")
 
 
 @pytest.fixture
@@ -611,13 +608,7 @@ def rdma_host(fabric: FakeFabric) -> Iterator[HostThread]:
     host = RingHost(
         LAYOUT, host="127.0.0.1", port=0, token=TOKEN, rdma_join=join, scan_interval_s=0.05
     )
-    ht = HostThread(host)
-    if not LOOPBACK_WIRED:  # what RingHost.start should do itself (see rings.rdma)
-
-        def swap() -> None:
-            cast(Any, host).local = join.loopback(host)  # RingHost types it LocalVerbs
-
-        ht.call(swap)
+    ht = HostThread(host)  # its start() installs join.loopback(host) as host.local
     try:
         yield ht
     finally:
@@ -767,8 +758,6 @@ def test_tcp_and_rdma_peers_share_a_host(fabric: FakeFabric, rdma_host: HostThre
         assert Ring(r).pop(timeout=5) == {"id": 1}
         Ring(r).push({"id": 2}, timeout=5)
         assert Ring(t).pop(timeout=5) == {"id": 2}
-    if not LOOPBACK_WIRED:
-        pytest.xfail("RingHost still serves tcp verbs under region.lock next to NIC atomics")
     assert len(fabric.posted_by(loop_qpn)) > n  # the tcp peer's verbs went through the NIC
 
 
@@ -790,21 +779,15 @@ def test_big_endian_atomics_are_refused(fabric: FakeFabric, rdma_host: HostThrea
     with pytest.raises(TransportUnavailable) as info:
         peer(rdma_host)
     assert "little-endian" in str(info.value) and "'tcp'" in str(info.value)
-    # A host whose device fails the test does not serve rdma: it refuses rdma joins with
-    # the same reason, or (once it builds its loopback at start) does not start at all.
+    # A host whose device fails the test does not serve rdma: RingHost.start builds its
+    # loopback, which runs the test, so the host does not start at all.
     join = rdma.RdmaJoin(fabric.pv)
     host = RingHost(LAYOUT, host="127.0.0.1", port=0, token=TOKEN, rdma_join=join)
     try:
-        ht = HostThread(host)
-    except TransportUnavailable as exc:
-        assert LOOPBACK_WIRED and "little-endian" in str(exc)
-    else:
-        try:
-            with pytest.raises(HandshakeError, match="little-endian"):
-                peer(ht, self_test=False)
-        finally:
-            ht.stop()
-    join.close()
+        with pytest.raises(TransportUnavailable, match="little-endian"):
+            HostThread(host)
+    finally:
+        join.close()
 
 
 def test_device_problems_are_transport_unavailable(fabric: FakeFabric) -> None:
