@@ -151,8 +151,8 @@ class ImageStager:
     def for_pipeline(cls, cfg: ServiceConfig, env: Mapping[str, str]) -> ImageStager | None:
         if not task_spec(cfg.pipeline).needs_image:
             return None
-        # The tensor plane imports torch: only controllers of image-conditioned pipelines
-        # pay for it.
+        # Only controllers of image-conditioned pipelines need an engine and a pool (a
+        # host pool: no torch either way).
         from tensorplane.engine import MooncakeSettings, TransferEngine
         from tensorplane.pool import StagingPool
 

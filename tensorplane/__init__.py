@@ -8,5 +8,6 @@ stage / pull / release protocol that moves one task's tensors between two stages
 - :mod:`tensorplane.errors` — the transfer errors (under ``contracts.errors.TransferError``).
 
 Depends on nothing of ours but :mod:`contracts`. Mooncake is imported lazily, so this
-package imports on machines without it (torch is needed).
+package imports on machines without it; torch is imported only when torch tensors or a GPU
+pool are used (numpy arrays between host pools never need it).
 """

@@ -4,46 +4,110 @@ Checksums: ``crc32`` (zlib, over the bytes) when the producer's pool is in host 
 ``wsum64`` (a position-weighted sum of 16-bit words computed with torch ops on the pool's
 device, so no device-to-host copy) when it is in GPU memory. The descriptor names the
 algorithm, so a consumer on either kind of device can verify either.
+
+Importing this module does not import torch: a host-memory process (the synthetic pipeline's
+workers, the controller's image stager) hashes plain buffers; torch is imported only to hash
+a torch tensor, or to name a torch dtype (:func:`torch_dtype`).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Final
-
-import torch
+from typing import TYPE_CHECKING, Any, Final
 
 from tensorplane.errors import DescriptorError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 CHECKSUM_CRC32: Final = "crc32"
 CHECKSUM_WSUM64: Final = "wsum64"
 CHECKSUMS: Final = (CHECKSUM_CRC32, CHECKSUM_WSUM64)
 
-TENSOR_DTYPES: Final[dict[str, torch.dtype]] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+TENSOR_DTYPES: Final[dict[str, int]] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
-TENSOR_DTYPE_NAMES: Final = {v: k for k, v in TENSOR_DTYPES.items()}
+"""The dtypes a descriptor may name (torch's names without the prefix) and their sizes."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a descriptor dtype name (imports torch)."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of a descriptor dtype name; bfloat16 has none (pull it as torch)."""
+    import numpy as np
+
+    if name == "bfloat16":
+        raise DescriptorError("bfloat16 has no numpy dtype; pull it as a torch tensor")
+    return np.dtype(name)
+
+
+def dtype_name(tensor: Any) -> str | None:
+    """The descriptor dtype name of a torch tensor or numpy array, None if not carried."""
+    if is_torch(tensor):
+        name = str(tensor.dtype).removeprefix("torch.")
+    else:
+        name = str(getattr(getattr(tensor, "dtype", None), "name", ""))
+    return name if name in TENSOR_DTYPES else None
+
+
+def is_torch(data: Any) -> bool:
+    """Whether ``data`` is a torch tensor (without importing torch: if torch was never
+    imported, nothing can be one)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(data, torch.Tensor)
 
 
 # ------------------------------------------------------------------------------ checksums
-def checksum(data: torch.Tensor, algo: str) -> int:
-    """Hash a 1-D uint8 tensor with ``algo`` (``crc32`` or ``wsum64``); both deterministic."""
-    if algo == CHECKSUM_CRC32:
+def checksum(data: Any, algo: str) -> int:
+    """Hash bytes with ``algo`` (``crc32`` or ``wsum64``); both deterministic. ``data`` is a
+    1-D uint8 torch tensor (on any device) or a host buffer (memoryview, bytes, ndarray)."""
+    if algo not in CHECKSUMS:
+        raise DescriptorError(f"unknown checksum algorithm {algo!r}")
+    if is_torch(data):
+        if algo == CHECKSUM_WSUM64:
+            return _wsum64(data)
         # crc32 needs host bytes; a GPU block pays a copy here (only when a CPU producer
         # feeds a GPU pool). ~3.4 GB/s on the CPU machines, and zlib releases the GIL.
         host = data.cpu() if data.device.type != "cpu" else data
         return zlib.crc32(host.numpy().data) if host.numel() else 0
-    if algo == CHECKSUM_WSUM64:
-        return _wsum64(data)
-    raise DescriptorError(f"unknown checksum algorithm {algo!r}")
+    if algo == CHECKSUM_CRC32:
+        return zlib.crc32(data)
+    return _wsum64_host(memoryview(data).cast("B"))
 
 
 _WSUM_CHUNK: Final = 1 << 24  # 16-bit words per partial sum: keeps every partial < 2**56
+
+
+def _wsum64_host(data: memoryview) -> int:
+    """:func:`_wsum64` over a host buffer with numpy (same definition, same value)."""
+    import numpy as np
+
+    n = len(data)
+    half = n // 2
+    words = np.frombuffer(data, dtype="<u2", count=half)
+    a = b = 0
+    for start in range(0, half, _WSUM_CHUNK):
+        x = words[start : start + _WSUM_CHUNK].astype(np.int64)
+        w = np.arange(start, start + x.size, dtype=np.int64) % 65521 + 1
+        a += int(x.sum())
+        b += int((x * w).sum())
+    if n % 2:
+        x_last = data[n - 1]
+        a += x_last
+        b += x_last * (half % 65521 + 1)
+    return ((b & 0xFFFFFFFF) << 32) | (a & 0xFFFFFFFF)
 
 
 def _wsum64(data: torch.Tensor) -> int:
@@ -52,6 +116,8 @@ def _wsum64(data: torch.Tensor) -> int:
     ``(b mod 2**32) << 32 | (a mod 2**32)``. Products stay below 2**32 and each chunk's sum
     below 2**56, so int64 never overflows and the result does not depend on reduction order.
     Any single-word change alters ``a``; swapped words alter ``b``."""
+    import torch
+
     n = data.numel()
     half = n // 2
     words = data[: 2 * half]
@@ -111,7 +177,7 @@ class TensorDescriptor:
             raise DescriptorError(f"unknown checksum {self.checksum_algo!r}", tensor=self.name)
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in self.shape):
             raise DescriptorError(f"bad shape {self.shape!r}", tensor=self.name)
-        itemsize = TENSOR_DTYPES[self.dtype].itemsize
+        itemsize = TENSOR_DTYPES[self.dtype]
         if self.nbytes != math.prod(self.shape) * itemsize:
             raise DescriptorError(
                 f"nbytes {self.nbytes} != prod{self.shape} x {itemsize}", tensor=self.name

@@ -17,45 +17,60 @@ Checksums: ``crc32`` (zlib, over the bytes) when the producer's pool is in host 
 ``wsum64`` (a position-weighted sum of 16-bit words computed with torch ops on the pool's
 device, so no device-to-host copy) when it is in GPU memory. The descriptor names the
 algorithm, so a consumer on either kind of device can verify either.
+
+Tensors are torch tensors or numpy arrays. Numpy arrays between host pools never touch
+torch (the synthetic pipeline's CPU workers stay torch-free); torch is imported only when a
+torch tensor or a GPU pool is involved.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from tensorplane.descriptor import (
-    TENSOR_DTYPE_NAMES,
     TENSOR_DTYPES,
     TensorDescriptor,
     checksum,
+    dtype_name,
+    is_torch,
+    numpy_dtype,
+    torch_dtype,
 )
 from tensorplane.engine import TransferEngine
 from tensorplane.errors import ChecksumMismatch, TransferError, TransferFailed
-from tensorplane.pool import StagingPool
+from tensorplane.pool import Block, StagingPool
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
+
+ArrayKind = Literal["torch", "numpy"]
+
 
 # ------------------------------------------------------------------------- stage and pull
 def _sync(*tensors: torch.Tensor) -> None:
     # Mooncake reads/writes raw memory outside any CUDA stream: queued copies must be done.
     for t in tensors:
         if t.device.type == "cuda":
+            import torch
+
             torch.cuda.current_stream(t.device).synchronize()
 
 
 def stage_tensors(
     pool: StagingPool,
     engine: TransferEngine,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Any],
     *,
     task_id: str | None = None,
     alloc_timeout: float = 30.0,
 ) -> list[TensorDescriptor]:
     """Copy each tensor's raw bytes (made contiguous; dtype kept, so bf16 stays 2 bytes per
-    element) into a pool block and describe it. On error, blocks already taken are freed."""
+    element) into a pool block and describe it. Values are torch tensors or numpy arrays.
+    On error, blocks already taken are freed."""
     descs: list[TensorDescriptor] = []
     try:
         for name, tensor in tensors.items():
@@ -76,30 +91,29 @@ def stage_bytes(
     alloc_timeout: float = 30.0,
 ) -> TensorDescriptor:
     """Stage raw bytes (e.g. an input image file) as a 1-D uint8 tensor."""
-    buf = bytearray(data)  # frombuffer wants a writable buffer, and refuses an empty one
-    tensor = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return _stage_one(pool, engine, name, tensor, task_id, alloc_timeout)
+    import numpy as np
+
+    return _stage_one(pool, engine, name, np.frombuffer(data, dtype=np.uint8), task_id,
+                      alloc_timeout)
 
 
 def _stage_one(
-    pool: StagingPool, engine: TransferEngine, name: str, tensor: torch.Tensor,
+    pool: StagingPool, engine: TransferEngine, name: str, tensor: Any,
     task_id: str | None, alloc_timeout: float,
 ) -> TensorDescriptor:
-    dtype = TENSOR_DTYPE_NAMES.get(tensor.dtype)
+    dtype = dtype_name(tensor)
     if dtype is None:
-        raise TransferError(f"cannot stage dtype {tensor.dtype} (supported: "
-                            f"{', '.join(TENSOR_DTYPES)})", task_id=task_id, tensor=name)
-    src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        raise TransferError(f"cannot stage dtype {getattr(tensor, 'dtype', type(tensor))} "
+                            f"(supported: {', '.join(TENSOR_DTYPES)})", task_id=task_id,
+                            tensor=name)
     shape = tuple(int(d) for d in tensor.shape)
-    if src.numel() == 0:  # nothing to move or release
+    nbytes = _nbytes(tensor)
+    if nbytes == 0:  # nothing to move or release
         return TensorDescriptor(name, engine.session_id, 0, 0, dtype, shape, 0, 0, 0,
                                 pool.checksum_algo)
-    block = pool.alloc(src.numel(), alloc_timeout, task_id=task_id)
+    block = pool.alloc(nbytes, alloc_timeout, task_id=task_id)
     try:
-        dst = pool.view(block)
-        dst.copy_(src)
-        _sync(dst, src)
-        digest = checksum(dst, pool.checksum_algo)
+        digest = _fill(pool, block, tensor)
     except BaseException:
         pool.free(block)
         raise
@@ -108,6 +122,31 @@ def _stage_one(
         dtype=dtype, shape=shape, checksum=digest, release_addr=pool.release_addr(block),
         release_token=block.token, checksum_algo=pool.checksum_algo,
     )
+
+
+def _nbytes(tensor: Any) -> int:
+    if is_torch(tensor):
+        return int(tensor.numel() * tensor.element_size())
+    return int(tensor.nbytes)
+
+
+def _fill(pool: StagingPool, block: Block, tensor: Any) -> int:
+    """Copy ``tensor``'s bytes into ``block``; returns their checksum."""
+    if pool.is_host and not is_torch(tensor):
+        import numpy as np
+
+        dst = pool.host_view(block)
+        dst[:] = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data
+        return checksum(dst, pool.checksum_algo)
+    import torch
+
+    if not is_torch(tensor):
+        tensor = torch.from_numpy(tensor)
+    src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    view = pool.view(block)
+    view.copy_(src)
+    _sync(view, src)
+    return checksum(view, pool.checksum_algo)
 
 
 def pull_tensors(
@@ -119,8 +158,10 @@ def pull_tensors(
     *,
     alloc_timeout: float = 30.0,
     release: bool = True,
-) -> dict[str, torch.Tensor]:
-    """Pull described tensors into fresh tensors on ``device``.
+    arrays: ArrayKind = "torch",
+) -> dict[str, Any]:
+    """Pull described tensors into fresh torch tensors on ``device`` (``arrays="torch"``) or
+    fresh numpy arrays (``arrays="numpy"``; host only, no torch imported).
 
     Per tensor: local block, Mooncake read, checksum, copy out, free the block. Producers'
     blocks are released only once *every* tensor has arrived, so a task that fails halfway
@@ -128,11 +169,13 @@ def pull_tensors(
     :class:`TransferFailed`, a bad checksum :class:`ChecksumMismatch`; both name the task,
     tensor and peer. Every read has a deadline, so this never hangs on a wedged peer.
     """
-    out: dict[str, torch.Tensor] = {}
+    if arrays == "numpy" and str(device) != "cpu":
+        raise TransferError(f"numpy arrays live on the host; cannot pull to {device}",
+                            task_id=task_id)
+    out: dict[str, Any] = {}
     descs = list(descs)
-    target = torch.device(device)
     for d in descs:
-        tensor = torch.empty(d.shape, dtype=TENSOR_DTYPES[d.dtype], device=target)
+        tensor = _empty(d, device, arrays)
         if d.nbytes:
             _pull_one(engine, pool, d, tensor, task_id, alloc_timeout)
         out[d.name] = tensor
@@ -141,8 +184,18 @@ def pull_tensors(
     return out
 
 
+def _empty(d: TensorDescriptor, device: Any, arrays: ArrayKind) -> Any:
+    if arrays == "numpy":
+        import numpy as np
+
+        return np.empty(d.shape, dtype=numpy_dtype(d.dtype))
+    import torch
+
+    return torch.empty(d.shape, dtype=torch_dtype(d.dtype), device=torch.device(device))
+
+
 def _pull_one(
-    engine: TransferEngine, pool: StagingPool, d: TensorDescriptor, out: torch.Tensor,
+    engine: TransferEngine, pool: StagingPool, d: TensorDescriptor, out: Any,
     task_id: str | None, alloc_timeout: float,
 ) -> None:
     block = pool.alloc(d.nbytes, alloc_timeout, task_id=task_id)
@@ -156,7 +209,8 @@ def _pull_one(
             pool.free(block)
         raise
     try:
-        local = pool.view(block)
+        host = pool.is_host and not is_torch(out)
+        local: Any = pool.host_view(block) if host else pool.view(block)
         actual = checksum(local, d.checksum_algo)
         if actual != d.checksum:
             raise ChecksumMismatch(
@@ -165,7 +219,17 @@ def _pull_one(
                 expected=d.checksum, actual=actual, task_id=task_id, tensor=d.name,
                 peer=d.segment,
             )
-        out.reshape(-1).view(torch.uint8).copy_(local)
-        _sync(out, local)
+        if host:
+            import numpy as np
+
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(local, dtype=np.uint8)
+        else:
+            import torch
+
+            # A numpy array pulled through a GPU pool is filled through a tensor sharing
+            # its memory.
+            dst = out if is_torch(out) else torch.from_numpy(out)
+            dst.reshape(-1).view(torch.uint8).copy_(local)
+            _sync(dst, local)
     finally:
         pool.free(block)

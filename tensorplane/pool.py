@@ -1,20 +1,27 @@
 """The staging pool: one registered buffer per process, carved into blocks that producers
 stage tensors in and consumers release with a one-sided write (protocol:
-:mod:`tensorplane.handoff`)."""
+:mod:`tensorplane.handoff`).
+
+A host pool is an anonymous ``mmap`` (page-aligned, untouched pages cost no memory), so a
+process that moves host tensors never imports torch; a GPU pool, or a host pool that must be
+pinned for CUDA copies, is a torch allocation.
+"""
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
+import mmap
+import re
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Final
-
-import torch
+from typing import TYPE_CHECKING, Any, Final
 
 from tensorplane.descriptor import CHECKSUM_CRC32, CHECKSUM_WSUM64, CHECKSUMS, TensorDescriptor
 from tensorplane.engine import TransferEngine
@@ -25,7 +32,11 @@ from tensorplane.errors import (
     TransferError,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
+_DEVICE_RE: Final = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 ALIGN: Final = 4096
 """Block alignment and size granule: page-aligned blocks suit DMA/RDMA and any dtype view."""
@@ -94,17 +105,24 @@ class StagingPool:
         if capacity < ALIGN:
             raise ValueError(f"pool capacity must be at least {ALIGN} bytes, got {capacity}")
         self.capacity = capacity - capacity % ALIGN
-        self.device = torch.device(device)
+        self.device = str(device)
+        if not _DEVICE_RE.match(self.device):
+            raise ValueError(f"pool device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.is_host = self.device == "cpu"
         self.max_blocks = max(1, min(max_blocks, self.capacity // ALIGN))
         self._pin = pin_memory
         if checksum_algo is None:
-            checksum_algo = CHECKSUM_CRC32 if self.device.type == "cpu" else CHECKSUM_WSUM64
+            checksum_algo = CHECKSUM_CRC32 if self.is_host else CHECKSUM_WSUM64
         if checksum_algo not in CHECKSUMS:
             raise ValueError(f"unknown checksum algorithm {checksum_algo!r}")
         self.checksum_algo = checksum_algo
-        self._buffer: torch.Tensor | None = None
-        self._words: torch.Tensor | None = None
-        self._words_np: Any = None  # numpy view of _words: cheap scalar reads when reclaiming
+        self._base = 0  # address of the first byte (0: not started)
+        self._mem: Any = None  # what owns the buffer: an mmap, or a torch tensor
+        self._host: memoryview | None = None  # the buffer's bytes, for a host pool
+        self._tensor: torch.Tensor | None = None  # the buffer as a torch tensor, made lazily
+        self._words_mem: mmap.mmap | None = None
+        self._words: memoryview | None = None  # u64 release words, then the outbox words
+        self._words_addr = 0
         self._engine: TransferEngine | None = None
         self._cond = threading.Condition()
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, size) by offset
@@ -122,33 +140,54 @@ class StagingPool:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self, engine: TransferEngine) -> None:
         """Allocate the buffer and release words and register both with ``engine``."""
-        if self._buffer is not None:
+        if self._base:
             raise EngineError("StagingPool.start() called twice")
-        # torch only guarantees 64-byte (CPU) / 512-byte (CUDA) alignment: over-allocate by a
-        # page and start at the first page boundary so block addresses, not just offsets,
-        # are page-aligned.
-        if self.device.type == "cpu":
-            pin = torch.cuda.is_available() if self._pin is None else self._pin
-            raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8, pin_memory=pin)
+        if self.is_host and not self._pinned():
+            # Page-aligned, zero-filled on first touch, and no torch needed to make or use it.
+            mem: Any = mmap.mmap(-1, self.capacity)
+            base = _address(mem)
+            host: memoryview | None = memoryview(mem)
+            tensor = None
         else:
-            raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8, device=self.device)
-        pad = -raw.data_ptr() % ALIGN
-        buf = raw[pad : pad + self.capacity]
-        words = torch.zeros(self.max_blocks + _OUTBOX_WORDS, dtype=torch.int64)
-        engine.register(buf.data_ptr(), self.capacity)
+            import torch
+
+            # torch only guarantees 64-byte (CPU) / 512-byte (CUDA) alignment: over-allocate
+            # by a page and start at the first page boundary so block addresses, not just
+            # offsets, are page-aligned.
+            if self.is_host:
+                raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8, pin_memory=True)
+            else:
+                raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8, device=self.device)
+            pad = -raw.data_ptr() % ALIGN
+            mem = tensor = raw[pad : pad + self.capacity]
+            base = tensor.data_ptr()
+            host = tensor.numpy().data if self.is_host else None
+        nwords = self.max_blocks + _OUTBOX_WORDS
+        words_mem = mmap.mmap(-1, -(-nwords * _WORD // ALIGN) * ALIGN)
+        words_addr = _address(words_mem)
+        engine.register(base, self.capacity)
         try:
-            engine.register(words.data_ptr(), words.numel() * _WORD)
+            engine.register(words_addr, nwords * _WORD)
         except BaseException:
-            engine.unregister(buf.data_ptr())
+            engine.unregister(base)
             raise
-        self._buffer, self._words, self._engine = buf, words, engine
-        self._words_np = words.numpy()
+        self._mem, self._host, self._tensor = mem, host, tensor
+        self._words_mem, self._words_addr = words_mem, words_addr
+        self._words = memoryview(words_mem).cast("Q")
+        self._base, self._engine = base, engine
+
+    def _pinned(self) -> bool:
+        """Whether a host pool is allocated in pinned memory (through torch)."""
+        if self._pin is not None:
+            return self._pin
+        torch = sys.modules.get("torch")  # never imported: nothing here uses CUDA
+        return torch is not None and bool(torch.cuda.is_available())
 
     def close(self) -> None:
         """Unregister the buffers; blocks still staged become unreadable to peers."""
-        if self._engine is None or self._buffer is None or self._words is None:
+        if self._engine is None or not self._base:
             return
-        for ptr in (self._buffer.data_ptr(), self._words.data_ptr()):
+        for ptr in (self._base, self._words_addr):
             try:
                 self._engine.unregister(ptr)
             except EngineError as exc:
@@ -158,25 +197,34 @@ class StagingPool:
     @property
     def base_addr(self) -> int:
         """Address of the pool's first byte."""
-        return self._buf().data_ptr()
-
-    def _buf(self) -> torch.Tensor:
-        if self._buffer is None:
+        if not self._base:
             raise EngineError("StagingPool used before start()")
-        return self._buffer
+        return self._base
 
     def addr(self, block: Block) -> int:
         """Address of ``block``'s first byte."""
         return self.base_addr + block.offset
 
     def view(self, block: Block) -> torch.Tensor:
-        """The block's ``nbytes`` as a 1-D uint8 tensor on the pool's device."""
-        return self._buf()[block.offset : block.offset + block.nbytes]
+        """The block's ``nbytes`` as a 1-D uint8 tensor on the pool's device (imports torch;
+        host code that needs no tensor uses :meth:`host_view`)."""
+        if self._tensor is None:
+            if self._host is None:
+                raise EngineError("StagingPool used before start()")
+            import torch
+
+            self._tensor = torch.frombuffer(self._host, dtype=torch.uint8)
+        return self._tensor[block.offset : block.offset + block.nbytes]
+
+    def host_view(self, block: Block) -> memoryview:
+        """The block's ``nbytes`` as a writable memoryview (host pools only)."""
+        if self._host is None:
+            raise EngineError(f"host_view of a {self.device} pool (or before start())")
+        return self._host[block.offset : block.offset + block.nbytes]
 
     def release_addr(self, block: Block) -> int:
         """Address of the block's release word (what a descriptor carries)."""
-        assert self._words is not None
-        return self._words.data_ptr() + block.slot * _WORD
+        return self._words_addr + block.slot * _WORD
 
     # -- allocation (non-blocking core + blocking layer) ----------------------------------
     def try_alloc(self, nbytes: int) -> Block | None:
@@ -243,8 +291,7 @@ class StagingPool:
     def free_staged(self, descs: Iterable[TensorDescriptor]) -> int:
         """Free the blocks behind descriptors this pool staged (producer-side failure or
         cancel); descriptors of released or unknown blocks are skipped. Returns how many."""
-        assert self._words is not None
-        base = self._words.data_ptr()
+        base = self._words_addr
         freed = 0
         with self._cond:
             for d in descs:
@@ -276,7 +323,7 @@ class StagingPool:
     def _reclaim_locked(self) -> int:
         n = 0
         for slot, (block, _) in list(self._live.items()):
-            if int(self._words_np[slot]) == block.token:
+            if self._words is not None and self._words[slot] == block.token:
                 n += self._free_locked(block)
         self._counts["remote_releases"] += n
         return n
@@ -310,8 +357,8 @@ class StagingPool:
         with self._cond:
             idx = self.max_blocks + self._next_outbox
             self._next_outbox = (self._next_outbox + 1) % _OUTBOX_WORDS
-            self._words_np[idx] = token
-        engine.write(segment, self._words.data_ptr() + idx * _WORD, release_addr, _WORD,
+            self._words[idx] = token
+        engine.write(segment, self._words_addr + idx * _WORD, release_addr, _WORD,
                      task_id=task_id, tensor=tensor)
 
     def release_producers(
@@ -352,3 +399,10 @@ class StagingPool:
                 oldest_block_age_s=max((now - t for _, t in self._live.values()), default=0.0),
                 **self._counts,
             )
+
+
+def _address(mem: mmap.mmap) -> int:
+    """Address of an mmap's first byte (ctypes is the standard library's one way to get it).
+    It stays valid while the mmap object lives; a pool keeps its mmaps for its whole life,
+    so memory a peer may still address is never unmapped."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mem))

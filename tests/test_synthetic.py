@@ -69,17 +69,37 @@ def test_outputs_are_deterministic_and_follow_every_byte(tmp_path: Path) -> None
     pipe.load()
     req = GenerationRequest(task="synthetic", prompt="p", seed=5, height=32, width=48)
     cond = pipe.encoder.encode(req)
+    assert all(isinstance(v, np.ndarray) for v in cond.values())  # cpu + float32: no torch
     lat = pipe.transformer.denoise(req, cond)
     assert pipe.decoder.decode(req, lat).data == a.data
     # One changed element on either hop changes the result.
-    bad_cond = {k: v.clone() for k, v in cond.items()}
-    next(iter(bad_cond.values())).view(-1)[123] += 1
+    bad_cond = {k: v.copy() for k, v in cond.items()}
+    next(iter(bad_cond.values())).reshape(-1)[123] += 1
     assert pipe.decoder.decode(req, pipe.transformer.denoise(req, bad_cond)).data != a.data
-    bad_lat = {k: v.clone() for k, v in lat.items()}
-    next(iter(bad_lat.values())).view(-1)[-1] += 1
+    bad_lat = {k: v.copy() for k, v in lat.items()}
+    next(iter(bad_lat.values())).reshape(-1)[-1] += 1
     assert pipe.decoder.decode(req, bad_lat).data != a.data
     with pytest.raises(StageInputError, match="missing tensor"):
         pipe.decoder.decode(req, {})
+
+
+def test_bfloat16_tensors_are_torch_and_match_their_bytes(tmp_path: Path) -> None:
+    """numpy has no bfloat16: such a config makes torch tensors (2 bytes per element), with
+    the same picture on every run."""
+    import torch
+
+    folder = _folder(tmp_path, encoder_s=0, step_s=0, decoder_s=0,
+                     phase1={"e": {"shape": [2, 3], "dtype": "bfloat16"}},
+                     phase2={"l": {"shape": [4], "dtype": "int16"}})
+    pipe = LocalPipeline(folder, "synthetic")
+    pipe.load()
+    assert pipe.encoder.tensor_kind == "torch"
+    req = GenerationRequest(task="synthetic", prompt="p", seed=1)
+    cond = pipe.encoder.encode(req)
+    assert cond["e"].dtype == torch.bfloat16 and cond["e"].element_size() == 2
+    lat = pipe.transformer.denoise(req, cond)
+    assert lat["l"].dtype == torch.int16 and tuple(lat["l"].shape) == (4,)
+    assert pipe.decoder.decode(req, lat).data == _run(folder, 1).data
 
 
 def test_stage_times_and_steps(tmp_path: Path) -> None:
@@ -115,3 +135,7 @@ def test_group_completes_tasks_over_http(tiny_models: Path, tmp_path: Path) -> N
             from PIL import Image
 
             assert np.asarray(Image.open(io.BytesIO(r.content))).shape == (64, 64, 3)
+        # Host tensors only: no worker (nor the controller) ever loaded torch.
+        for svc in group.services:
+            maps = Path(f"/proc/{svc.proc.pid}/maps").read_text()
+            assert "libtorch" not in maps, f"{svc.role} loaded torch"

@@ -76,9 +76,10 @@ class EncoderWorker(ProducerWorker):
         # The controller owns the staged image until the task ends (a retry needs it).
         desc = TensorDescriptor.from_dict(job.item["image"])
         out = pull_tensors(
-            self.engine, self.pool, [desc], device="cpu", task_id=job.task_id, release=False
+            self.engine, self.pool, [desc], device="cpu", task_id=job.task_id, release=False,
+            arrays="numpy",
         )
-        data: bytes = out[desc.name].numpy().tobytes()
+        data: bytes = out[desc.name].tobytes()
         return data
 
     def compute(self, job: Job, inputs: bytes | None) -> dict[str, Any]:

@@ -138,10 +138,6 @@ class StageWorker:
             self._metrics_server = serve_metrics(
                 self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker"
             )
-        if self.cfg.torch_threads is not None:
-            import torch
-
-            torch.set_num_threads(self.cfg.torch_threads)
         self.load_model()
         settings = MooncakeSettings.resolve(self.cfg.mooncake_config_path, self.env)
         self.engine = TransferEngine(settings)
@@ -415,6 +411,11 @@ class StageWorker:
             self.cfg.dtype,
             **self.adapter_options(),
         )
+        if self.cfg.torch_threads is not None and self.stage.torch_model:
+            # Only a torch model pays for importing torch here (a synthetic stage has none).
+            import torch
+
+            torch.set_num_threads(self.cfg.torch_threads)
         self.stage.load()
 
     def adapter_options(self) -> dict[str, Any]:
@@ -471,7 +472,8 @@ class StageWorker:
         descs = self.descriptors(job)
         t0 = time.monotonic()
         out = pull_tensors(
-            self.engine, self.pool, descs, device=self.cfg.device, task_id=job.task_id
+            self.engine, self.pool, descs, device=self.cfg.device, task_id=job.task_id,
+            arrays=self.stage.tensor_kind,
         )
         self.metrics.transfer_seconds.labels("pull").observe(time.monotonic() - t0)
         self.metrics.transfer_bytes.labels("pull").inc(sum(d.nbytes for d in descs))

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar
 
 from contracts.errors import ModelLoadError, StageCancelled
 from contracts.pipelines import TASKS, task_spec
@@ -70,6 +70,15 @@ class StageAdapter(ABC):
     """
 
     role: ClassVar[Role]
+    torch_model: ClassVar[bool] = True
+    """Whether this stage runs a torch model (its load imports torch, and the service's
+    ``torch_threads`` applies). The synthetic family has no model."""
+
+    @property
+    def tensor_kind(self) -> Literal["torch", "numpy"]:
+        """What the stage takes and returns: torch tensors, or numpy arrays (then its worker
+        pulls inputs as numpy arrays and never imports torch for them)."""
+        return "torch"
 
     @classmethod
     def for_task(
@@ -108,10 +117,15 @@ class StageAdapter(ABC):
             return
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist (task {self.task})")
-        self.device = resolve_device(self.device_name)
-        self.dtype = resolve_dtype(self.dtype_name)
+        self._resolve_settings()
         self._load()
         self._loaded = True
+
+    def _resolve_settings(self) -> None:
+        """Turn the device and dtype settings into torch objects (a torch-free stage
+        overrides this)."""
+        self.device = resolve_device(self.device_name)
+        self.dtype = resolve_dtype(self.dtype_name)
 
     @abstractmethod
     def _load(self) -> None:

@@ -31,10 +31,10 @@ import json
 import math
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, ClassVar, Final, Literal
 
 import numpy as np
 
@@ -51,9 +51,6 @@ from .base import (
 )
 from .components import check_request_task
 from .media import encode_png
-
-if TYPE_CHECKING:
-    import torch
 
 CONFIG_NAME: Final = "synthetic.json"
 FORMAT: Final = "diffring-synthetic"
@@ -256,20 +253,39 @@ def digest(tensors: Mapping[str, Any]) -> int:
 
 
 class _SyntheticStage:
-    """What the three synthetic stages share: the config, the device and the time spent."""
+    """What the three synthetic stages share: the config, the device and the time spent.
 
+    On ``cpu`` with numpy dtypes only (no bfloat16) the stages take and return numpy arrays,
+    so a synthetic worker never imports torch; otherwise torch tensors on the device.
+    """
+
+    torch_model: ClassVar[bool] = False
     model_dir: Path
     device_name: str
-    task: str
-    role: Any
     cfg: SyntheticConfig
+    _require_loaded: Callable[[], None]
 
-    def _resolve(self) -> None:
-        # A model folder that is not a synthetic one is refused with its own message.
+    def _resolve_settings(self) -> None:
+        # No torch device or dtype objects: only the config file (the tensor dtypes are
+        # its own; the service's dtype setting does not apply).
         self.cfg = SyntheticConfig.read(self.model_dir)
+
+    def _load(self) -> None:
+        pass
+
+    @property
+    def tensor_kind(self) -> Literal["torch", "numpy"]:
+        self._require_loaded()
+        specs = [*self.cfg.phase1.values(), *self.cfg.phase2.values()]
+        if self.device_name == "cpu" and all(s.dtype != "bfloat16" for s in specs):
+            return "numpy"
+        return "torch"
 
     def _to_device(self, arrays: dict[str, np.ndarray], specs: Mapping[str, TensorSpec]
                    ) -> dict[str, Any]:
+        if self.tensor_kind == "numpy":
+            return {name: np.ascontiguousarray(arr.astype(specs[name].dtype, copy=False))
+                    for name, arr in arrays.items()}
         import torch
 
         out = {}
@@ -303,11 +319,8 @@ class _SyntheticStage:
 class SyntheticEncoder(_SyntheticStage, EncoderAdapter):
     """Encoder stage: the phase1 tensors, from the seed, after ``encoder_s``."""
 
-    def _load(self) -> None:
-        self._resolve()
-
     def encode(self, req: GenerationRequest, image_bytes: bytes | None = None
-               ) -> dict[str, torch.Tensor]:
+               ) -> dict[str, Any]:
         self._require_loaded()
         check_request_task(req, self.task, "encoder")
         deadline = time.monotonic() + self.cfg.encoder_s
@@ -322,16 +335,13 @@ class SyntheticTransformer(_SyntheticStage, TransformerAdapter):
     """Transformer stage: ``infer_steps`` steps of ``step_s`` each, each reported; the phase2
     tensors from the seed and the phase1 bytes."""
 
-    def _load(self) -> None:
-        self._resolve()
-
     def denoise(
         self,
         req: GenerationRequest,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, Any],
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, Any]:
         self._require_loaded()
         check_request_task(req, self.task, "transformer")
         _require(tensors, self.cfg.phase1, "transformer")
@@ -356,9 +366,6 @@ class SyntheticDecoder(_SyntheticStage, DecoderAdapter):
     """Decoder stage: a ``height`` x ``width`` gradient picture from the seed and the phase2
     bytes, after ``decoder_s`` (PNG encoding included)."""
 
-    def _load(self) -> None:
-        self._resolve()
-
     def pixels(self, req: GenerationRequest, tensors: Mapping[str, Any]) -> np.ndarray:
         check_request_task(req, self.task, "decoder")
         _require(tensors, self.cfg.phase2, "decoder")
@@ -370,13 +377,12 @@ class SyntheticDecoder(_SyntheticStage, DecoderAdapter):
         rgb = np.stack([x * a + d0, y * b + d1, (x + y) * c + d2], axis=-1) % 256
         return rgb.astype(np.uint8)
 
-    def decode_float(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
-                     ) -> np.ndarray:
+    def decode_float(self, req: GenerationRequest, tensors: Mapping[str, Any]) -> np.ndarray:
         self._require_loaded()
         out: np.ndarray = self.pixels(req, tensors).astype(np.float32) / 255
         return out
 
-    def decode(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]) -> Artifact:
+    def decode(self, req: GenerationRequest, tensors: Mapping[str, Any]) -> Artifact:
         self._require_loaded()
         deadline = time.monotonic() + self.cfg.decoder_s
         pixels = self.pixels(req, tensors)
