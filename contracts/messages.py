@@ -27,6 +27,13 @@ Control channel (worker -> controller; every request gets one reply with the sam
     bye       {}                                    -> {}   graceful deregistration
   reply: {seq, ok: True, ...} or {seq, ok: False, error}
 
+Doorbell channel (a worker's second connection to the control port, handshake extra
+``channel: "doorbell"``; it never registers, and carries only)
+    wait      {ring, timeout_s}                     -> {wake: bool}
+  answered when ``ring`` holds a published item (at once if it already does), or with
+  ``wake: False`` after ``timeout_s``. A wake-up is a hint: the worker still claims through
+  the ring.
+
 Leases: a claim starts a lease on the task for the claiming worker; heartbeats renew every
 lease the worker holds; a handoff, completion or failure ends it. A lease that expires, or
 whose worker's control connection drops, puts the task back in play (a new attempt).
@@ -59,6 +66,11 @@ class Op(enum.StrEnum):
     FAIL = "fail"
     FATAL = "fatal"
     BYE = "bye"
+    WAIT = "wait"
+
+
+DOORBELL_CHANNEL: Final = "doorbell"
+"""Handshake ``channel`` of a worker's doorbell connection (see the module docstring)."""
 
 
 # Ring payload kind each role consumes.

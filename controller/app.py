@@ -90,6 +90,7 @@ async def run_controller_async(
     cfg: ServiceConfig, token: str, env: Mapping[str, str], stop: asyncio.Event
 ) -> None:
     from controller.control import ControlServer
+    from controller.doorbell import Doorbell
     from controller.rings_host import ControllerRings
 
     d = cfg.disagg_config
@@ -110,15 +111,22 @@ async def run_controller_async(
         release_image=images.release if images else None,
         journal=output_dir / ".journal",
     )
+    doorbell = Doorbell({name: ring.verbs for name, ring in rings.local.items()})
+    co.on_work = doorbell.ring
     co.restore()
-    control = ControlServer(co, d.bootstrap_addr, d.control_port, token)
+    control = ControlServer(co, d.bootstrap_addr, d.control_port, token, doorbell)
     metrics_server = None
     try:
         await control.start()
         front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller")
         metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
                                        images.pool.stats if images else None)
-        sweeper = asyncio.create_task(_sweeper(co, images.reclaim if images else None))
+        def periodic() -> None:
+            doorbell.sweep()
+            if images is not None:
+                images.reclaim()
+
+        sweeper = asyncio.create_task(_sweeper(co, periodic))
         log.info(
             "controller ready: pipeline=%s http://%s:%d rings=%s control=%d",
             cfg.pipeline,

@@ -15,8 +15,9 @@ import secrets
 import struct
 from typing import Any
 
-from contracts.messages import CONTROL_RING, Op
+from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from controller.coordinator import ControlError, Coordinator, WorkerInfo
+from controller.doorbell import Doorbell
 from rings import wire
 from rings.ports import bind_error
 
@@ -26,8 +27,12 @@ MAX_CONTROL_FRAME = 512 << 20  # results travel on this channel (a long MP4 can 
 
 
 class ControlServer:
-    def __init__(self, coordinator: Coordinator, host: str, port: int, token: str) -> None:
+    def __init__(
+        self, coordinator: Coordinator, host: str, port: int, token: str,
+        doorbell: Doorbell | None = None,
+    ) -> None:
         self.coordinator = coordinator
+        self.doorbell = doorbell
         self.host = host
         self.port = port
         self.token = token
@@ -112,6 +117,9 @@ class ControlServer:
             join = await asyncio.wait_for(self._handshake(reader, writer), wire.HANDSHAKE_TIMEOUT_S)
             if join is None:
                 return
+            if join.get("channel") == DOORBELL_CHANNEL:
+                await self._serve_doorbell(reader, writer)
+                return
             while True:
                 msg = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
                 seq = msg.get("seq")
@@ -142,6 +150,44 @@ class ControlServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _serve_doorbell(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """A worker's doorbell connection: one ``wait`` at a time, each answered when its ring
+        has work or its timeout passes (:mod:`controller.doorbell`)."""
+        while True:
+            msg = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
+            out: dict[str, Any] = {"seq": msg.get("seq"), "ok": True}
+            try:
+                if msg.get("op") != Op.WAIT:
+                    raise ControlError(f"the doorbell channel carries only 'wait', got "
+                                       f"{msg.get('op')!r}")
+                if self.doorbell is None:
+                    raise ControlError("this controller has no doorbell")
+                waiting = asyncio.ensure_future(
+                    self.doorbell.wait(str(msg["ring"]), float(msg["timeout_s"]))
+                )
+                # The worker sends nothing while it waits: anything read now is the
+                # connection ending (a stopped worker), and its waiter must go at once,
+                # or a wake-up would be spent on it.
+                gone = asyncio.ensure_future(reader.read(1))
+                await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not waiting.done():
+                    waiting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await waiting
+                    return
+                gone.cancel()  # and wait for it: only one reader of the stream at a time
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gone
+                if gone.done() and not gone.cancelled():
+                    return  # the connection ended in the same instant
+                out["wake"] = waiting.result()
+            except (ControlError, KeyError, TypeError, ValueError) as exc:
+                out = {"seq": msg.get("seq"), "ok": False, "error": str(exc) or repr(exc)}
+            writer.write(wire.pack_msg(out))
+            await writer.drain()
 
     def _dispatch(
         self, msg: dict[str, Any], worker: WorkerInfo | None

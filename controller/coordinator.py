@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import DiffringError
-from contracts.roles import Role
+from contracts.roles import ROLE_RINGS, Role
 from controller.tasks import TERMINAL, Stage, Task, TaskTable
 from rings.ring import Ring
 
@@ -91,6 +91,9 @@ class Coordinator:
         self._next_worker = 1
         self._requeue: collections.deque[str] = collections.deque()
         self.listeners: list[Callable[[str, Task], None]] = []
+        self.on_work: Callable[[str], object] | None = None
+        """Called with a ring's name when an item was pushed to it (by this controller, or
+        by a producer that reported the handoff): the doorbell that wakes idle workers."""
 
     # -- helpers ---------------------------------------------------------------------------
     def _emit(self, event: str, task: Task) -> None:
@@ -111,7 +114,14 @@ class Coordinator:
         return round(min(300.0, max(1.0, backlog / rate)), 1)
 
     def _push(self, task: Task) -> bool:
-        return self.request_ring.try_push(task.descriptor()) is None
+        pushed = self.request_ring.try_push(task.descriptor()) is None
+        if pushed:
+            self._announce("request")
+        return pushed
+
+    def _announce(self, ring: str | None) -> None:
+        if ring is not None and self.on_work is not None:
+            self.on_work(ring)
 
     def restore(self) -> int:
         """After a restart: reload the journal and put unfinished tasks back in play."""
@@ -243,6 +253,9 @@ class Coordinator:
         return task.cancel_requested
 
     def on_handoff(self, worker: WorkerInfo, task_id: str, attempt: int) -> None:
+        # The producer published to its output ring before saying so: wake a consumer
+        # (even for a task it no longer holds: the item is in the ring all the same).
+        self._announce(ROLE_RINGS[worker.role][1])
         worker.tasks.discard(task_id)
         task = self._held(worker, task_id, attempt)
         if task is None:

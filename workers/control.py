@@ -1,17 +1,21 @@
 """The worker's end of the control channel (message layouts: :mod:`contracts.messages`).
 
 One TCP connection per worker, authenticated like the ring ports. Calls are synchronous
-request/reply and thread-safe (the pull loop and the heartbeat thread share it).
+request/reply and thread-safe (the pull loop and the heartbeat thread share it). A second
+connection, the doorbell (:class:`DoorbellClient`), is where the idle pull loop waits for
+work without polling its ring.
 """
 
 from __future__ import annotations
 
 import logging
+import select
+import socket
 import threading
 from typing import Any
 
 from contracts.errors import ConnectionLost, ControlRefused
-from contracts.messages import CONTROL_RING, Op
+from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from rings import wire
 from rings.tcp import handshake, open_socket, recv_frame
 
@@ -78,3 +82,84 @@ class ControlClient:
     def close(self) -> None:
         with self._lock:
             self._close_locked()
+
+
+class DoorbellClient:
+    """The worker's doorbell: a second connection to the control port on which the idle
+    loop long-polls (``wait``) until its input ring has work (see
+    :mod:`controller.doorbell`). Used by the pull loop's thread only; :meth:`interrupt` may
+    be called from any thread (or a signal handler) to end a wait at once."""
+
+    def __init__(self, host: str, port: int, token: str, *, timeout: float = 60.0) -> None:
+        self.host = host
+        self.port = port
+        self.token = token
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._seq = 0
+        # Self-pipe: a signal handler cannot set a threading.Event safely mid-select, but it
+        # can write a byte that select() sees.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    def connect(self, role: str) -> None:
+        sock = open_socket(self.host, self.port, self.timeout)
+        try:
+            handshake(sock, ring=CONTROL_RING, layout=None, token=self.token,
+                      transport="control", role="peer",
+                      extras={"worker_role": role, "channel": DOORBELL_CHANNEL})
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def wait(self, ring: str, timeout_s: float) -> bool | None:
+        """Block until the controller says ``ring`` has work (True), ``timeout_s`` passes
+        (False), or :meth:`interrupt` (None: the connection is closed, a new wait reopens
+        nothing; the worker is stopping)."""
+        sock = self._sock
+        if sock is None:
+            raise ConnectionLost(f"doorbell to {self.host}:{self.port} is closed")
+        self._seq += 1
+        try:
+            sock.settimeout(self.timeout)
+            sock.sendall(wire.pack_msg({"op": Op.WAIT.value, "seq": self._seq, "ring": ring,
+                                        "timeout_s": timeout_s}))
+            # The controller answers by timeout_s at the latest; allow it some slack.
+            ready, _, _ = select.select([sock, self._wake_r], [], [], timeout_s + 10.0)
+            if self._wake_r in ready:
+                self._drain_wake()
+                self.close()  # a reply is still owed on this connection: drop it
+                return None
+            if sock not in ready:
+                raise TimeoutError(f"no doorbell reply within {timeout_s + 10.0:.0f} s")
+            reply = wire.unpack_msg(recv_frame(sock))
+        except (OSError, ConnectionLost, ValueError) as exc:
+            self.close()
+            raise ConnectionLost(f"doorbell to the controller at {self.host}:{self.port} "
+                                 f"lost: {exc}") from exc
+        if not reply.get("ok"):
+            raise ControlRefused(f"controller refused wait: {reply.get('error')}")
+        return bool(reply.get("wake"))
+
+    def interrupt(self) -> None:
+        """End a wait in progress (or the next one) at once. Safe from a signal handler."""
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # the pipe is full: a wake-up is already pending
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None

@@ -52,13 +52,17 @@ from tensorplane.descriptor import TensorDescriptor
 from tensorplane.engine import MooncakeSettings, TransferEngine
 from tensorplane.handoff import pull_tensors
 from tensorplane.pool import StagingPool
-from workers.control import ControlClient
+from workers.control import ControlClient, DoorbellClient
 from workers.metrics import WorkerMetrics
 from workers.models.base import StageAdapter
 
 log = logging.getLogger("diffring.worker")
 
 IDLE_BACKOFF_MAX_S = 0.05
+"""Longest pause after a wake-up that found nothing to claim (see :meth:`StageWorker.idle`)."""
+IDLE_WAIT_S = 5.0
+"""Longest doorbell wait: an idle worker polls its ring at least this often, so a wake-up
+that never came (the controller rings within its sweep interval anyway) costs at most this."""
 
 
 class State(enum.Enum):
@@ -115,6 +119,10 @@ class StageWorker:
         self.control = ControlClient(
             cfg.disagg_config.bootstrap_addr, cfg.disagg_config.control_port, token
         )
+        self.doorbell = DoorbellClient(
+            cfg.disagg_config.bootstrap_addr, cfg.disagg_config.control_port, token
+        )
+        self._false_wakes = 0
         self.engine: Any = None
         self.pool: Any = None
         self.in_ring: Ring | None = None
@@ -155,6 +163,7 @@ class StageWorker:
         if out_name is not None:
             self.out_ring = self._join(out_name)
         self.control.connect(self.role.value)
+        self.doorbell.connect(self.role.value)
         reply = self.control.call(
             Op.REGISTER,
             role=self.role.value,
@@ -178,6 +187,7 @@ class StageWorker:
 
     def _disconnect(self) -> None:
         self.control.close()
+        self.doorbell.close()
         for ring in (self.in_ring, self.out_ring):
             if ring is not None:
                 ring.verbs.close()
@@ -231,10 +241,13 @@ class StageWorker:
         if self.state == State.RUNNING:
             self.state = State.DRAINING
         self._wake.set()
+        self.doorbell.interrupt()
 
     def close(self) -> None:
         self.state = State.STOPPED
         self._wake.set()
+        self.doorbell.interrupt()
+        self.doorbell.close()
         try:
             self.control.call(Op.BYE)
         except DiffringError:
@@ -258,29 +271,46 @@ class StageWorker:
 
     def run(self) -> None:
         """Pull until drained. Raises on a fatal error (after reporting it)."""
-        idle = 0.001
         try:
             while self.state == State.RUNNING:
                 try:
-                    busy = self.step()
+                    if self.step():
+                        self._false_wakes = 0
+                    else:
+                        self.idle()
                 except ConnectionLost as exc:
                     # The controller went away (restart, network): whatever this worker held
                     # is back in play on the controller's side; reconnect and go on.
                     log.warning("worker %s: lost the controller: %s", self.name, exc)
                     self._disconnect()
                     self._connect_retrying()
-                    continue
-                if busy:
-                    idle = 0.001
-                else:
-                    self._wake.wait(idle)
-                    idle = min(idle * 2, IDLE_BACKOFF_MAX_S)
         except DiffringError as exc:
             log.error("worker %s: fatal: %s", self.name, exc)
             self.report_fatal(str(exc))
             raise
         finally:
             self.state = State.STOPPED
+
+    def idle(self) -> None:
+        """The input ring was empty: wait on the doorbell until the controller says it has
+        work (or ``IDLE_WAIT_S`` passes), instead of polling the ring: an idle worker costs
+        the controller one wait per ``IDLE_WAIT_S``, and wakes within a round trip of a push.
+
+        A wake-up is a hint: the next step claims through the ring and may find nothing
+        (another worker was faster, or the published item sits behind one still being
+        written). After such a false wake-up the worker pauses, doubling up to
+        ``IDLE_BACKOFF_MAX_S``, so a ring that keeps reporting work it cannot hand out is
+        not hammered.
+        """
+        assert self.in_ring is not None
+        if self._false_wakes:
+            self._wake.wait(min(0.001 * 2 ** (self._false_wakes - 1), IDLE_BACKOFF_MAX_S))
+            if self.state != State.RUNNING:
+                return
+        woke = self.doorbell.wait(self.in_ring.name, IDLE_WAIT_S)
+        if woke is None:  # interrupted: draining or stopping
+            return
+        self._false_wakes = min(self._false_wakes + 1, 16) if woke else 0
 
     # -- heartbeats ----------------------------------------------------------------------------
     def _heartbeats(self) -> None:
