@@ -158,7 +158,17 @@ class ControlServer:
         has work or its timeout passes (:mod:`controller.doorbell`)."""
         while True:
             msg = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
-            out: dict[str, Any] = {"seq": msg.get("seq"), "ok": True}
+            seq = msg.get("seq")
+            out: dict[str, Any] | None
+            rung = False
+
+            def wake(seq: Any = seq) -> None:
+                # Sent from inside Doorbell.ring: the wake-up leaves before the code that
+                # rang it (an HTTP response, a handoff reply) has finished.
+                nonlocal rung
+                rung = True
+                writer.write(wire.pack_msg({"seq": seq, "ok": True, "wake": True}))
+
             try:
                 if msg.get("op") != Op.WAIT:
                     raise ControlError(f"the doorbell channel carries only 'wait', got "
@@ -166,7 +176,7 @@ class ControlServer:
                 if self.doorbell is None:
                     raise ControlError("this controller has no doorbell")
                 waiting = asyncio.ensure_future(
-                    self.doorbell.wait(str(msg["ring"]), float(msg["timeout_s"]))
+                    self.doorbell.wait(str(msg["ring"]), float(msg["timeout_s"]), wake)
                 )
                 # The worker sends nothing while it waits: anything read now is the
                 # connection ending (a stopped worker), and its waiter must go at once,
@@ -183,10 +193,11 @@ class ControlServer:
                     await gone
                 if gone.done() and not gone.cancelled():
                     return  # the connection ended in the same instant
-                out["wake"] = waiting.result()
+                out = None if rung else {"seq": seq, "ok": True, "wake": waiting.result()}
             except (ControlError, KeyError, TypeError, ValueError) as exc:
-                out = {"seq": msg.get("seq"), "ok": False, "error": str(exc) or repr(exc)}
-            writer.write(wire.pack_msg(out))
+                out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
+            if out is not None:
+                writer.write(wire.pack_msg(out))
             await writer.drain()
 
     def _dispatch(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from rings.layout import STAMPS_OFFSET, SlotState
 from rings.verbs import Verbs
@@ -48,6 +48,7 @@ class Doorbell:
         self._waiters: dict[str, collections.deque[asyncio.Future[bool]]] = {
             name: collections.deque() for name in self._rings
         }
+        self._on_ring: dict[asyncio.Future[bool], Callable[[], object]] = {}
         self.rung = 0
         """Waiters woken by a ring (for tests and metrics)."""
 
@@ -57,13 +58,21 @@ class Doorbell:
     def has_work(self, ring: str) -> bool:
         return published(self._rings[ring]) > 0
 
-    async def wait(self, ring: str, timeout_s: float) -> bool:
-        """Until ``ring`` has work (True) or ``timeout_s`` passes (False)."""
+    async def wait(
+        self, ring: str, timeout_s: float, on_ring: Callable[[], object] | None = None
+    ) -> bool:
+        """Until ``ring`` has work (True) or ``timeout_s`` passes (False).
+
+        ``on_ring`` is called inside :meth:`ring` itself, so the control server can send the
+        wake-up before the ringing code path (an HTTP response, a handoff reply) finishes,
+        rather than one event-loop turn later."""
         if ring not in self._waiters:
             raise ValueError(f"no ring {ring!r} to wait on (rings: {', '.join(self._waiters)})")
         if self.has_work(ring):
             return True
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if on_ring is not None:
+            self._on_ring[fut] = on_ring
         queue = self._waiters[ring]
         queue.append(fut)
         try:
@@ -71,6 +80,7 @@ class Doorbell:
         except TimeoutError:
             return False
         finally:
+            self._on_ring.pop(fut, None)
             if fut in queue:  # timed out, or the connection went away while waiting
                 queue.remove(fut)
 
@@ -82,6 +92,9 @@ class Doorbell:
             fut = queue.popleft()
             if not fut.done():
                 fut.set_result(True)
+                notify = self._on_ring.pop(fut, None)
+                if notify is not None:
+                    notify()
                 woken += 1
         self.rung += woken
         return woken

@@ -150,6 +150,9 @@ class TaskTable:
 
     def __init__(self, journal: Path | None = None) -> None:
         self.tasks: OrderedDict[str, Task] = OrderedDict()
+        # The unfinished ones: what heartbeats, lease expiry and the in-flight count look
+        # at, so their cost follows the work in flight, not the controller's whole history.
+        self._live: dict[str, Task] = {}
         self.journal = journal
         if journal is not None:
             (journal / "images").mkdir(parents=True, exist_ok=True)
@@ -169,15 +172,17 @@ class TaskTable:
         if task.task_id in self.tasks:
             raise DuplicateTask(task.task_id)
         self.tasks[task.task_id] = task
+        self._live[task.task_id] = task
         self._journal("accepted", task)
 
     def forget(self, task: Task) -> None:
         """Drop a task that was refused right after being added (e.g. the ring was full)."""
         self.tasks.pop(task.task_id, None)
+        self._live.pop(task.task_id, None)
         self._journal("rejected", task)
 
     def in_flight(self) -> int:
-        return sum(1 for t in self.tasks.values() if t.stage not in TERMINAL)
+        return len(self._live)
 
     def counts(self) -> dict[str, int]:
         out = {s: 0 for s in ("pending", "processing", "completed", "failed", "cancelled")}
@@ -203,6 +208,7 @@ class TaskTable:
         task.stage = stage
         task.updated_at = now
         if stage in TERMINAL:
+            self._live.pop(task.task_id, None)
             task.finished_at = now
             task.lease_expires = None
             task.worker_id = None
@@ -256,6 +262,7 @@ class TaskTable:
                 task.worker = task.worker_id = None
                 task.error = "controller restarted; task put back in play"
                 unfinished.append(task)
+                self._live[task.task_id] = task
             self.tasks[task.task_id] = task
         # Compact: one line per task, so the journal does not grow across restarts.
         path = self.journal / "tasks.jsonl"
@@ -359,13 +366,13 @@ class TaskTable:
 
     def held_by(self, worker_id: int) -> list[Task]:
         return [
-            t for t in self.tasks.values() if t.worker_id == worker_id and t.stage not in TERMINAL
+            t for t in self._live.values() if t.worker_id == worker_id and t.stage not in TERMINAL
         ]
 
     def expired(self, now: float) -> list[Task]:
         return [
             t
-            for t in self.tasks.values()
+            for t in self._live.values()
             if t.lease_expires is not None and t.lease_expires < now and t.stage not in TERMINAL
         ]
 

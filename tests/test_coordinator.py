@@ -164,3 +164,29 @@ def test_journal_restores_finished_and_requeues_unfinished(tmp_path: Path) -> No
     assert co3.restore() == 1
     lines = (tmp_path / ".journal" / "tasks.jsonl").read_text().splitlines()
     assert len(lines) == 2
+
+
+def test_work_is_announced_and_only_live_tasks_are_scanned(tmp_path: Path) -> None:
+    """Every push the controller makes or hears of is announced (the doorbell rings on it);
+    heartbeats and the in-flight count look at unfinished tasks only."""
+    co = make(tmp_path)
+    rung: list[str] = []
+    co.on_work = rung.append
+    enc, dit, dec = workers(co)
+    for i in range(3):
+        tid = f"w{i}"
+        co.submit(task(tid))
+        co.on_claim(enc, tid, 1)
+        co.on_handoff(enc, tid, 1)
+        co.on_claim(dit, tid, 1)
+        co.on_handoff(dit, tid, 1)
+        co.on_claim(dec, tid, 1)
+        if i < 2:
+            co.on_complete(dec, tid, 1, "png", "image/png", b"PNG")
+    assert rung == ["request", "phase1", "phase2"] * 3
+    assert co.table.in_flight() == 1 and [t.task_id for t in co.table.held_by(dec.worker_id)] \
+        == ["w2"]
+    co.on_heartbeat(dec, ["w2"], [])
+    assert co.table.get("w2").lease_expires is not None  # type: ignore[union-attr]
+    co.on_fail(dec, "w2", 1, "boom", "StageError", retryable=True)  # back in play: pushed
+    assert rung[-1] == "request" and co.table.in_flight() == 1
