@@ -77,7 +77,8 @@ class ServiceConfig:
     staging_pool_mb: int = 512
     """Size of a worker's registered staging pool in MiB (bounded: full means backpressure)."""
     heartbeat_interval_s: float = 1.0
-    """How often a worker renews its leases with the controller."""
+    """How often a worker renews its leases with the controller (an idle worker, holding
+    nothing, heartbeats every min(5, lease_timeout_s / 3) s, never more often than this)."""
     lease_timeout_s: float = 15.0
     """A task whose worker missed heartbeats this long goes back in play."""
     reconnect_timeout_s: float = 300.0

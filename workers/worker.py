@@ -60,6 +60,9 @@ log = logging.getLogger("diffring.worker")
 
 IDLE_BACKOFF_MAX_S = 0.05
 """Longest pause after a wake-up that found nothing to claim (see :meth:`StageWorker.idle`)."""
+IDLE_HEARTBEAT_MAX_S = 5.0
+"""Heartbeat period of a worker that holds no task and no staged outputs (at most a third of
+the lease timeout, and never more often than the configured interval)."""
 IDLE_WAIT_S = 5.0
 """Longest doorbell wait: an idle worker polls its ring at least this often, so a wake-up
 that never came (the controller rings within its sweep interval anyway) costs at most this."""
@@ -173,6 +176,12 @@ class StageWorker:
             segment=self.engine.session_id,
         )
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        # A worker holding nothing renews no lease: it heartbeats less often (its liveness
+        # is its connection), but well within a lease of the task it may claim next.
+        self.idle_heartbeat_s = max(
+            self.heartbeat_interval_s,
+            min(IDLE_HEARTBEAT_MAX_S, float(reply["lease_timeout_s"]) / 3),
+        )
         self._hb = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         self._hb.start()
         log.info(
@@ -332,7 +341,8 @@ class StageWorker:
             drop = set(reply.get("drop", []))
             if drop:
                 self._free_staged(lambda key, drop=drop: key[0] in drop)
-            self._wake.wait(self.heartbeat_interval_s)
+            holding = job is not None or bool(staged)
+            self._wake.wait(self.heartbeat_interval_s if holding else self.idle_heartbeat_s)
 
     def _free_staged(self, pred: Any) -> None:
         with self._staged_lock:
