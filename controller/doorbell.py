@@ -24,19 +24,20 @@ import collections
 import struct
 from collections.abc import Callable, Mapping
 
-from rings.layout import STAMPS_OFFSET, SlotState
+from rings.layout import STAMPS_OFFSET, SlotState, unpack_stamp
 from rings.verbs import Verbs
 
 MAX_WAIT_S = 60.0
 """Longest wait a worker may ask for (it asks for less: see the worker's idle loop)."""
-_STATE_MASK = 0xF
 
 
 def published(verbs: Verbs) -> int:
-    """How many slots of a ring hold a published item (one read of the stamp array)."""
+    """How many slots of a ring hold a published item (one read of the stamp array). Any
+    published slot is work for a consumer: positions below the head are all taken."""
     raw = verbs.read(STAMPS_OFFSET, 8 * verbs.layout.slot_count)
     return sum(
-        1 for (word,) in struct.iter_unpack("<Q", raw) if word & _STATE_MASK == SlotState.PUBLISHED
+        1 for (word,) in struct.iter_unpack("<Q", raw)
+        if unpack_stamp(word)[1] == SlotState.PUBLISHED
     )
 
 

@@ -126,6 +126,7 @@ class StageWorker:
             cfg.disagg_config.bootstrap_addr, cfg.disagg_config.control_port, token
         )
         self._false_wakes = 0
+        self._no_doorbell = False
         self.engine: Any = None
         self.pool: Any = None
         self.in_ring: Ring | None = None
@@ -316,7 +317,16 @@ class StageWorker:
             self._wake.wait(min(0.001 * 2 ** (self._false_wakes - 1), IDLE_BACKOFF_MAX_S))
             if self.state != State.RUNNING:
                 return
-        woke = self.doorbell.wait(self.in_ring.name, IDLE_WAIT_S)
+        if self._no_doorbell:
+            # Polling, backing off up to IDLE_BACKOFF_MAX_S: the controller has no doorbell.
+            self._false_wakes = min(self._false_wakes + 1, 16)
+            return
+        try:
+            woke = self.doorbell.wait(self.in_ring.name, IDLE_WAIT_S)
+        except ControlRefused as exc:
+            log.warning("worker %s: no doorbell (%s); polling the ring instead", self.name, exc)
+            self._no_doorbell = True
+            return
         if woke is None:  # interrupted: draining or stopping
             return
         self._false_wakes = min(self._false_wakes + 1, 16) if woke else 0
