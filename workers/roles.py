@@ -98,15 +98,12 @@ class TransformerWorker(ProducerWorker):
         return self.pull(job)
 
     def compute(self, job: Job, inputs: dict[str, Any]) -> dict[str, Any]:
-        def on_step(k: int, n: int) -> None:
-            reply = self.control.call(
-                Op.PROGRESS, task_id=job.task_id, attempt=job.attempt, step=k, steps=n
-            )
-            if reply.get("cancel"):
-                job.cancel.set()
-
+        # Steps are reported in the background (workers.progress): no round trip between
+        # two denoising steps. A cancel in the reply sets job.cancel, checked before each.
         return self.stage.denoise(
-            _request(job), inputs, on_step=on_step, should_stop=job.cancel.is_set
+            _request(job), inputs,
+            on_step=lambda k, n: self.progress.report(job, k, n),
+            should_stop=job.cancel.is_set,
         )
 
 

@@ -55,6 +55,7 @@ from tensorplane.pool import StagingPool
 from workers.control import ControlClient, DoorbellClient
 from workers.metrics import WorkerMetrics
 from workers.models.base import StageAdapter
+from workers.progress import ProgressReporter
 
 log = logging.getLogger("diffring.worker")
 
@@ -127,6 +128,7 @@ class StageWorker:
         )
         self._false_wakes = 0
         self._no_doorbell = False
+        self.progress = ProgressReporter(self.control, self.name)
         self.engine: Any = None
         self.pool: Any = None
         self.in_ring: Ring | None = None
@@ -151,6 +153,7 @@ class StageWorker:
                 self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker"
             )
         self.load_model()
+        self.progress.start()
         settings = MooncakeSettings.resolve(self.cfg.mooncake_config_path, self.env)
         self.engine = TransferEngine(settings)
         self.engine.start()
@@ -255,6 +258,7 @@ class StageWorker:
 
     def close(self) -> None:
         self.state = State.STOPPED
+        self.progress.close()
         self._wake.set()
         self.doorbell.interrupt()
         self.doorbell.close()
@@ -395,6 +399,7 @@ class StageWorker:
                 time.monotonic() - t0,
             )
         finally:
+            self.progress.forget(job)
             self.current = None
         return True
 
