@@ -86,8 +86,16 @@ class Doorbell:
                 queue.remove(fut)
 
     def ring(self, ring: str, items: int = 1) -> int:
-        """Wake up to ``items`` waiters of ``ring`` (oldest first); returns how many."""
+        """Wake up to ``items`` waiters of ``ring`` (oldest first), no more than the ring
+        holds published items; returns how many.
+
+        A producer reports its handoff after its push, and a busy consumer often took the
+        item in between: counting what is still published keeps that late ring from
+        waking a worker for nothing."""
         queue = self._waiters.get(ring)
+        if not queue:
+            return 0
+        items = min(items, published(self._rings[ring]))
         woken = 0
         while queue and woken < items:
             fut = queue.popleft()
@@ -105,6 +113,4 @@ class Doorbell:
         wake-ups that were never sent (a producer that died before its handoff)."""
         for name, queue in self._waiters.items():
             if queue:
-                n = published(self._rings[name])
-                if n:
-                    self.ring(name, n)
+                self.ring(name, len(queue))

@@ -48,25 +48,27 @@ def test_doorbell_wakes_one_waiter_per_item_oldest_first() -> None:
         t0 = time.monotonic()
         assert await bell.wait("request", 0.1) is False
         assert time.monotonic() - t0 >= 0.09 and bell.waiting("request") == 0
-        # Three waiters, one item announced: only the oldest wakes, and its on_ring runs
-        # inside ring() itself (the control server sends the wake-up from there).
+        # Three waiters. A ring for an item already gone wakes nobody; one item announced
+        # wakes only the oldest, and its on_ring runs inside ring() itself (the control
+        # server sends the wake-up from there).
         told: list[int] = []
         waits = [asyncio.create_task(bell.wait("request", 5, lambda i=i: told.append(i)))
                  for i in range(3)]
         await asyncio.sleep(0.01)
         assert bell.waiting("request") == 3
+        assert bell.ring("request") == 0 and told == []
+        rings["request"].push({"id": 1})
         assert bell.ring("request") == 1 and told == [0]
         await asyncio.sleep(0.01)
         assert [w.done() for w in waits] == [True, False, False] and waits[0].result()
         assert bell.ring("phase1", 5) == 0  # nobody waits there: nothing happens
         # A published item answers a wait at once, without any ring.
-        rings["request"].push({"id": 1})
         assert published(rings["request"].verbs) == 1
         assert await asyncio.wait_for(bell.wait("request", 5), 1) is True
         # The sweep rings for items nobody announced, one waiter per item.
         bell.sweep()
         await asyncio.sleep(0.01)
-        assert [w.done() for w in waits] == [True, True, False]
+        assert [w.done() for w in waits] == [True, True, False] and told == [0, 1]
         rings["request"].pop()
         bell.sweep()  # nothing published any more: the last waiter keeps waiting
         await asyncio.sleep(0.01)
