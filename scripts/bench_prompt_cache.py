@@ -9,6 +9,7 @@ number of requests three ways, in this order, in one process:
 * cache off                 — the reference (every request runs the text encoder)
 * cache on, 0 % hits        — every prompt new (the cost of a miss: encode + store a copy)
 * cache on, ~90 % hits      — 10 % distinct prompts, each repeated ten times
+* cache off again           — the drift of the run (its gap to the first row is the noise)
 
 and prints a table of milliseconds per request (mean and median) with the ratio against
 cache off measured in the same run. Guidance is on (negative prompt encoded too), as in the
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             times = time_requests(enc, requests(distinct))
             st = cache.stats()
             rows.append((label, st.hits / max(1, st.hits + st.misses), times))
+        # Off again at the end: the gap between the two off rows is the drift of the run
+        # (machine load, allocator warm-up), the noise floor of every ratio above it.
+        enc.cache = None
+        rows.append(("cache off (again)", 0.0, time_requests(enc, requests(n))))
         ref = statistics.mean(rows[0][2])
         for label, hit_rate, times in rows:
             mean = statistics.mean(times)
