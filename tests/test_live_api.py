@@ -178,7 +178,9 @@ def test_task_events_stream_stages_steps_and_completion(t2i: tuple[LocalGroup, i
     assert names[0] == "status" and names[-1] == "completed", names
     steps = [(d["step"], d["steps"]) for name, d in events if name == "progress"]
     assert steps[-4:] == [(1, 4), (2, 4), (3, 4), (4, 4)], events
-    stages = [d["stage"] for name, d in events if name == "stage"]
+    # The stream opens with the task's status, then one event per stage change; idle
+    # workers wake within milliseconds, so the task may be denoising before it opens.
+    stages = [d["stage"] for name, d in events if name in ("status", "stage")]
     assert stages[-3:] == ["denoising", "phase2", "decoding"], stages
     done = events[-1][1]
     assert done["result_url"] == f"{group.url}/v1/tasks/ev-1/result"

@@ -1,4 +1,4 @@
-"""Progress reports leave the denoising loop at once, coalesce, and carry cancels back."""
+"""Progress reports leave the denoising loop at once, in order, and carry cancels back."""
 
 from __future__ import annotations
 
@@ -33,14 +33,7 @@ class SlowControl:
         return {"ok": True, "cancel": fields["task_id"] in self.cancel}
 
 
-def wait_for(cond: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
-def test_reports_never_block_coalesce_and_cancel() -> None:
+def test_reports_never_block_keep_their_order_flush_and_cancel() -> None:
     ctl = SlowControl()
     rep = ProgressReporter(ctl, "t")  # type: ignore[arg-type]
     rep.start()
@@ -50,27 +43,25 @@ def test_reports_never_block_coalesce_and_cancel() -> None:
         for k in range(1, 6):  # the first call is stuck in the "network"
             rep.report(job, k, 5)
         assert time.monotonic() - t0 < 0.5, "report() waited for the controller"
-        time.sleep(0.1)
-        ctl.release.set()
-        wait_for(lambda: ctl.sent and ctl.sent[-1] == ("a", 5))
-        # At most the step already in flight, then the newest: 2-4 were superseded by 5.
-        assert ctl.sent[-1] == ("a", 5) and len(ctl.sent) <= 2
+        assert not rep.flush(job, timeout=0.2)  # still stuck
+        threading.Timer(0.2, ctl.release.set).start()
+        assert rep.flush(job, timeout=10)
+        assert ctl.sent == [("a", k) for k in range(1, 6)]  # every step, in order
 
         ctl.cancel.add("b")
         cancelled = FakeJob("b")
         rep.report(cancelled, 1, 5)
-        wait_for(cancelled.cancel.is_set)
+        assert rep.flush(cancelled) and cancelled.cancel.is_set()
 
         ctl.release.clear()
-        gone = FakeJob("c")
-        rep.report(FakeJob("x"), 1, 1)  # occupies the thread
-        time.sleep(0.1)
+        busy, gone = FakeJob("x"), FakeJob("c")
+        rep.report(busy, 1, 1)  # occupies the thread
         rep.report(gone, 1, 5)
-        rep.forget(gone)  # handed off before its report left: never sent
+        rep.forget(gone)  # failed before its report left: never sent
         ctl.release.set()
-        wait_for(lambda: ("x", 1) in ctl.sent)
-        time.sleep(0.2)
-        assert ("c", 1) not in ctl.sent
+        assert rep.flush(busy) and rep.flush(gone)
+        time.sleep(0.1)
+        assert ("x", 1) in ctl.sent and ("c", 1) not in ctl.sent
     finally:
         rep.close()
         ctl.release.set()

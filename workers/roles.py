@@ -106,12 +106,15 @@ class TransformerWorker(ProducerWorker):
 
     def compute(self, job: Job, inputs: dict[str, Any]) -> dict[str, Any]:
         # Steps are reported in the background (workers.progress): no round trip between
-        # two denoising steps. A cancel in the reply sets job.cancel, checked before each.
-        return self.stage.denoise(
+        # two denoising steps. A cancel in a reply sets job.cancel, checked before each;
+        # all reports are answered before the outputs are published.
+        out: dict[str, Any] = self.stage.denoise(
             _request(job), inputs,
             on_step=lambda k, n: self.progress.report(job, k, n),
             should_stop=job.cancel.is_set,
         )
+        self.progress.flush(job)
+        return out
 
 
 class DecoderWorker(StageWorker):
