@@ -157,7 +157,10 @@ class LocalGroup:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            status = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()
+            try:
+                status = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()
+            except httpx.TimeoutException:
+                continue  # a busy controller (many workers joining at once): ask again
             have = {r: len(ws) for r, ws in status["workers"].items()}
             if all(have.get(r, 0) >= n for r, n in counts.items()):
                 return

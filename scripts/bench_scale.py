@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             group.start("encoder")
             group.start("decoder")
             have = 0
-            with httpx.Client(timeout=30) as client:
+            # Generous: on a shared 2-core machine the controller may stall for seconds.
+            with httpx.Client(timeout=120) as client:
                 for k in ks:
                     for _ in range(k - have):
                         group.start("transformer")
