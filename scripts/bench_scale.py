@@ -9,9 +9,10 @@ The synthetic pipeline (``workers/models/synthetic.py``), 1 encoder : K transfor
 encoder and decoder take ``--edge-s`` each (t >> edge), and the stages sleep, so the two
 cores of a small machine are not the limit: the runtime is. One group is started; for each
 K, transformers are added until there are K, a warm-up round runs, then ``waves`` x K tasks
-are posted at once. Throughput is measured on the controller's own completion times,
-excluding the first wave (pipeline fill): QPS = (n - K) / (T_n - T_K) with T_i the i-th
-completion. Ideal: K / t. Efficiency: QPS / ideal.
+are posted at once. Throughput is measured on the controller's own completion times in the
+steady state, between the first wave (which fills the pipeline) and the last (which drains
+it): QPS = (n - 2K) / (T_(n-K) - T_K), T_i the i-th completion of n. Ideal: K / t.
+Efficiency: QPS / ideal.
 
 Also shown per K: the transformer's time per task (its claim to its handoff, controller
 clock) against t: what the runtime adds to each request on the DiT's critical path.
@@ -74,7 +75,7 @@ def wait_done(client: httpx.Client, url: str, ids: list[str], before: int, timeo
 def measure(statuses: list[dict[str, Any]], k: int, t: float) -> dict[str, Any]:
     ends = sorted(st["stage_times"]["completed"] for st in statuses)
     n = len(ends)
-    qps = (n - k) / (ends[-1] - ends[k - 1])
+    qps = (n - 2 * k) / (ends[n - k - 1] - ends[k - 1])
     dit = [st["stage_times"]["phase2"] - st["stage_times"]["denoising"] for st in statuses]
     ideal = k / t
     return {
@@ -127,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="denoising steps per request")
     ap.add_argument("--step-s", type=float, default=0.1, help="seconds per step (t = steps x this)")
     ap.add_argument("--edge-s", type=float, default=0.002, help="encoder and decoder seconds")
-    ap.add_argument("--waves", type=int, default=4, help="tasks per K run = waves x K")
+    ap.add_argument("--waves", type=int, default=6, help="tasks per K run = waves x K (>= 3)")
     ap.add_argument("--md", type=Path, help="write the markdown table here")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--plot", type=Path, help="write a PNG plot here")
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
-    if ks != sorted(set(ks)) or ks[0] < 1 or args.waves < 2 or args.steps < 1:
-        ap.error("--ks must be increasing positive integers; --waves >= 2; --steps >= 1")
+    if ks != sorted(set(ks)) or ks[0] < 1 or args.waves < 3 or args.steps < 1:
+        ap.error("--ks must be increasing positive integers; --waves >= 3; --steps >= 1")
     t = args.steps * args.step_s
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []

@@ -28,13 +28,13 @@ def run(args: list[str], timeout: float) -> str:
 def test_bench_scale_quick(tmp_path: Path) -> None:
     md, js, png = tmp_path / "scale.md", tmp_path / "scale.json", tmp_path / "scale.png"
     run(["scripts/bench_scale.py", "--ks", "1,2", "--steps", "2", "--step-s", "0.05",
-         "--waves", "2", "--md", str(md), "--json", str(js), "--plot", str(png)], 360)
+         "--waves", "3", "--md", str(md), "--json", str(js), "--plot", str(png)], 360)
     lines = [ln for ln in md.read_text().splitlines() if ln.startswith("|")]
     assert lines[0] == ("| K | tasks | QPS | ideal K/t | efficiency | DiT s/task | "
                         "added ms/task |")
     assert re.fullmatch(r"\|( --- \|){7}", lines[1])
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
-    assert [(r[0], r[1]) for r in rows] == [("1", "2"), ("2", "4")]
+    assert [(r[0], r[1]) for r in rows] == [("1", "3"), ("2", "6")]
     for r in rows:
         assert all(re.fullmatch(r"-?" + NUMBER, c) for c in r), r
         assert float(r[2]) > 0 and float(r[3]) == 10 * int(r[0])  # ideal = K / 0.1 s
