@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """K-scaling: does a group with K transformers serve K times the requests of one?
 
-    python scripts/bench_scale.py [--ks 1,2,4,8,16,32] [--step-s 0.1 --steps 5] [--waves 4] \
-        [--md FILE] [--json FILE] [--plot FILE.png]
+    python scripts/bench_scale.py [--ks 1,2,4,8,16,32] [--step-s 0.1 --steps 5] [--waves 6] \
+        [--encoders 1 --decoders 1] [--md FILE] [--json FILE] [--plot FILE.png]
 
 The synthetic pipeline (``workers/models/synthetic.py``), 1 encoder : K transformers :
-1 decoder. A transformer takes t = steps x step_s per request (reporting each step), the
-encoder and decoder take ``--edge-s`` each (t >> edge), and the stages sleep, so the two
-cores of a small machine are not the limit: the runtime is. One group is started; for each
+1 decoder (``--encoders`` / ``--decoders`` change the edges). A transformer takes
+t = steps x step_s per request (reporting each step), the encoder and decoder take
+``--edge-s`` each (t >> edge), and the stages sleep, so the two cores of a small machine
+are not the limit: the runtime is. One group is started; for each
 K, transformers are added until there are K, a warm-up round runs, then ``waves`` x K tasks
 are posted at once. Throughput is measured on the controller's own completion times in the
 steady state, between the first wave (which fills the pipeline) and the last (which drains
@@ -108,7 +109,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_yscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("transformers K (1 encoder, 1 decoder)")
+    ax.set_xlabel("transformers K")
     ax.set_ylabel("requests / s")
     eff = ax.twinx()
     eff.plot(ks, [r["efficiency"] for r in rows], "s:", color="tab:red", label="efficiency")
@@ -128,14 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="denoising steps per request")
     ap.add_argument("--step-s", type=float, default=0.1, help="seconds per step (t = steps x this)")
     ap.add_argument("--edge-s", type=float, default=0.002, help="encoder and decoder seconds")
+    ap.add_argument("--encoders", type=int, default=1)
+    ap.add_argument("--decoders", type=int, default=1)
     ap.add_argument("--waves", type=int, default=6, help="tasks per K run = waves x K (>= 3)")
     ap.add_argument("--md", type=Path, help="write the markdown table here")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
     ap.add_argument("--plot", type=Path, help="write a PNG plot here")
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
-    if ks != sorted(set(ks)) or ks[0] < 1 or args.waves < 3 or args.steps < 1:
-        ap.error("--ks must be increasing positive integers; --waves >= 3; --steps >= 1")
+    if (ks != sorted(set(ks)) or ks[0] < 1 or args.waves < 3 or args.steps < 1
+            or min(args.encoders, args.decoders) < 1):
+        ap.error("--ks must be increasing positive integers; --waves >= 3; --steps, "
+                 "--encoders, --decoders >= 1")
     t = args.steps * args.step_s
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
@@ -153,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             group.start("controller")
             group.wait_http()
-            group.start("encoder")
-            group.start("decoder")
+            for _ in range(args.encoders):
+                group.start("encoder")
+            for _ in range(args.decoders):
+                group.start("decoder")
             have = 0
             # Generous: on a shared 2-core machine the controller may stall for seconds.
             with httpx.Client(timeout=120) as client:
@@ -162,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(k - have):
                         group.start("transformer")
                     have = k
-                    group.wait_workers({"encoder": 1, "transformer": k, "decoder": 1},
-                                       timeout=120 + 5 * k)
+                    group.wait_workers({"encoder": args.encoders, "transformer": k,
+                                        "decoder": args.decoders}, timeout=120 + 5 * k)
                     # Warm-up: every new worker's first pull opens its Mooncake connections.
                     warm = [f"warm-{k}-{i}" for i in range(2 * k)]
                     before = finished_count(client, group.url)
@@ -179,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             group.stop()
     load_after = os.getloadavg()
-    title = (f"synthetic 1:K:1, t={t:g} s ({args.steps} x {args.step_s:g} s), "
-             f"edges {args.edge_s * 1e3:g} ms, {args.waves} waves")
+    title = (f"synthetic {args.encoders}:K:{args.decoders}, t={t:g} s "
+             f"({args.steps} x {args.step_s:g} s), edges {args.edge_s * 1e3:g} ms, "
+             f"{args.waves} waves")
     table = markdown(rows)
     load = (f"load average before {load_before[0]:.2f} {load_before[1]:.2f} "
             f"{load_before[2]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f} "
