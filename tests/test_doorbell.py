@@ -165,3 +165,32 @@ def test_idle_worker_drains_at_once(tmp_path: Path) -> None:
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.proc.wait(timeout=30) == 0
         assert time.monotonic() - t0 < 4.0, "the drain waited out the doorbell"
+
+
+def test_a_slow_controller_is_waited_for_not_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer later than the wait's timeout (a starved controller) is not a lost
+    controller: the worker polls its ring once and goes on waiting for that answer, without
+    asking again."""
+    import socket
+
+    import workers.control as control
+    from rings import wire
+    from rings.tcp import recv_frame
+
+    monkeypatch.setattr(control, "REPLY_SLACK_S", 0.1)
+    bell = DoorbellClient("127.0.0.1", 9, TOKEN)
+    ours, controller = socket.socketpair()
+    bell._sock = ours  # as connect() leaves it, minus the handshake
+    try:
+        woke, took = _timed(bell.wait, "phase1", 0.1)
+        assert woke is False and took >= 0.15
+        asked = wire.unpack_msg(recv_frame(controller))
+        assert asked["op"] == "wait" and asked["ring"] == "phase1"
+        controller.sendall(wire.pack_msg({"seq": asked["seq"], "ok": True, "wake": True}))
+        assert bell.wait("phase1", 0.1) is True
+        controller.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            controller.recv(1)  # the second call asked nothing new
+    finally:
+        bell.close()
+        controller.close()

@@ -21,6 +21,10 @@ from rings.tcp import handshake, open_socket, recv_frame
 
 log = logging.getLogger("diffring.worker.control")
 
+REPLY_SLACK_S = 2.0
+"""How long past its timeout a doorbell wait may stay unanswered before the worker polls its
+ring anyway (and keeps waiting for the answer)."""
+
 
 class ControlClient:
     def __init__(self, host: str, port: int, token: str, *, timeout: float = 60.0) -> None:
@@ -97,6 +101,7 @@ class DoorbellClient:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._seq = 0
+        self._owed = False  # a wait was sent and its answer has not arrived yet
         # Self-pipe: a signal handler cannot set a threading.Event safely mid-select, but it
         # can write a byte that select() sees.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -116,25 +121,33 @@ class DoorbellClient:
 
     def wait(self, ring: str, timeout_s: float) -> bool | None:
         """Block until the controller says ``ring`` has work (True), ``timeout_s`` passes
-        (False), or :meth:`interrupt` (None: the connection is closed, a new wait reopens
-        nothing; the worker is stopping)."""
+        (False), or :meth:`interrupt` (None: the connection is closed; the worker is
+        stopping).
+
+        The controller answers every wait by ``timeout_s``; one that has not answered
+        ``REPLY_SLACK_S`` later is busy, not gone (its connections tell that): this returns
+        False, so the worker polls its ring once, and the next call goes on waiting for the
+        answer still owed instead of asking again. At most one wait is outstanding."""
         sock = self._sock
         if sock is None:
             raise ConnectionLost(f"doorbell to {self.host}:{self.port} is closed")
-        self._seq += 1
         try:
-            sock.settimeout(self.timeout)
-            sock.sendall(wire.pack_msg({"op": Op.WAIT.value, "seq": self._seq, "ring": ring,
-                                        "timeout_s": timeout_s}))
-            # The controller answers by timeout_s at the latest; allow it some slack.
-            ready, _, _ = select.select([sock, self._wake_r], [], [], timeout_s + 10.0)
+            if not self._owed:
+                self._seq += 1
+                sock.settimeout(self.timeout)
+                sock.sendall(wire.pack_msg({"op": Op.WAIT.value, "seq": self._seq,
+                                            "ring": ring, "timeout_s": timeout_s}))
+                self._owed = True
+            ready, _, _ = select.select([sock, self._wake_r], [], [],
+                                        timeout_s + REPLY_SLACK_S)
             if self._wake_r in ready:
                 self._drain_wake()
                 self.close()  # a reply is still owed on this connection: drop it
                 return None
             if sock not in ready:
-                raise TimeoutError(f"no doorbell reply within {timeout_s + 10.0:.0f} s")
+                return False
             reply = wire.unpack_msg(recv_frame(sock))
+            self._owed = False
         except (OSError, ConnectionLost, ValueError) as exc:
             self.close()
             raise ConnectionLost(f"doorbell to the controller at {self.host}:{self.port} "
@@ -158,6 +171,7 @@ class DoorbellClient:
             pass
 
     def close(self) -> None:
+        self._owed = False
         if self._sock is not None:
             try:
                 self._sock.close()
