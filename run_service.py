@@ -6,7 +6,8 @@ The environment is read here, once, and handed down; nothing below reads it agai
 Precedence: command line > environment > config file > defaults.
 
 Environment: DIFFRING_CONFIG (config file), DIFFRING_MODEL_PATH, DIFFRING_DEVICE,
-DIFFRING_CLUSTER_TOKEN, MOONCAKE_CONFIG_PATH and the MOONCAKE_* overrides of the Mooncake
+DIFFRING_CLUSTER_TOKEN, DIFFRING_FAULTS (fault points to arm: contracts/faults.py),
+MOONCAKE_CONFIG_PATH and the MOONCAKE_* overrides of the Mooncake
 config (MOONCAKE_PROTOCOL, MOONCAKE_METADATA_SERVER, MOONCAKE_DEVICE_NAME,
 MOONCAKE_LOCAL_HOSTNAME).
 """
@@ -18,6 +19,7 @@ import logging
 import os
 import sys
 
+from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import DiffringError
 from contracts.roles import Role
@@ -64,10 +66,12 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, Se
         ("model_path", args.model_path, "DIFFRING_MODEL_PATH"),
         ("device", args.device, "DIFFRING_DEVICE"),
         ("mooncake_config_path", None, "MOONCAKE_CONFIG_PATH"),
+        ("faults", None, "DIFFRING_FAULTS"),
     ):
         value = flag or env.get(var)
         if value:
             changes[key] = value
+    # replace() re-runs __post_init__, so a bad DIFFRING_FAULTS is a ConfigError too.
     return service, dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
 
 
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service, cfg = build_config(args, env)
         token = cfg.disagg_config.resolve_token(env)
+        faults.configure(cfg.faults)
         if service == "controller":
             from controller.main import run_controller
 

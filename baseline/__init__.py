@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from contracts.config import ServiceConfig
-from contracts.errors import ConfigError, DiffringError, StageCancelled
+from contracts.errors import (
+    ConfigError,
+    DiffringError,
+    InvalidRequestError,
+    StageCancelled,
+    StageInputError,
+)
+from contracts.messages import Fault
 from contracts.request import GenerationRequest
 from contracts.roles import Role
 from controller.app import LocalQueue, serve_http, start_metrics
@@ -134,6 +141,8 @@ class BaselineWorker:
                 f"{type(exc).__name__}: {exc}",
                 type(exc).__name__,
                 False,
+                Fault.INPUT if isinstance(exc, InvalidRequestError | StageInputError)
+                else Fault.TASK,
             )
 
 
@@ -152,6 +161,8 @@ async def run_all_async(
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         max_pending=cfg.max_pending_tasks,
         journal=output_dir / ".journal",
+        max_task_failures=cfg.max_task_failures,
+        poison_worker_deaths=cfg.poison_worker_deaths,
     )
     co.restore()
     worker = BaselineWorker(cfg, co, jobs, asyncio.get_running_loop())

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from contracts import faults
 from contracts.errors import ConfigError
 from contracts.pipelines import (
     ATTENTION_BACKENDS,
@@ -84,6 +85,16 @@ class ServiceConfig:
     """How long a worker waits for its controller to come (back) up before giving up."""
     max_pending_tasks: int = 256
     """Front door: tasks accepted but not finished before new ones get 429."""
+    max_task_failures: int = 3
+    """Controller: failures a task itself causes (its stage raises, its tensors keep failing
+    their checksum, a transfer fails while its producer lives) before it is failed. Lost
+    workers, expired leases, controller restarts and dead producers never count."""
+    poison_worker_deaths: int = 3
+    """Controller: consecutive attempts of one task that each lose the worker holding it
+    before the task is quarantined as poison (failed, error_type ``poison``)."""
+    faults: str | None = None
+    """Fault points to arm in this process (tests and chaos runs only; syntax in
+    contracts/faults.py, e.g. ``worker.after_pop:exit``); DIFFRING_FAULTS wins."""
     disagg_config: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)
     """Rings and control channel (LightX2V's field names)."""
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
@@ -112,6 +123,9 @@ class ServiceConfig:
             raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
+        if self.max_task_failures < 1 or self.poison_worker_deaths < 1:
+            raise ConfigError("max_task_failures and poison_worker_deaths must be at least 1")
+        faults.parse(self.faults)  # a bad spec is a ConfigError naming the entry
 
     @property
     def pipeline(self) -> str:

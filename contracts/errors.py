@@ -21,6 +21,7 @@ Nobody invents a new root.
     │   ├── RingFull / RingEmpty    timeouts of the blocking push/pop layer
     │   └── LayoutMismatch          a region header does not describe the expected layout
     ├── ControlRefused              the controller answered a control request with an error
+    ├── FaultInjected               a fault point fired with action ``raise`` (contracts.faults)
     └── TaskError                   a task-level failure (carries the task id)
         ├── TransferError           moving a tensor between stages failed (task, tensor,
         │   │                       peer named); subclasses in tensorplane.errors
@@ -56,6 +57,7 @@ __all__ = [
     "ConnectionLost",
     "ControlRefused",
     "DiffringError",
+    "FaultInjected",
     "HandshakeError",
     "InvalidRequestError",
     "LayoutMismatch",
@@ -80,6 +82,11 @@ __all__ = [
 
 class ControlRefused(DiffringError):
     """The controller answered a control-channel request with an error."""
+
+
+class FaultInjected(DiffringError):
+    """A fault point armed with ``raise`` fired where the real failure has no error of its own
+    (:mod:`contracts.faults`); it counts as the system's fault, never the task's."""
 
 
 class TaskError(DiffringError):

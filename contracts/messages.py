@@ -22,10 +22,18 @@ Control channel (worker -> controller; every request gets one reply with the sam
     progress  {task_id, attempt, step, steps}       -> {cancel: bool}
     handoff   {task_id, attempt, stage}             -> {}
     complete  {task_id, attempt, extension, media_type, data, worker_path} -> {accepted}
-    fail      {task_id, attempt, stage, error, error_type, retryable} -> {}
+    fail      {task_id, attempt, stage, error, error_type, retryable, fault} -> {}
+    dropped   {ring, slot, reason, task_id, attempt}  -> {}   a ring item the worker took but
+                                                    cannot run (corrupt, wrong kind, malformed);
+                                                    task_id / attempt are None when the item
+                                                    cannot name its task
     fatal     {error}                               -> {}   the worker is about to exit
     bye       {}                                    -> {}   graceful deregistration
   reply: {seq, ok: True, ...} or {seq, ok: False, error}
+
+``fault`` of a ``fail`` (:class:`Fault`) says whose fault the failed attempt was; the
+controller decides from it (and from what it knows: is the producer still alive?) whether the
+attempt counts against the task's retry budget.
 
 Leases: a claim starts a lease on the task for the claiming worker; heartbeats renew every
 lease the worker holds; a handoff, completion or failure ends it. A lease that expires, or
@@ -59,6 +67,25 @@ class Op(enum.StrEnum):
     FAIL = "fail"
     FATAL = "fatal"
     BYE = "bye"
+    DROPPED = "dropped"
+
+
+class Fault(enum.StrEnum):
+    """Whose fault a failed attempt was (the ``fault`` field of a ``fail`` message)."""
+
+    SYSTEM = "system"
+    """The infrastructure's (lost connection, revoked ring claim, full pool, injected fault):
+    retried, never counted against the task."""
+    TRANSFER = "transfer"
+    """A Mooncake transfer from the producer failed: not counted when the producer is gone
+    (its buffer died with it), counted when it is alive."""
+    TASK = "task"
+    """The task's (its stage raised, its tensors keep failing their checksum): retried and
+    counted (``max_task_failures``)."""
+    INPUT = "input"
+    """The task can never succeed (a request the model cannot serve): failed at once."""
+    CANCELLED = "cancelled"
+    """The client cancelled it."""
 
 
 # Ring payload kind each role consumes.

@@ -90,6 +90,7 @@ async def run_controller_async(
     cfg: ServiceConfig, token: str, env: Mapping[str, str], stop: asyncio.Event
 ) -> None:
     from controller.control import ControlServer
+    from controller.reconcile import census
     from controller.rings_host import ControllerRings
 
     d = cfg.disagg_config
@@ -109,13 +110,18 @@ async def run_controller_async(
         stage_image=images.stage if images else None,
         release_image=images.release if images else None,
         journal=output_dir / ".journal",
+        max_task_failures=cfg.max_task_failures,
+        poison_worker_deaths=cfg.poison_worker_deaths,
+        census=lambda: census(rings.local),
     )
     co.restore()
     control = ControlServer(co, d.bootstrap_addr, d.control_port, token)
     metrics_server = None
     try:
         await control.start()
-        front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller")
+        front = FrontDoor(co, status_extra=lambda: {**_ring_status(rings),
+                                                     "recovery": dict(co.recovery)},
+                          service="controller")
         metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
                                        images.pool.stats if images else None)
         sweeper = asyncio.create_task(_sweeper(co, images.reclaim if images else None))

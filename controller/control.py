@@ -202,8 +202,23 @@ class ControlServer:
                 str(msg["error"]),
                 str(msg.get("error_type", "error")),
                 bool(msg.get("retryable", False)),
+                _opt_str(msg.get("fault")),
+            )
+            return {}, worker
+        if op == Op.DROPPED:
+            attempt = msg.get("attempt")
+            co.on_dropped(
+                worker,
+                str(msg["ring"]),
+                str(msg.get("reason", "")),
+                _opt_str(msg.get("task_id")),
+                attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
             )
             return {}, worker
         if op in (Op.FATAL, Op.BYE):
             return {}, worker
         raise ControlError(f"unknown control op {op!r}")
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)

@@ -3,7 +3,63 @@
 It owns the task table, the controller's own handle on the request ring, the worker
 registry, and the result folder. The front door calls ``submit`` / ``cancel``; the control
 server calls the ``on_*`` handlers; a sweeper calls ``sweep`` periodically. Everything runs
-on the event-loop thread.
+on the event-loop thread, so each handler sees the table, the registry and (over tcp) the
+ring memory at one instant.
+
+Ownership without gaps
+----------------------
+At every instant each unfinished task is owned by the controller, by a ring slot, or by a
+worker's lease, and the owner is what puts it back in play when it fails:
+
+============================  ======================================  ====================
+stage (``controller.tasks``)  owner                                   if the owner fails
+============================  ======================================  ====================
+accepted                      the controller (``_requeue``)           journal (restart)
+queued / phase1 / phase2      an item of the current attempt in the   reconciliation
+                              stage's ring (``WAITING_RING``)
+encoding / denoising /        the lease of the worker that claimed    connection drop or
+decoding                      it                                      lease expiry
+============================  ======================================  ====================
+
+The windows, one by one:
+
+1. *Accepted, then queued.* ``submit`` journals the task, pushes it to the request ring and
+   marks it queued in one turn of the event loop; a full ring leaves it accepted in
+   ``_requeue`` (pushed at a later sweep). A retry does the same.
+2. *Popped, claim not yet heard.* A consumer's pop frees the slot before its ``claim``
+   message leaves, so for a moment nothing names the task. The gap is closed by
+   reconciliation (:meth:`Coordinator.reconcile`): every sweep the controller reads the rings
+   it hosts (:mod:`controller.reconcile`) and lists the (task, attempt) of every item a
+   consumer can still get. A task in a waiting stage, with no lease, whose current attempt
+   is in no such slot, is *missing*; missing for ``lease_timeout_s`` -- the implicit lease of
+   whoever popped it -- it is put back in play (a system fault: not counted). The popper, if
+   it lives, then claims an old attempt and is refused. The same check catches every other
+   way an item leaves its ring unclaimed: a consumer killed holding the slot (the host frees
+   it), a claim timed out, a payload corrupted so badly it cannot name its task.
+3. *Dropped item.* A worker that pops an item it cannot run (corrupt, wrong kind, malformed)
+   reports it (``dropped``). An item that names the task's current attempt, waiting for that
+   worker's role, puts the task back in play at once; one that names nothing is left to 2.
+4. *Claimed: the lease.* From the claim to the handoff, completion or failure, the task is
+   the worker's. A dropped control connection (crash, network) revokes all its leases at
+   once (``on_gone``); a worker that stops heartbeating (hung, SIGSTOPped) loses them when they
+   expire (``sweep``). The attempt number then fences the old holder: its progress, handoff,
+   failure and result are refused, so a zombie never completes a task twice.
+5. *Published, handoff in flight.* A producer publishes to the next ring, then reports the
+   handoff: meanwhile both its lease and the slot name the task (an overlap, not a gap). The
+   next stage may claim first (``CLAIMABLE_FROM``); the late handoff is then ignored. A
+   producer dying here loses its lease (4): the task is retried and the published item,
+   now of an old attempt, is refused at its claim.
+6. *Handed off, then the producer dies.* The item names buffers that died with it: the
+   consumer's pull fails, reports ``fault: transfer``, and the task is retried; a producer
+   that is gone does not count against the task.
+7. *Controller restart.* The rings live in the controller's memory and die with it, and
+   leases die with its connections. The journal brings back every accepted task, the
+   unfinished ones as accepted in a new attempt (1), queued before the control channel
+   opens; workers' old jobs fail on their dead connections and they register again.
+
+Each task put back in play is charged to its retry budget by the cause of the ended attempt
+(:mod:`controller.budget`): only failures the task causes count, and a task that keeps
+killing the workers that take it is quarantined as poison.
 """
 
 from __future__ import annotations
@@ -17,8 +73,11 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import DiffringError
+from contracts.messages import Fault
 from contracts.roles import Role
-from controller.tasks import TERMINAL, Stage, Task, TaskTable
+from controller.budget import Cause, RetryBudget
+from controller.reconcile import Census, MissingTracker
+from controller.tasks import CLAIMABLE_FROM, TERMINAL, Stage, Task, TaskTable
 from rings.ring import Ring
 
 log = logging.getLogger("diffring.controller")
@@ -77,6 +136,9 @@ class Coordinator:
         stage_image: Callable[[bytes], dict[str, Any]] | None = None,
         release_image: Callable[[Task], None] | None = None,
         journal: Path | None = None,
+        max_task_failures: int = 3,
+        poison_worker_deaths: int = 3,
+        census: Callable[[], Census] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.request_ring = request_ring
@@ -91,6 +153,15 @@ class Coordinator:
         self._next_worker = 1
         self._requeue: collections.deque[str] = collections.deque()
         self.listeners: list[Callable[[str, Task], None]] = []
+        self.budget = RetryBudget(max_task_failures, poison_worker_deaths)
+        self.census = census
+        """Reads the rings this controller hosts (None: nothing to reconcile, e.g. the
+        in-process baseline, whose queue hands items over without a gap)."""
+        self._missing = MissingTracker()
+        self._last_forget = time.monotonic()
+        self.recovery: dict[str, int] = dict.fromkeys(
+            ("reconciled", "dropped_items", "leases_expired", "workers_lost", "poisoned"), 0)
+        """Counters of the recovery paths (shown in the service status)."""
 
     # -- helpers ---------------------------------------------------------------------------
     def _emit(self, event: str, task: Task) -> None:
@@ -172,6 +243,7 @@ class Coordinator:
         info = WorkerInfo(wid, known, name, pid, segment, pipeline)
         self.workers[wid] = info
         log.info("worker %d registered: %s %s pid=%d segment=%s", wid, role, name, pid, segment)
+        self.budget.worker_back(name, self.table)  # it was not killed: its connection dropped
         return info
 
     def on_heartbeat(
@@ -185,6 +257,7 @@ class Coordinator:
         consumer), so the producer frees them itself instead of leaking pool memory.
         """
         worker.last_heartbeat = time.time()
+        worker.state = "running"
         self.table.renew(worker.worker_id, self.lease_timeout_s)
         cancel = []
         for tid in tasks:
@@ -261,8 +334,12 @@ class Coordinator:
         data: bytes,
     ) -> bool:
         worker.tasks.discard(task_id)
-        task = self.table.get(task_id)
-        if task is None or task.stage in TERMINAL:
+        task = self._held(worker, task_id, attempt)
+        if task is None:
+            # Completed already, or this worker's lease ran out and the task is another
+            # attempt's now: a late result is refused, never a second completion.
+            log.info("task %s: result of attempt %d from %s refused (not its lease)",
+                     task_id, attempt, worker.name)
             return False
         path = self.result_path(task, extension)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -296,27 +373,59 @@ class Coordinator:
         error: str,
         error_type: str,
         retryable: bool,
+        fault: str | None = None,
     ) -> None:
         worker.tasks.discard(task_id)
-        task = self.table.get(task_id)
-        if task is None or task.attempt != attempt or task.stage in TERMINAL:
-            return
+        task = self._held(worker, task_id, attempt)
+        if task is None:
+            return  # not this worker's attempt (any more): its failure changes nothing
         log.warning(
-            "task %s failed at worker=%s attempt=%d (%s): %s",
+            "task %s failed at worker=%s attempt=%d (%s, %s): %s",
             task_id,
             worker.name,
             attempt,
             error_type,
+            fault,
             error,
         )
-        if error_type == "cancelled" or task.cancel_requested:
+        if fault is None:  # a worker of an older build: only ``retryable``
+            fault = Fault.TASK if retryable else Fault.INPUT
+        reason = f"{worker.role} {worker.name}: {error}"
+        if fault == Fault.CANCELLED or error_type == "cancelled" or task.cancel_requested:
             self.table.cancelled(task, "cancelled by the client while running")
             self._emit("cancelled", task)
-        elif retryable:
-            self._retry(task, f"{worker.role} {worker.name}: {error}")
-        else:
+        elif fault == Fault.INPUT:
             self.table.failed(task, error, error_type)
             self._emit("failed", task)
+        elif fault == Fault.TRANSFER:
+            producer = task.producer_id
+            if producer is None or not self._alive(producer):
+                self._retry(task, f"{reason} (its producer is gone)", Cause.SYSTEM)
+            else:
+                self.budget.blame_producer(producer, task_id)
+                self._retry(task, reason, Cause.TASK)
+        else:
+            self._retry(task, reason, Cause.TASK if fault == Fault.TASK else Cause.SYSTEM)
+
+    def on_dropped(
+        self, worker: WorkerInfo, ring: str, reason: str, task_id: str | None,
+        attempt: int | None,
+    ) -> None:
+        """A worker took an item from ``ring`` that it cannot run (window 3 of the module
+        doc). Retry the task it names if it is that task's current item; an item that names
+        no task is left to reconciliation."""
+        self.recovery["dropped_items"] += 1
+        log.warning("worker %s dropped an item of ring %s (task %s attempt %s): %s",
+                    worker.name, ring, task_id, attempt, reason)
+        task = self.table.get(task_id) if task_id is not None else None
+        if (
+            task is None
+            or task.attempt != attempt
+            or task.stage not in CLAIMABLE_FROM[worker.role]
+        ):
+            return
+        self._retry(task, f"{worker.role} {worker.name} dropped its {ring} item: {reason}",
+                    Cause.SYSTEM)
 
     def on_gone(self, worker: WorkerInfo, reason: str) -> None:
         """A worker's control connection dropped or it reported a fatal error."""
@@ -332,11 +441,30 @@ class Coordinator:
             reason,
             len(held),
         )
+        self.budget.producer_gone(worker.worker_id, self.table)
         for task in held:
-            self._retry(task, f"{worker.role} {worker.name} {reason} while {task.stage.value}")
+            self.recovery["workers_lost"] += 1
+            self._retry(task, f"{worker.role} {worker.name} {reason} while {task.stage.value}",
+                        Cause.WORKER_LOST, worker.name)
 
-    def _retry(self, task: Task, reason: str) -> None:
-        if self.table.retry(task, reason):
+    def _alive(self, worker_id: int) -> bool:
+        """Registered and heard from lately (a hung producer serves no reads either)."""
+        w = self.workers.get(worker_id)
+        return w is not None and time.time() - w.last_heartbeat <= 3 * self.heartbeat_interval_s
+
+    def _retry(self, task: Task, reason: str, cause: Cause = Cause.SYSTEM,
+               worker: str | None = None) -> None:
+        if task.stage in TERMINAL:
+            return
+        exhausted = None
+        if not task.cancel_requested:
+            exhausted = self.budget.charge(task, reason, cause, worker)
+        if exhausted is not None:
+            self.recovery["poisoned"] += exhausted == "poison"
+            log.error("task %s failed: %s", task.task_id, task.error)
+            self.table.failed(task, task.error or reason, exhausted)
+            self._emit("failed", task)
+        elif self.table.retry(task, reason):
             if task.image_bytes is not None and self.stage_image is not None:
                 # The encoder of the failed attempt may have released the staged copy
                 # already; stage the kept bytes afresh (freeing the old block is safe: it
@@ -363,13 +491,36 @@ class Coordinator:
 
     # -- periodic --------------------------------------------------------------------------
     def sweep(self) -> None:
-        """Expire leases whose worker stopped heartbeating; push pending requeues."""
+        """Expire leases whose worker stopped heartbeating, reconcile the table with the
+        rings, push pending requeues."""
         now = time.monotonic()
         for task in self.table.expired(now):
             worker = self.workers.get(task.worker_id or -1)
             name = worker.name if worker else "?"
-            self._retry(task, f"lease of worker {name} expired while {task.stage.value}")
+            self.recovery["leases_expired"] += 1
+            self._retry(task, f"lease of worker {name} expired while {task.stage.value}",
+                        Cause.WORKER_LOST, name)
+        silent = time.time() - self.lease_timeout_s
+        for w in self.workers.values():
+            if w.last_heartbeat < silent:
+                w.state = "silent"
+        if self.census is not None:
+            self.reconcile(self.census(), now)
         self._drain_requeue()
+
+    def reconcile(self, present: Census, now: float) -> int:
+        """Put back in play every task missing from its ring for ``lease_timeout_s``
+        (window 2 of the module doc); returns how many. ``present``: what the rings hold,
+        read on this thread just now, so no claim can land between that read and this."""
+        lost = self._missing.lost(self.table, present, now, self.lease_timeout_s)
+        for task, ring, gone in lost:
+            self.recovery["reconciled"] += 1
+            self._retry(task, f"its {ring} ring item was taken and never claimed (missing for "
+                              f"{gone:.1f} s)", Cause.SYSTEM)
+        if now - self._last_forget > 60:
+            self._last_forget = now
+            self.budget.forget_finished(self.table)
+        return len(lost)
 
     def workers_by_role(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {role.value: [] for role in Role}

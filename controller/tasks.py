@@ -4,9 +4,12 @@
              -> completed | failed | cancelled
 
 ``status`` is LightX2V's coarse view (pending / processing / completed / failed /
-cancelled); ``stage`` the fine one above. Attempts: a task whose worker died or whose lease
-expired is put back in play with ``attempt + 1``; work of an older attempt is refused at its
-next claim. Completion is idempotent: the first one wins, later ones are ignored.
+cancelled); ``stage`` the fine one above. Attempts: a task put back in play (its worker died,
+its lease expired, its ring item was lost, its attempt failed) gets ``attempt + 1``; the
+attempt number fences work: an older attempt's claim, progress, handoff or result is refused.
+Completion is idempotent: the first one wins, later ones are ignored. The retry budget (which
+attempts count, when a task is failed or quarantined) is the coordinator's
+(:mod:`controller.coordinator`); this table only counts (``failures``, ``killers``).
 
 Everything here runs on the controller's event-loop thread (the front door, the control
 server and the lease sweeper all live there), so there is no locking.
@@ -28,9 +31,6 @@ from typing import Any
 from contracts.roles import Role
 
 log = logging.getLogger("diffring.controller.tasks")
-
-MAX_ATTEMPTS = 3
-
 
 class Stage(enum.StrEnum):
     ACCEPTED = "accepted"
@@ -61,6 +61,8 @@ CLAIMABLE_FROM = {
     Role.TRANSFORMER: (Stage.PHASE1, Stage.ENCODING),
     Role.DECODER: (Stage.PHASE2, Stage.DENOISING),
 }
+# The ring a task waits in, with no lease, in each waiting stage (what reconciliation checks).
+WAITING_RING = {Stage.QUEUED: "request", Stage.PHASE1: "phase1", Stage.PHASE2: "phase2"}
 
 
 def coarse_status(stage: Stage) -> str:
@@ -99,6 +101,9 @@ class Task:
     cancel_requested: bool = False
     lease_expires: float | None = None  # monotonic
     stage_times: dict[str, float] = field(default_factory=dict)
+    failures: int = 0  # attempts the task itself failed (counted against max_task_failures)
+    killers: list[str] = field(default_factory=list)  # workers lost in a row holding it
+    producer_id: int | None = None  # worker that staged this attempt's inputs of its stage
 
     @property
     def status(self) -> str:
@@ -131,6 +136,7 @@ class Task:
             "updated_at": self.updated_at,
             "error": self.error,
             "error_type": self.error_type,
+            "failures": self.failures,
             "save_result_path": self.save_result_path,
             "stage_times": self.stage_times,
         }
@@ -293,7 +299,10 @@ class TaskTable:
         if task.stage not in CLAIMABLE_FROM[role]:
             return False, f"task is {task.stage.value}, not waiting for a {role}"
         waiting = CLAIMABLE_FROM[role][0]
-        if task.stage != waiting:  # the handoff message is still on its way
+        if role == Role.ENCODER:
+            task.producer_id = None  # a new attempt starts from the request
+        elif task.stage != waiting:  # the handoff message is still on its way
+            task.producer_id = task.worker_id
             self._set(task, waiting)
         task.worker, task.worker_id = worker, worker_id
         task.lease_expires = time.monotonic() + lease_s
@@ -312,6 +321,7 @@ class TaskTable:
         task.updated_at = time.time()
 
     def handoff(self, task: Task, role: Role) -> None:
+        task.producer_id = task.worker_id
         task.worker_id = None
         task.lease_expires = None
         self._set(task, HANDOFF_STAGE[role])
@@ -336,16 +346,12 @@ class TaskTable:
         self._set(task, Stage.CANCELLED)
 
     def retry(self, task: Task, reason: str) -> bool:
-        """Put a task back in play (new attempt); False when it has no attempts left."""
+        """Put a task back in play (new attempt); False when it is over (or was cancelled).
+        Whether it may be retried at all is the coordinator's call (the retry budget)."""
         if task.stage in TERMINAL:
             return False
         if task.cancel_requested:
             self.cancelled(task, "cancelled")
-            return False
-        if task.attempt >= MAX_ATTEMPTS:
-            self.failed(
-                task, f"{reason}; gave up after {task.attempt} attempts", "retries_exhausted"
-            )
             return False
         log.warning("task %s attempt %d: %s; retrying", task.task_id, task.attempt, reason)
         task.attempt += 1

@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from typing import Any, Final
 
+from contracts import faults
 from tensorplane.errors import (
     EngineError,
     MooncakeConfigError,
@@ -358,6 +359,10 @@ class TransferEngine:
         tensor: str | None = None,
     ) -> None:
         """Copy ``nbytes`` from the peer's ``remote_addr`` into local ``local_addr``."""
+        if faults.ON:
+            faults.hit("transfer.read", lambda why: TransferFailed(
+                f"mooncake read of {nbytes} bytes failed ({why})", nbytes=nbytes,
+                task_id=task_id, tensor=tensor, peer=peer_session))
         self._transfer("read", peer_session, local_addr, remote_addr, nbytes,
                        timeout_s, task_id, tensor)
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from contracts import faults
 from tensorplane.descriptor import (
     TENSOR_DTYPE_NAMES,
     TENSOR_DTYPES,
@@ -136,6 +137,7 @@ def pull_tensors(
         if d.nbytes:
             _pull_one(engine, pool, d, tensor, task_id, alloc_timeout)
         out[d.name] = tensor
+        faults.hit("transfer.pull")
     if release:
         pool.release_producers(engine, descs, task_id=task_id)
     return out

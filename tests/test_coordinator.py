@@ -9,7 +9,7 @@ import pytest
 
 from controller.app import LocalQueue
 from controller.coordinator import Coordinator, QueueFull, WorkerInfo
-from controller.tasks import MAX_ATTEMPTS, Stage, Task
+from controller.tasks import Stage, Task
 
 REQ = {"task": "qwen_t2i", "prompt": "x"}
 
@@ -103,17 +103,19 @@ def test_running_task_cancel_reaches_the_worker(tmp_path: Path) -> None:
     assert t.stage == Stage.CANCELLED
 
 
-def test_expired_lease_requeues_and_retries_are_bounded(tmp_path: Path) -> None:
+def test_expired_leases_in_a_row_quarantine_the_task_as_poison(tmp_path: Path) -> None:
     co = make(tmp_path, lease=0.01)
     enc, _, _ = workers(co)
     t = task("l")
     co.submit(t)
-    for attempt in range(1, MAX_ATTEMPTS + 1):
+    for attempt in range(1, 4):
         assert co.on_claim(enc, "l", attempt)[0]
         time.sleep(0.02)
         co.sweep()
-    assert t.stage == Stage.FAILED and t.error_type == "retries_exhausted"
+    assert t.stage == Stage.FAILED and t.error_type == "poison", t.error
+    assert "quarantined as poison: its last 3 attempts each lost the worker" in (t.error or "")
     assert "lease of worker e expired while encoding" in (t.error or "")
+    assert t.failures == 0
 
 
 def test_heartbeat_frees_outputs_nobody_will_pull(tmp_path: Path) -> None:

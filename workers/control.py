@@ -10,6 +10,7 @@ import logging
 import threading
 from typing import Any
 
+from contracts import faults
 from contracts.errors import ConnectionLost, ControlRefused
 from contracts.messages import CONTROL_RING, Op
 from rings import wire
@@ -54,6 +55,14 @@ class ControlClient:
         with self._lock:
             if self._sock is None:
                 raise ConnectionLost(f"control channel to {self.where} is closed")
+            if faults.ON:
+                try:
+                    faults.hit("control.drop", ConnectionLost)
+                except ConnectionLost as exc:
+                    self._close_locked()  # a real drop: the controller sees the connection go
+                    raise ConnectionLost(
+                        f"control channel to the controller at {self.where} lost: {exc}"
+                    ) from exc
             self._seq += 1
             msg = {"op": op.value, "seq": self._seq, **fields}
             try:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+from contracts import faults
 from contracts.messages import Kind, Op
 from contracts.request import GenerationRequest
 from contracts.roles import Role
@@ -126,6 +127,7 @@ class DecoderWorker(StageWorker):
         local = out_dir / f"{job.task_id}.{outputs.extension}"
         tmp = local.with_name(local.name + ".part")
         tmp.write_bytes(outputs.data)
+        faults.hit("decoder.result_write")
         tmp.replace(local)
         job.result = (outputs, local)
 

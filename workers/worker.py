@@ -12,10 +12,14 @@
               result): the lease ends                           (role: ``release``)
 
 The role classes (:mod:`workers.roles`) fill in steps 2-5; the claim, the failure path and
-the lifecycle are shared. Lifecycle: RUNNING -> DRAINING (SIGTERM/SIGINT: finish the claimed
-task, claim nothing new) -> STOPPED. A fatal error (lost ring or control connection, model
-failure at start) is reported to the controller before exiting, so the worker's leases are
-revoked at once.
+the lifecycle are shared. An item this worker cannot run (corrupt, wrong kind, malformed) is
+reported to the controller (``dropped``), which puts its task back in play; a worker whose
+control channel is down takes nothing from its ring until it has reconnected. The named
+fault points of :mod:`contracts.faults` sit between the steps.
+
+Lifecycle: RUNNING -> DRAINING (SIGTERM/SIGINT: finish the claimed task, claim nothing new)
+-> STOPPED. A fatal error (lost ring or control connection, model failure at start) is
+reported to the controller before exiting, so the worker's leases are revoked at once.
 """
 
 from __future__ import annotations
@@ -31,19 +35,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import (
     ConnectionLost,
     ControlRefused,
     DiffringError,
-    ModelError,
     PayloadCorrupt,
-    RingFull,
-    StageCancelled,
     StageError,
-    TransferError,
 )
-from contracts.messages import ROLE_INPUT_KIND, Op
+from contracts.messages import Fault, Op
 from contracts.metrics import serve_metrics
 from contracts.roles import ROLE_RINGS, Role
 from rings.ring import Ring
@@ -55,6 +56,7 @@ from tensorplane.pool import StagingPool
 from workers.control import ControlClient
 from workers.metrics import WorkerMetrics
 from workers.models.base import StageAdapter
+from workers.triage import check_item, describe_failure
 
 log = logging.getLogger("diffring.worker")
 
@@ -90,6 +92,9 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     """What the publish step leaves for the release step (the decoder's result)."""
+    published: bool = False
+    """The outputs are in the next ring: from now on the controller decides when the staged
+    copies may go (a consumer may be pulling them)."""
 
 
 class StageWorker:
@@ -108,6 +113,11 @@ class StageWorker:
         self.name = f"{self.role.value}-{socket.gethostname()}-{os.getpid()}"
         self.state = State.STOPPED
         self._wake = threading.Event()
+        """Wakes the pull loop (drain, close, lost control channel)."""
+        self._hb_stop = threading.Event()
+        """Stops the heartbeat thread of the current connection."""
+        self._control_lost = threading.Event()
+        """The heartbeat failed: reconnect before taking anything from a ring."""
         self.current: Job | None = None
         # (task_id, attempt) -> descriptors of outputs staged for the next stage.
         self.staged: dict[tuple[str, int], list[TensorDescriptor]] = {}
@@ -168,8 +178,7 @@ class StageWorker:
             segment=self.engine.session_id,
         )
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
-        self._hb = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
-        self._hb.start()
+        self.start_heartbeats()
         log.info(
             "worker %s ready: pipeline=%s in=%s out=%s segment=%s transport=%s",
             self.name,
@@ -181,6 +190,7 @@ class StageWorker:
         )
 
     def _disconnect(self) -> None:
+        self._hb_stop.set()
         self.control.close()
         for ring in (self.in_ring, self.out_ring):
             if ring is not None:
@@ -234,11 +244,14 @@ class StageWorker:
         """Finish the claimed task, claim nothing new, then stop (signal handlers call this)."""
         if self.state == State.RUNNING:
             self.state = State.DRAINING
+        # Wakes the pull loop only: the heartbeats go on at their pace while the claimed
+        # task finishes (they wait on their own event).
         self._wake.set()
 
     def close(self) -> None:
         self.state = State.STOPPED
         self._wake.set()
+        self._hb_stop.set()
         try:
             self.control.call(Op.BYE)
         except DiffringError:
@@ -287,8 +300,17 @@ class StageWorker:
             self.state = State.STOPPED
 
     # -- heartbeats ----------------------------------------------------------------------------
-    def _heartbeats(self) -> None:
-        while self.state != State.STOPPED:
+    def start_heartbeats(self) -> None:
+        """Heartbeat the current control connection from a thread of its own."""
+        self._hb_stop = threading.Event()
+        self._control_lost.clear()
+        self._hb = threading.Thread(
+            target=self._heartbeats, args=(self._hb_stop,), name="heartbeat", daemon=True
+        )
+        self._hb.start()
+
+    def _heartbeats(self, stop: threading.Event) -> None:
+        while self.state != State.STOPPED and not stop.is_set():
             job = self.current
             with self._staged_lock:
                 staged = [[t, a] for t, a in self.staged]
@@ -297,8 +319,9 @@ class StageWorker:
                     Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged
                 )
             except DiffringError as exc:
-                if self.state != State.STOPPED:
+                if self.state != State.STOPPED and not stop.is_set():
                     log.error("worker %s: heartbeat failed: %s", self.name, exc)
+                    self._control_lost.set()  # the pull loop sees it within its idle backoff
                 return
             self.metrics.heartbeats.labels(self.role.value).inc()
             if job is not None and job.task_id in reply.get("cancel", []):
@@ -306,7 +329,7 @@ class StageWorker:
             drop = set(reply.get("drop", []))
             if drop:
                 self._free_staged(lambda key, drop=drop: key[0] in drop)
-            self._wake.wait(self.heartbeat_interval_s)
+            stop.wait(self.heartbeat_interval_s)
 
     def _free_staged(self, pred: Any) -> None:
         with self._staged_lock:
@@ -324,20 +347,25 @@ class StageWorker:
         self.current = job
         t0 = time.monotonic()
         try:
+            faults.hit("worker.after_claim")
             with self.timed("fetch"):
                 inputs = self.fetch_inputs(job)  # 2. fetch
             self.check_cancel(job)
+            faults.hit("worker.stage", StageError)
             with self.timed("compute"):
                 outputs = self.compute(job, inputs)  # 3. compute
             self.check_cancel(job)
+            faults.hit("worker.before_publish")
             self.publish(job, outputs)  # 4. publish
+            job.published = True
+            faults.hit("worker.after_publish")
             self.release(job)  # 5. release
         except TaskDropped as exc:
             self.metrics.tasks.labels(self.role.value, "cancelled").inc()
-            self._fail(job, str(exc), "cancelled", retryable=False)
+            self._fail(job, str(exc), "cancelled", Fault.CANCELLED)
         except Exception as exc:
             self.metrics.tasks.labels(self.role.value, "failed").inc()
-            self._fail(job, *self.describe_failure(exc))
+            self._fail(job, *describe_failure(exc))
         else:
             self.tasks_done += 1
             self.metrics.tasks.labels(self.role.value, "done").inc()
@@ -355,25 +383,25 @@ class StageWorker:
     def claim(self) -> Job | Idle:
         """Step 1: pop one item from the input ring and claim its task at the controller."""
         assert self.in_ring is not None
+        if self._control_lost.is_set():
+            # An item popped now could not be claimed: it would sit unowned until the
+            # controller's reconciliation noticed. Reconnect first (the loop does).
+            raise ConnectionLost(f"control channel to {self.control.where} lost")
+        ring = self.in_ring.name
         try:
             item = self.in_ring.try_pop()
         except PayloadCorrupt as exc:
-            log.error("worker %s: dropped a corrupt %s slot: %s", self.name, self.in_ring.name, exc)
+            self._report_drop(ring, exc.slot, f"corrupt payload: {exc}", None)
             return Idle.SKIPPED
         if item is None:
             return Idle.EMPTY
-        self.metrics.claim_seconds.labels(self.in_ring.name, "pop").observe(
-            self.in_ring.stats.last_claim_s
-        )
-        if item.get("kind") != ROLE_INPUT_KIND[self.role]:
-            log.error(
-                "worker %s: unexpected %r item in ring %s",
-                self.name,
-                item.get("kind"),
-                self.in_ring.name,
-            )
+        self.metrics.claim_seconds.labels(ring, "pop").observe(self.in_ring.stats.last_claim_s)
+        faults.hit("worker.after_pop", ConnectionLost)
+        problem = check_item(item, self.role, self.cfg.pipeline)
+        if problem is not None:
+            self._report_drop(ring, None, problem, item)
             return Idle.SKIPPED
-        job = Job(str(item["task_id"]), int(item["attempt"]), item)
+        job = Job(item["task_id"], item["attempt"], item)
         reply = self.control.call(
             Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
         )
@@ -388,6 +416,27 @@ class StageWorker:
             self.release_inputs(job)
             return Idle.SKIPPED
         return job
+
+    def _report_drop(
+        self, ring: str, slot: int | None, reason: str, item: dict[str, Any] | None
+    ) -> None:
+        """Tell the controller about an item taken from ``ring`` that will not be run."""
+        tid = item.get("task_id") if item is not None else None
+        attempt = item.get("attempt") if item is not None else None
+        log.error("worker %s: dropped an item of ring %s (task %r): %s", self.name, ring, tid,
+                  reason)
+        try:
+            self.control.call(
+                Op.DROPPED,
+                ring=ring,
+                slot=slot,
+                reason=reason,
+                task_id=tid if isinstance(tid, str) else None,
+                attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool)
+                else None,
+            )
+        except ControlRefused as exc:
+            log.error("controller refused the drop report: %s", exc)
 
     # -- steps 2-5: the role classes fill these in ---------------------------------------------
     def fetch_inputs(self, job: Job) -> Any:
@@ -422,18 +471,7 @@ class StageWorker:
         return {}
 
     # -- failure path ------------------------------------------------------------------------------
-    def describe_failure(self, exc: Exception) -> tuple[str, str, bool]:
-        """(message, error_type, retryable) of a task failure."""
-        if isinstance(exc, StageCancelled):
-            return str(exc), "cancelled", False
-        if isinstance(exc, TransferError | ConnectionLost | RingFull):
-            return str(exc), type(exc).__name__, True
-        if isinstance(exc, ModelError | StageError):
-            return str(exc), type(exc).__name__, False
-        log.exception("task failed with an unexpected error")
-        return f"{type(exc).__name__}: {exc}", type(exc).__name__, False
-
-    def _fail(self, job: Job, error: str, error_type: str, retryable: bool) -> None:
+    def _fail(self, job: Job, error: str, error_type: str, fault: Fault) -> None:
         log.warning(
             "task %s stage=%s worker=%s failed (%s): %s",
             job.task_id,
@@ -442,7 +480,8 @@ class StageWorker:
             error_type,
             error,
         )
-        self._free_staged(lambda key: key == (job.task_id, job.attempt))
+        if not job.published:
+            self._free_staged(lambda key: key == (job.task_id, job.attempt))
         try:
             self.control.call(
                 Op.FAIL,
@@ -451,7 +490,8 @@ class StageWorker:
                 stage=self.role.value,
                 error=error,
                 error_type=error_type,
-                retryable=retryable,
+                retryable=fault in (Fault.SYSTEM, Fault.TRANSFER, Fault.TASK),
+                fault=fault.value,
             )
         except ControlRefused as exc:
             log.error("controller refused the failure report of %s: %s", job.task_id, exc)
