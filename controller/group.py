@@ -97,6 +97,9 @@ class LocalGroup:
     workdir: Path
     services: list[Service] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    started: int = 0
+    """Services started so far: numbers their config and log files (services that were
+    stopped and dropped from ``services`` keep theirs)."""
 
     @property
     def url(self) -> str:
@@ -106,7 +109,8 @@ class LocalGroup:
         cfg = json.loads(json.dumps(self.config))
         if extra:
             cfg.update(extra)
-        path = self.workdir / f"{role}-{len(self.services)}.json"
+        path = self.workdir / f"{role}-{self.started}.json"
+        self.started += 1
         path.write_text(json.dumps(cfg, indent=2))
         return path
 

@@ -18,7 +18,7 @@ from rings.ring import Ring
 from rings.verbs import LocalVerbs, Region
 from tensorplane.errors import ChecksumMismatch, PoolExhausted, TransferFailed
 from workers.triage import check_item, describe_failure
-from workers.worker import Idle, State, StageWorker
+from workers.worker import Idle, StageWorker, State
 
 CFG = ServiceConfig(model_cls="qwen_image", task="t2i")
 

@@ -41,6 +41,7 @@ from contracts.errors import (
     ConnectionLost,
     ControlRefused,
     DiffringError,
+    HandshakeError,
     PayloadCorrupt,
     StageError,
 )
@@ -211,7 +212,12 @@ class StageWorker:
             try:
                 self._connect()
                 return
-            except ConnectionLost as exc:
+            except (ConnectionLost, HandshakeError) as exc:
+                if isinstance(exc, HandshakeError) and not isinstance(
+                    exc.__cause__, OSError | ConnectionLost
+                ):
+                    raise  # refused (token, layout): waiting will not change that
+                # Reset or closed mid-handshake: a controller that is just dying or starting.
                 self._disconnect()
                 if self.state != State.RUNNING:
                     return  # asked to stop while waiting: nothing left to drain

@@ -1,0 +1,457 @@
+#!/usr/bin/env python
+"""Chaos soak: a whole group under fire must still complete every task exactly once.
+
+    python scripts/chaos_soak.py                 # long: 2000 tasks, 32 workers
+    python scripts/chaos_soak.py --quick         # ~100 tasks, 8 workers, 10 kills, 1 restart
+
+While tasks stream in over HTTP, it
+
+- SIGKILLs a random worker every ``--kill-every`` seconds, cycling through the three roles,
+  and starts a replacement at once;
+- SIGKILLs the controller ``--restarts`` times (spread over the run) and starts a new one on
+  the same ports and journal;
+- SIGSTOPs a worker that holds a task for longer than its lease, then SIGCONTs it: its task
+  has moved on, and its late work must be refused;
+- injects Mooncake read failures and dropped control connections into the workers through
+  the fault points (``transfer.read``, ``control.drop``; contracts/faults.py);
+- writes garbage over a published ring item, and pushes a forged item of the wrong kind, as a
+  peer holding the cluster token.
+
+It ends with one line::
+
+    chaos: OK|FAILED tasks=… completed=… failed=… lost=… duplicated=… leaked_staging_bytes=…
+    kills=… restarts=… seconds=…
+
+OK means: every accepted task completed exactly once (one result file, one completion in
+the journal, one completion logged by the controllers), none failed or lost, every live
+worker's staging pool back to 0 bytes in use, and the journal compacted to a bounded size.
+Exit status 0 only when OK. Every process it starts, it stops, by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from contracts.config import DisaggConfig  # noqa: E402
+from contracts.pipelines import TASK_SPECS  # noqa: E402
+from controller.group import LocalGroup, Service, free_ports, group_config  # noqa: E402
+from rings import payload as pl  # noqa: E402
+from rings.layout import STAMPS_OFFSET, SlotState, unpack_stamp  # noqa: E402
+from rings.ring import Ring  # noqa: E402
+from rings.verbs import connect  # noqa: E402
+
+ROLES = ("encoder", "transformer", "decoder")
+REQUESTS: dict[str, dict[str, Any]] = {
+    "synthetic": {},
+    "qwen_t2i": {"height": 32, "width": 48, "infer_steps": 2},
+}
+# The synthetic pipeline (stages that only sleep) keeps 32 workers and a kill every 2 s within
+# a 2-core machine; the tiny Qwen T2I model is the lightest real architecture.
+DEFAULT_PIPELINE = "synthetic" if "synthetic" in TASK_SPECS else "qwen_t2i"
+
+
+@dataclass
+class Settings:
+    tasks: int = 2000
+    workers: tuple[int, int, int] = (8, 16, 8)
+    kill_every: float = 1.5
+    max_kills: int | None = None
+    restarts: int = 2
+    in_flight: int = 64
+    rate: float | None = None
+    """Submissions per second (None: as fast as the in-flight limit allows)."""
+    pipeline: str = DEFAULT_PIPELINE
+    models: Path = ROOT / "out" / "tiny-models"
+    workdir: Path = ROOT / "out" / "chaos"
+    lease_s: float = 4.0
+    read_fail_p: float = 0.01
+    drop_p: float = 0.001
+    timeout_s: float = 3600.0
+    seed: int = 0
+
+
+@dataclass
+class Report:
+    tasks: int = 0
+    completed: int = 0
+    failed: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    leaked_staging_bytes: int = 0
+    kills: int = 0
+    restarts: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.completed == self.tasks and not (
+            self.failed or self.lost or self.duplicated or self.leaked_staging_bytes)
+
+    def line(self) -> str:
+        return (f"chaos: {'OK' if self.ok else 'FAILED'} tasks={self.tasks} "
+                f"completed={self.completed} failed={self.failed} lost={self.lost} "
+                f"duplicated={self.duplicated} leaked_staging_bytes={self.leaked_staging_bytes}"
+                f" kills={self.kills} restarts={self.restarts} seconds={self.seconds:.0f}")
+
+
+def journal_completions(output_dir: Path) -> tuple[Counter[str], int, int]:
+    """(completions recorded per task, records, bytes) of the controller's task journal.
+
+    The one place that knows the journal's format: point it at the task store when that
+    replaces the JSON-lines journal."""
+    path = output_dir / ".journal" / "tasks.jsonl"
+    done: Counter[str] = Counter()
+    records = 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed controller
+        records += 1
+        if rec["task"]["stage"] == "completed" and rec["event"] in ("completed", "restored"):
+            done[rec["task"]["task_id"]] += 1
+    return done, records, path.stat().st_size
+
+
+class Chaos:
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        self.rng = random.Random(s.seed)
+        s.workdir.mkdir(parents=True, exist_ok=True)
+        cfg = group_config(
+            s.pipeline, str(s.models / s.pipeline), s.workdir, lease_timeout_s=s.lease_s,
+            heartbeat_interval_s=0.5, max_pending_tasks=max(256, 2 * s.in_flight),
+            staging_pool_mb=16,
+            disagg_config={"claim_timeout_s": s.lease_s + 1, "rdma_buffer_slots": 64})
+        self.group = LocalGroup(cfg, s.workdir)
+        self.url = self.group.url
+        self.disagg = DisaggConfig.from_dict(cfg["disagg_config"])
+        self.live: dict[str, list[Service]] = {r: [] for r in ROLES}
+        self.metrics: dict[int, int] = {}  # pid -> metrics port
+        self.controllers: list[Service] = []
+        self.accepted: list[str] = []
+        self.in_flight: set[str] = set()
+        self.lock = threading.Lock()
+        self.stopped_pid: int | None = None
+        self.events: list[str] = []
+        self.report = Report()
+        self.done_submitting = False
+        self.killed: set[int] = set()
+        self.workers: list[Service] = []  # every worker ever started
+
+    # -- processes -----------------------------------------------------------------------
+    def start_worker(self, role: str) -> Service:
+        faults = [f"control.drop:raise:p={self.s.drop_p}"] if self.s.drop_p else []
+        if role != "encoder" and self.s.read_fail_p:
+            faults.append(f"transfer.read:raise:p={self.s.read_fail_p}")
+        (port,) = free_ports(1)
+        server = {**self.group.config["server"], "metric_port": port}
+        svc = self.group.start(role, {"faults": ",".join(faults) or None, "server": server})
+        self.live[role].append(svc)
+        self.workers.append(svc)
+        self.metrics[svc.proc.pid] = port
+        return svc
+
+    def start_controller(self) -> None:
+        ctl = self.group.start("controller")
+        self.controllers.append(ctl)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if ctl.proc.poll() is not None:
+                raise RuntimeError(f"controller exited with {ctl.proc.returncode}:\n"
+                                   f"{ctl.log()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("the controller did not come up within 120 s")
+
+    def kill_worker(self, role: str) -> None:
+        alive = [w for w in self.live[role]
+                 if w.proc.poll() is None and w.proc.pid != self.stopped_pid]
+        if not alive:
+            return
+        victim = self.rng.choice(alive)
+        self.killed.add(victim.proc.pid)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        self.live[role].remove(victim)
+        self.group.services.remove(victim)  # reaped: no longer part of the group
+        self.start_worker(role)
+        self.report.kills += 1
+
+    def restart_controller(self) -> None:
+        old = self.controllers[-1]
+        self.killed.add(old.proc.pid)
+        os.kill(old.proc.pid, signal.SIGKILL)
+        old.proc.wait()
+        self.group.services.remove(old)  # reaped: no longer part of the group
+        self.start_controller()
+        self.report.restarts += 1
+        self.events.append(f"controller restarted at {len(self.accepted)} accepted")
+
+    # -- the load --------------------------------------------------------------------------
+    def submit_all(self) -> None:
+        body = REQUESTS.get(self.s.pipeline, {})
+        t0 = time.monotonic()
+        for i in range(self.s.tasks):
+            tid = f"chaos-{i:05d}"
+            if self.s.rate:
+                time.sleep(max(0.0, t0 + i / self.s.rate - time.monotonic()))
+            while True:
+                with self.lock:
+                    full = len(self.in_flight) >= self.s.in_flight
+                if full:
+                    time.sleep(0.02)
+                    continue
+                try:
+                    r = httpx.post(f"{self.url}/v1/tasks/image/", timeout=15,
+                                   json={"prompt": f"chaos {i}", "seed": i, "task_id": tid,
+                                         **body})
+                except httpx.HTTPError:
+                    time.sleep(0.2)  # the controller is restarting: same id again
+                    continue
+                if r.status_code in (200, 409):  # 409: accepted before the reply was lost
+                    with self.lock:
+                        self.accepted.append(tid)
+                        self.in_flight.add(tid)
+                    break
+                if r.status_code == 429:
+                    time.sleep(0.2)
+                    continue
+                self.report.problems.append(f"task {tid} refused: {r.status_code} {r.text}")
+                break
+        self.done_submitting = True
+
+    def track(self) -> None:
+        """Drop finished tasks from the in-flight set (the controller lists the others)."""
+        try:
+            q = httpx.get(f"{self.url}/v1/tasks/queue/status", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            return
+        busy = set(q["queue"]) | set(q["running"])
+        with self.lock:
+            self.in_flight &= busy
+
+    # -- the attacks ------------------------------------------------------------------------
+    def zombie(self) -> None:
+        """SIGSTOP a worker holding a task past its lease, then SIGCONT it."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                workers = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()["workers"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                time.sleep(0.2)
+                continue
+            busy = [(w["pid"], w["current_tasks"][0]) for role in ("decoder", "transformer")
+                    for w in workers.get(role, []) if w["current_tasks"]]
+            if busy:
+                pid, tid = busy[0]
+                self.stopped_pid = pid  # the killer leaves it alone from now on
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(self.s.lease_s + 3)
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    continue  # killed just before
+                finally:
+                    self.stopped_pid = None
+                self.events.append(f"SIGSTOPped pid {pid} holding {tid} past its lease")
+                return
+            time.sleep(0.05)
+        self.events.append("SIGSTOP: found no busy worker")
+
+    def corrupt(self, ring: str, forge: bool) -> None:
+        """As a peer holding the token: garbage over a published item, or a forged item of
+        the wrong kind naming a real task."""
+        host, port = self.disagg.ring_address(ring)
+        verbs = connect("tcp", host, port, layout=self.disagg.layout(ring), ring=ring,
+                        token=self.disagg.cluster_token or "", peer_name="chaos-peer")
+        try:
+            lay = verbs.layout
+            if forge:
+                tid = self.accepted[-1]
+                att = httpx.get(f"{self.url}/v1/tasks/{tid}/status", timeout=5).json()["attempt"]
+                Ring(verbs).try_push({"kind": "phase2", "task_id": tid, "attempt": att,
+                                      "pipeline": self.s.pipeline, "request": {}})
+                self.events.append(f"forged a phase2 item for {tid} in ring {ring}")
+                return
+            deadline = time.monotonic() + 20  # consumers leave items for ms at most
+            while time.monotonic() < deadline:
+                raw = verbs.read(STAMPS_OFFSET, 8 * lay.slot_count)
+                for i in range(lay.slot_count):
+                    pos, state, _ = unpack_stamp(int.from_bytes(raw[8 * i: 8 * i + 8], "little"))
+                    if state == SlotState.PUBLISHED:
+                        verbs.write(lay.payload_offset(pos) + pl.HEADER_SIZE, b"\xde\xad" * 8)
+                        self.events.append(f"corrupted position {pos} of ring {ring}")
+                        return
+            self.events.append(f"ring {ring}: nothing published to corrupt")
+        finally:
+            verbs.close()
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> Report:
+        t0 = time.monotonic()
+        try:
+            self.start_controller()
+            for role, n in zip(ROLES, self.s.workers, strict=True):
+                for _ in range(n):
+                    self.start_worker(role)
+            self.group.wait_workers(dict(zip(ROLES, self.s.workers, strict=True)), timeout=900)
+            print(f"chaos: group up in {time.monotonic() - t0:.0f} s", flush=True)
+            t0 = time.monotonic()
+            self._attack(t0)
+            self._check()
+        finally:
+            self.report.seconds = time.monotonic() - t0
+            self.group.stop()
+        return self.report
+
+    def _attack(self, t0: float) -> None:
+        s = self.s
+        submitter = threading.Thread(target=self.submit_all, daemon=True)
+        submitter.start()
+        restart_at = [s.tasks * (k + 1) // (s.restarts + 1) for k in range(s.restarts)]
+        attacks = {int(s.tasks * f): a for f, a in (
+            (0.2, ("corrupt", "request")), (0.3, ("forge", "request")),
+            (0.45, ("zombie", "")), (0.6, ("corrupt", "phase1")), (0.75, ("corrupt", "phase2")))}
+        next_kill = time.monotonic() + s.kill_every
+        threads = []
+        while time.monotonic() - t0 < s.timeout_s:
+            self.track()
+            with self.lock:
+                n, busy = len(self.accepted), bool(self.in_flight)
+            if self.done_submitting and not busy:
+                break
+            if restart_at and n >= restart_at[0]:
+                restart_at.pop(0)
+                self.restart_controller()
+            for at in [a for a in attacks if n >= a]:
+                kind, ring = attacks.pop(at)
+                if kind == "zombie":
+                    t = threading.Thread(target=self.zombie, daemon=True)
+                else:
+                    t = threading.Thread(target=self.corrupt, args=(ring, kind == "forge"),
+                                         daemon=True)
+                t.start()
+                threads.append(t)
+            if time.monotonic() >= next_kill and (s.max_kills is None
+                                                  or self.report.kills < s.max_kills):
+                self.kill_worker(ROLES[self.report.kills % 3])
+                next_kill += s.kill_every
+            time.sleep(0.1)
+        for t in threads:
+            t.join(timeout=60)
+
+    def _check(self) -> None:
+        r = self.report
+        r.tasks = len(self.accepted)
+        statuses = {}
+        for tid in self.accepted:
+            res = httpx.get(f"{self.url}/v1/tasks/{tid}/status", timeout=10)
+            statuses[tid] = res.json() if res.status_code == 200 else {"status": "lost"}
+        counts = Counter(st["status"] for st in statuses.values())
+        r.completed, r.failed = counts["completed"], counts["failed"]
+        r.lost = r.tasks - r.completed - r.failed - counts["cancelled"]
+        for tid, st in statuses.items():
+            if st["status"] == "failed":
+                r.problems.append(f"{tid} failed: {st.get('error')}")
+        results = self.s.workdir / "results"
+        journal, records, size = journal_completions(results)
+        logged: Counter[str] = Counter()
+        for ctl in self.controllers:
+            logged.update(re.findall(r"task (\S+) stage=completed", ctl.log()))
+        files = Counter(p.name.split(".")[0] for p in results.iterdir()
+                        if p.is_file() and not p.name.endswith(".part"))
+        for tid in self.accepted:
+            if max(journal[tid], logged[tid], files[tid]) > 1:
+                r.duplicated += 1
+            elif statuses[tid]["status"] == "completed" and min(journal[tid], logged[tid],
+                                                                 files[tid]) < 1:
+                r.problems.append(f"{tid}: journal {journal[tid]}, logged {logged[tid]}, "
+                                  f"result files {files[tid]}")
+        # Compacted: one record per task restored at the last restart, at most two (accepted,
+        # then finished) per task since; without compaction every restart would add a line.
+        if records > 2 * r.tasks:
+            r.problems.append(f"journal not compacted: {records} records for {r.tasks} tasks")
+        time.sleep(3)  # heartbeats let producers free what nobody will pull any more
+        for role in ROLES:
+            for w in self.live[role]:
+                if w.proc.poll() is None:
+                    r.leaked_staging_bytes += _pool_used(self.metrics[w.proc.pid])
+        recovery = httpx.get(f"{self.url}/v1/service/status", timeout=10).json()["recovery"]
+        self.events.append(f"journal: {records} records, {size} bytes; recovery since the "
+                           f"last restart: {recovery}")
+        for svc in self.workers:  # a worker that died by itself is a bug
+            if svc.proc.poll() is not None and svc.proc.pid not in self.killed:
+                r.problems.append(f"{svc.role} pid {svc.proc.pid} exited with "
+                                  f"{svc.proc.returncode}: {svc.log()[-1500:]}")
+
+
+def _pool_used(port: int) -> int:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0  # died meanwhile
+    m = re.search(r"^diffring_staging_pool_used_bytes\{[^}]*\} (\S+)$", text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="~100 tasks, 8 workers, 10 kills, 1 restart (the test-suite's run)")
+    p.add_argument("--tasks", type=int)
+    p.add_argument("--workers", help="encoders,transformers,decoders (default 8,16,8)")
+    p.add_argument("--kill-every", type=float, help="seconds between worker kills (1.5)")
+    p.add_argument("--restarts", type=int, help="controller kills and restarts (2)")
+    p.add_argument("--pipeline", choices=sorted(REQUESTS), help="default synthetic")
+    p.add_argument("--models", type=Path, help="tiny models folder (default out/tiny-models)")
+    p.add_argument("--workdir", type=Path, help="default out/chaos")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    s = Settings(tasks=100, workers=(2, 4, 2), kill_every=1.5, max_kills=10, restarts=1,
+                 in_flight=16, rate=6.0, lease_s=3.0, read_fail_p=0.02, drop_p=0.002,
+                 timeout_s=300) if args.quick else Settings()
+    for name in ("tasks", "kill_every", "restarts", "pipeline", "models", "workdir", "seed"):
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    if args.workers:
+        e, t, d = (int(x) for x in args.workers.split(","))
+        s.workers = (e, t, d)
+    if not (s.models / s.pipeline).exists():
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from make_tiny_models import build_task
+
+        build_task(s.models, s.pipeline)
+    chaos = Chaos(s)
+    report = chaos.run()
+    for line in chaos.events + report.problems[:20]:
+        print(f"  {line}")
+    print(report.line(), flush=True)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
