@@ -249,7 +249,8 @@ class Coordinator:
     def on_heartbeat(
         self, worker: WorkerInfo, tasks: list[str], staged: list[tuple[str, int]]
     ) -> tuple[list[str], list[str]]:
-        """Renew the worker's leases. Returns (tasks to cancel, staged outputs to free).
+        """Renew the worker's leases. Returns (tasks to stop: cancelled, over, or no longer
+        this worker's; staged outputs to free).
 
         ``staged``: (task_id, attempt) whose outputs the worker still holds in its pool for
         the next stage. The consumer normally releases them after its pull; these are the
@@ -262,7 +263,10 @@ class Coordinator:
         cancel = []
         for tid in tasks:
             t = self.table.get(tid)
-            if t is None or t.cancel_requested or t.stage in TERMINAL:
+            # Not its task any more (its lease expired while it was stalled, say): stop now
+            # rather than finish work whose result would be refused.
+            if (t is None or t.cancel_requested or t.stage in TERMINAL
+                    or t.worker_id != worker.worker_id):
                 cancel.append(tid)
         past = {Role.ENCODER: (Stage.PHASE2, Stage.DECODING), Role.TRANSFORMER: ()}
         drop = []

@@ -20,8 +20,8 @@ import httpx
 
 from controller.group import LocalGroup, Service, group_config, wait_task
 
-PIPELINE = "qwen_t2i"
-BODY = {"prompt": "a fault test", "height": 32, "width": 48, "infer_steps": 2}
+PIPELINE = "synthetic"
+BODY = {"prompt": "a fault test"}
 
 # Each kills its worker (SIGKILL, no cleanup) the first time a task reaches it.
 KILLS = {

@@ -281,6 +281,7 @@ def test_late_result_of_an_expired_lease_is_refused(tmp_path: Path) -> None:
     time.sleep(0.1)
     co.sweep()  # lease expired
     assert t.attempt == 2
+    assert co.on_heartbeat(dec, ["zombie"], []) == (["zombie"], [])  # wakes: told to stop
     assert co.on_complete(dec, "zombie", 1, "png", "image/png", b"late") is False
     co.on_fail(dec, "zombie", 1, "late", "StageError", True, Fault.TASK)  # ignored too
     assert t.failures == 0 and t.stage == Stage.QUEUED
