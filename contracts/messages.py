@@ -18,6 +18,8 @@ Control channel (worker -> controller; every request gets one reply with the sam
                                                           lease_timeout_s}
     heartbeat {tasks: [task_id], staged: [[task_id, attempt]]}
                                                     -> {cancel: [task_id], drop: [task_id]}
+              cancel: tasks to stop (cancelled, over, or no longer this worker's: its lease
+              expired); drop: staged outputs nobody will pull any more
     claim     {task_id, attempt, stage}             -> {proceed: bool, reason}
     progress  {task_id, attempt, step, steps}       -> {cancel: bool}
     handoff   {task_id, attempt, stage}             -> {}

@@ -48,6 +48,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from chaos_workers import ForkedWorker, Launcher  # noqa: E402
 
 from contracts.config import DisaggConfig  # noqa: E402
 from contracts.pipelines import TASK_SPECS  # noqa: E402
@@ -71,7 +74,7 @@ DEFAULT_PIPELINE = "synthetic" if "synthetic" in TASK_SPECS else "qwen_t2i"
 class Settings:
     tasks: int = 2000
     workers: tuple[int, int, int] = (8, 16, 8)
-    kill_every: float = 1.5
+    kill_every: float = 1.8
     max_kills: int | None = None
     restarts: int = 2
     in_flight: int = 64
@@ -80,7 +83,8 @@ class Settings:
     pipeline: str = DEFAULT_PIPELINE
     models: Path = ROOT / "out" / "tiny-models"
     workdir: Path = ROOT / "out" / "chaos"
-    lease_s: float = 4.0
+    lease_s: float = 5.0
+    heartbeat_s: float = 1.0
     read_fail_p: float = 0.01
     drop_p: float = 0.001
     timeout_s: float = 3600.0
@@ -138,13 +142,15 @@ class Chaos:
         s.workdir.mkdir(parents=True, exist_ok=True)
         cfg = group_config(
             s.pipeline, str(s.models / s.pipeline), s.workdir, lease_timeout_s=s.lease_s,
-            heartbeat_interval_s=0.5, max_pending_tasks=max(256, 2 * s.in_flight),
+            heartbeat_interval_s=s.heartbeat_s, max_pending_tasks=max(256, 2 * s.in_flight),
             staging_pool_mb=16,
             disagg_config={"claim_timeout_s": s.lease_s + 1, "rdma_buffer_slots": 64})
-        self.group = LocalGroup(cfg, s.workdir)
+        self.group = LocalGroup(cfg, s.workdir)  # the controller
+        self.launcher = Launcher(s.workdir)  # the workers
         self.url = self.group.url
         self.disagg = DisaggConfig.from_dict(cfg["disagg_config"])
-        self.live: dict[str, list[Service]] = {r: [] for r in ROLES}
+        self.live: dict[str, list[ForkedWorker]] = {r: [] for r in ROLES}
+        self.ready: set[int] = set()  # pids of the workers the controller has registered
         self.metrics: dict[int, int] = {}  # pid -> metrics port
         self.controllers: list[Service] = []
         self.accepted: list[str] = []
@@ -155,20 +161,22 @@ class Chaos:
         self.report = Report()
         self.done_submitting = False
         self.killed: set[int] = set()
-        self.workers: list[Service] = []  # every worker ever started
+        self.workers: list[ForkedWorker] = []  # every worker ever started
 
     # -- processes -----------------------------------------------------------------------
-    def start_worker(self, role: str) -> Service:
+    def start_worker(self, role: str) -> ForkedWorker:
         faults = [f"control.drop:raise:p={self.s.drop_p}"] if self.s.drop_p else []
         if role != "encoder" and self.s.read_fail_p:
             faults.append(f"transfer.read:raise:p={self.s.read_fail_p}")
         (port,) = free_ports(1)
-        server = {**self.group.config["server"], "metric_port": port}
-        svc = self.group.start(role, {"faults": ",".join(faults) or None, "server": server})
-        self.live[role].append(svc)
-        self.workers.append(svc)
-        self.metrics[svc.proc.pid] = port
-        return svc
+        cfg = json.loads(json.dumps(self.group.config))
+        cfg.update(faults=",".join(faults) or None,
+                   server={**cfg["server"], "metric_port": port})
+        w = self.launcher.start(role, cfg)
+        self.live[role].append(w)
+        self.workers.append(w)
+        self.metrics[w.pid] = port
+        return w
 
     def start_controller(self) -> None:
         ctl = self.group.start("controller")
@@ -186,19 +194,21 @@ class Chaos:
             time.sleep(0.1)
         raise TimeoutError("the controller did not come up within 120 s")
 
-    def kill_worker(self, role: str) -> None:
+    def kill_worker(self, role: str) -> bool:
+        """SIGKILL a random registered worker of ``role`` (one still starting would be no
+        test) and start its replacement."""
         alive = [w for w in self.live[role]
-                 if w.proc.poll() is None and w.proc.pid != self.stopped_pid]
+                 if w.alive() and w.pid in self.ready and w.pid != self.stopped_pid]
         if not alive:
-            return
+            return False
         victim = self.rng.choice(alive)
-        self.killed.add(victim.proc.pid)
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        victim.proc.wait()
+        self.killed.add(victim.pid)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
         self.live[role].remove(victim)
-        self.group.services.remove(victim)  # reaped: no longer part of the group
         self.start_worker(role)
         self.report.kills += 1
+        return True
 
     def restart_controller(self) -> None:
         old = self.controllers[-1]
@@ -244,14 +254,17 @@ class Chaos:
         self.done_submitting = True
 
     def track(self) -> None:
-        """Drop finished tasks from the in-flight set (the controller lists the others)."""
+        """Drop finished tasks from the in-flight set (the controller lists the others);
+        note which workers are registered."""
         try:
             q = httpx.get(f"{self.url}/v1/tasks/queue/status", timeout=5).json()
-        except (httpx.HTTPError, ValueError):
+            workers = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
             return
         busy = set(q["queue"]) | set(q["running"])
         with self.lock:
             self.in_flight &= busy
+        self.ready = {w["pid"] for ws in workers.values() for w in ws}
 
     # -- the attacks ------------------------------------------------------------------------
     def zombie(self) -> None:
@@ -317,15 +330,28 @@ class Chaos:
             for role, n in zip(ROLES, self.s.workers, strict=True):
                 for _ in range(n):
                     self.start_worker(role)
-            self.group.wait_workers(dict(zip(ROLES, self.s.workers, strict=True)), timeout=900)
+            self._wait_workers(time.monotonic() + 900)
             print(f"chaos: group up in {time.monotonic() - t0:.0f} s", flush=True)
             t0 = time.monotonic()
             self._attack(t0)
             self._check()
         finally:
             self.report.seconds = time.monotonic() - t0
+            Launcher.stop([w for w in self.workers if w.alive()])
             self.group.stop()
         return self.report
+
+    def _wait_workers(self, deadline: float) -> None:
+        want = sum(self.s.workers)
+        while len(self.ready) < want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.ready)} of {want} workers registered")
+            dead = [w for w in self.workers if not w.alive()]
+            if dead:
+                raise RuntimeError(f"{dead[0].role} exited with {dead[0].wait()}:\n"
+                                   f"{dead[0].log()[-3000:]}")
+            self.track()
+            time.sleep(0.5)
 
     def _attack(self, t0: float) -> None:
         s = self.s
@@ -336,9 +362,16 @@ class Chaos:
             (0.2, ("corrupt", "request")), (0.3, ("forge", "request")),
             (0.45, ("zombie", "")), (0.6, ("corrupt", "phase1")), (0.75, ("corrupt", "phase2")))}
         next_kill = time.monotonic() + s.kill_every
+        next_note = time.monotonic() + 30
         threads = []
         while time.monotonic() - t0 < s.timeout_s:
             self.track()
+            if time.monotonic() >= next_note:
+                next_note += 30
+                with self.lock:
+                    print(f"chaos: {time.monotonic() - t0:.0f} s: {len(self.accepted)} accepted,"
+                          f" {len(self.in_flight)} in flight, {self.report.kills} kills, "
+                          f"{self.report.restarts} restarts", flush=True)
             with self.lock:
                 n, busy = len(self.accepted), bool(self.in_flight)
             if self.done_submitting and not busy:
@@ -357,8 +390,8 @@ class Chaos:
                 threads.append(t)
             if time.monotonic() >= next_kill and (s.max_kills is None
                                                   or self.report.kills < s.max_kills):
-                self.kill_worker(ROLES[self.report.kills % 3])
-                next_kill += s.kill_every
+                if self.kill_worker(ROLES[self.report.kills % 3]):
+                    next_kill += s.kill_every
             time.sleep(0.1)
         for t in threads:
             t.join(timeout=60)
@@ -397,15 +430,15 @@ class Chaos:
         time.sleep(3)  # heartbeats let producers free what nobody will pull any more
         for role in ROLES:
             for w in self.live[role]:
-                if w.proc.poll() is None:
-                    r.leaked_staging_bytes += _pool_used(self.metrics[w.proc.pid])
+                if w.alive():
+                    r.leaked_staging_bytes += _pool_used(self.metrics[w.pid])
         recovery = httpx.get(f"{self.url}/v1/service/status", timeout=10).json()["recovery"]
         self.events.append(f"journal: {records} records, {size} bytes; recovery since the "
                            f"last restart: {recovery}")
-        for svc in self.workers:  # a worker that died by itself is a bug
-            if svc.proc.poll() is not None and svc.proc.pid not in self.killed:
-                r.problems.append(f"{svc.role} pid {svc.proc.pid} exited with "
-                                  f"{svc.proc.returncode}: {svc.log()[-1500:]}")
+        for w in self.workers:  # a worker that died by itself is a bug
+            if not w.alive() and w.pid not in self.killed:
+                r.problems.append(f"{w.role} pid {w.pid} exited with {w.wait()}: "
+                                  f"{w.log()[-1500:]}")
 
 
 def _pool_used(port: int) -> int:
@@ -432,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     s = Settings(tasks=100, workers=(2, 4, 2), kill_every=1.5, max_kills=10, restarts=1,
-                 in_flight=16, rate=6.0, lease_s=3.0, read_fail_p=0.02, drop_p=0.002,
-                 timeout_s=300) if args.quick else Settings()
+                 in_flight=16, rate=6.0, lease_s=3.0, heartbeat_s=0.5, read_fail_p=0.02,
+                 drop_p=0.002, timeout_s=300) if args.quick else Settings()
     for name in ("tasks", "kill_every", "restarts", "pipeline", "models", "workdir", "seed"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
