@@ -162,6 +162,7 @@ class Chaos:
         self.done_submitting = False
         self.killed: set[int] = set()
         self.workers: list[ForkedWorker] = []  # every worker ever started
+        self.kills_by_role: Counter[str] = Counter()
 
     # -- processes -----------------------------------------------------------------------
     def start_worker(self, role: str) -> ForkedWorker:
@@ -208,6 +209,7 @@ class Chaos:
         self.live[role].remove(victim)
         self.start_worker(role)
         self.report.kills += 1
+        self.kills_by_role[role] += 1
         return True
 
     def restart_controller(self) -> None:
@@ -221,37 +223,54 @@ class Chaos:
         self.events.append(f"controller restarted at {len(self.accepted)} accepted")
 
     # -- the load --------------------------------------------------------------------------
-    def submit_all(self) -> None:
+    def submit_all(self, threads: int = 8) -> None:
+        """Submit every task, from a few threads (one POST waits for the controller's
+        journal), keeping at most ``in_flight`` unfinished."""
         body = REQUESTS.get(self.s.pipeline, {})
         t0 = time.monotonic()
-        for i in range(self.s.tasks):
-            tid = f"chaos-{i:05d}"
-            if self.s.rate:
-                time.sleep(max(0.0, t0 + i / self.s.rate - time.monotonic()))
+        numbers = iter(range(self.s.tasks))
+
+        def submitter() -> None:
             while True:
                 with self.lock:
-                    full = len(self.in_flight) >= self.s.in_flight
-                if full:
-                    time.sleep(0.02)
-                    continue
-                try:
-                    r = httpx.post(f"{self.url}/v1/tasks/image/", timeout=15,
-                                   json={"prompt": f"chaos {i}", "seed": i, "task_id": tid,
-                                         **body})
-                except httpx.HTTPError:
-                    time.sleep(0.2)  # the controller is restarting: same id again
-                    continue
-                if r.status_code in (200, 409):  # 409: accepted before the reply was lost
-                    with self.lock:
-                        self.accepted.append(tid)
-                        self.in_flight.add(tid)
-                    break
-                if r.status_code == 429:
-                    time.sleep(0.2)
-                    continue
-                self.report.problems.append(f"task {tid} refused: {r.status_code} {r.text}")
-                break
+                    i = next(numbers, None)
+                if i is None:
+                    return
+                if self.s.rate:
+                    time.sleep(max(0.0, t0 + i / self.s.rate - time.monotonic()))
+                self.submit_one(i, body)
+
+        pool = [threading.Thread(target=submitter, daemon=True) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
         self.done_submitting = True
+
+    def submit_one(self, i: int, body: dict[str, Any]) -> None:
+        tid = f"chaos-{i:05d}"
+        while True:
+            with self.lock:
+                full = len(self.in_flight) >= self.s.in_flight
+            if full:
+                time.sleep(0.02)
+                continue
+            try:
+                r = httpx.post(f"{self.url}/v1/tasks/image/", timeout=30,
+                               json={"prompt": f"chaos {i}", "seed": i, "task_id": tid, **body})
+            except httpx.HTTPError:
+                time.sleep(0.2)  # the controller is restarting: same id again
+                continue
+            if r.status_code in (200, 409):  # 409: accepted before the reply was lost
+                with self.lock:
+                    self.accepted.append(tid)
+                    self.in_flight.add(tid)
+                return
+            if r.status_code == 429:
+                time.sleep(0.2)
+                continue
+            self.report.problems.append(f"task {tid} refused: {r.status_code} {r.text}")
+            return
 
     def track(self) -> None:
         """Drop finished tasks from the in-flight set (the controller lists the others);
@@ -337,7 +356,7 @@ class Chaos:
             self._check()
         finally:
             self.report.seconds = time.monotonic() - t0
-            Launcher.stop([w for w in self.workers if w.alive()])
+            self.launcher.stop()
             self.group.stop()
         return self.report
 
@@ -363,9 +382,12 @@ class Chaos:
             (0.45, ("zombie", "")), (0.6, ("corrupt", "phase1")), (0.75, ("corrupt", "phase2")))}
         next_kill = time.monotonic() + s.kill_every
         next_note = time.monotonic() + 30
+        next_track = 0.0
         threads = []
         while time.monotonic() - t0 < s.timeout_s:
-            self.track()
+            if time.monotonic() >= next_track:
+                next_track = time.monotonic() + 0.5
+                self.track()
             if time.monotonic() >= next_note:
                 next_note += 30
                 with self.lock:
@@ -390,7 +412,10 @@ class Chaos:
                 threads.append(t)
             if time.monotonic() >= next_kill and (s.max_kills is None
                                                   or self.report.kills < s.max_kills):
-                if self.kill_worker(ROLES[self.report.kills % 3]):
+                # Cycle through the roles; one with no registered worker right now (all
+                # replacements still starting) passes its turn to the next.
+                first = self.report.kills % 3
+                if any(self.kill_worker(ROLES[(first + k) % 3]) for k in range(3)):
                     next_kill += s.kill_every
             time.sleep(0.1)
         for t in threads:
@@ -433,6 +458,7 @@ class Chaos:
                 if w.alive():
                     r.leaked_staging_bytes += _pool_used(self.metrics[w.pid])
         recovery = httpx.get(f"{self.url}/v1/service/status", timeout=10).json()["recovery"]
+        self.events.append(f"workers killed by role: {dict(self.kills_by_role)}")
         self.events.append(f"journal: {records} records, {size} bytes; recovery since the "
                            f"last restart: {recovery}")
         for w in self.workers:  # a worker that died by itself is a bug

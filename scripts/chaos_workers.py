@@ -13,6 +13,7 @@ engine, pool, thread or connection exists.)
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -67,26 +68,27 @@ class Launcher:
         self.workdir = workdir
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(PRELOAD)
-        self.started = 0
+        self.started: list[ForkedWorker] = []
         if str(ROOT) not in sys.path:
             sys.path.insert(0, str(ROOT))
 
     def start(self, role: str, config: dict[str, Any]) -> ForkedWorker:
         import json
 
-        n = self.started
-        self.started += 1
+        n = len(self.started)
         path = self.workdir / f"{role}-w{n}.json"
         path.write_text(json.dumps(config, indent=2))
         log = path.with_suffix(".log")
         proc = self.ctx.Process(target=_worker_main, args=(role, str(path), str(log)),
                                 name=f"{role}-w{n}")
+        worker = ForkedWorker(role, proc, log)
+        self.started.append(worker)
         proc.start()
-        return ForkedWorker(role, proc, log)
+        return worker
 
-    @staticmethod
-    def stop(workers: list[ForkedWorker], timeout: float = 30) -> None:
-        """SIGTERM (they drain), then SIGKILL what is left; by pid."""
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM every worker still running (they drain), then SIGKILL what is left."""
+        workers = [w for w in self.started if w.proc.pid is not None and w.alive()]
         for w in workers:
             if w.alive():
                 os.kill(w.pid, signal.SIGCONT)  # a stopped one could not drain
@@ -96,3 +98,8 @@ class Launcher:
             if w.wait(max(0.1, deadline - time.monotonic())) is None:
                 os.kill(w.pid, signal.SIGKILL)
                 w.wait()
+        # The fork server we started goes too (it would linger until it noticed that this
+        # process is gone); the standard library's own tests stop it this way.
+        server = getattr(multiprocessing.forkserver, "_forkserver", None)
+        if server is not None and hasattr(server, "_stop"):
+            server._stop()
