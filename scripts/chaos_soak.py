@@ -154,12 +154,14 @@ class Chaos:
         self.metrics: dict[int, int] = {}  # pid -> metrics port
         self.controllers: list[Service] = []
         self.accepted: list[str] = []
+        self.accepted_at: dict[str, float] = {}
         self.in_flight: set[str] = set()
         self.lock = threading.Lock()
         self.stopped_pid: int | None = None
         self.events: list[str] = []
         self.report = Report()
         self.done_submitting = False
+        self.finished = False
         self.killed: set[int] = set()
         self.workers: list[ForkedWorker] = []  # every worker ever started
         self.kills_by_role: Counter[str] = Counter()
@@ -218,9 +220,11 @@ class Chaos:
         os.kill(old.proc.pid, signal.SIGKILL)
         old.proc.wait()
         self.group.services.remove(old)  # reaped: no longer part of the group
+        t0 = time.monotonic()
         self.start_controller()
         self.report.restarts += 1
-        self.events.append(f"controller restarted at {len(self.accepted)} accepted")
+        self.events.append(f"controller restarted at {len(self.accepted)} accepted (front door "
+                           f"back after {time.monotonic() - t0:.0f} s)")
 
     # -- the load --------------------------------------------------------------------------
     def submit_all(self, threads: int = 8) -> None:
@@ -265,6 +269,7 @@ class Chaos:
                 with self.lock:
                     self.accepted.append(tid)
                     self.in_flight.add(tid)
+                    self.accepted_at[tid] = time.monotonic()
                 return
             if r.status_code == 429:
                 time.sleep(0.2)
@@ -275,14 +280,16 @@ class Chaos:
     def track(self) -> None:
         """Drop finished tasks from the in-flight set (the controller lists the others);
         note which workers are registered."""
+        asked = time.monotonic()
         try:
-            q = httpx.get(f"{self.url}/v1/tasks/queue/status", timeout=5).json()
-            workers = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()["workers"]
+            q = httpx.get(f"{self.url}/v1/tasks/queue/status", timeout=30).json()
+            workers = httpx.get(f"{self.url}/v1/service/status", timeout=30).json()["workers"]
         except (httpx.HTTPError, ValueError, KeyError):
             return
         busy = set(q["queue"]) | set(q["running"])
-        with self.lock:
-            self.in_flight &= busy
+        with self.lock:  # a task accepted after the question is not in the answer
+            self.in_flight = {t for t in self.in_flight
+                              if t in busy or self.accepted_at[t] >= asked}
         self.ready = {w["pid"] for ws in workers.values() for w in ws}
 
     # -- the attacks ------------------------------------------------------------------------
@@ -382,12 +389,11 @@ class Chaos:
             (0.45, ("zombie", "")), (0.6, ("corrupt", "phase1")), (0.75, ("corrupt", "phase2")))}
         next_kill = time.monotonic() + s.kill_every
         next_note = time.monotonic() + 30
-        next_track = 0.0
-        threads = []
+        threads = [threading.Thread(target=self._tracker, daemon=True)]
+        threads[0].start()
+        # The kills keep their pace whatever the controller's answers cost: HTTP only in the
+        # tracker and the submitters.
         while time.monotonic() - t0 < s.timeout_s:
-            if time.monotonic() >= next_track:
-                next_track = time.monotonic() + 0.5
-                self.track()
             if time.monotonic() >= next_note:
                 next_note += 30
                 with self.lock:
@@ -418,16 +424,28 @@ class Chaos:
                 if any(self.kill_worker(ROLES[(first + k) % 3]) for k in range(3)):
                     next_kill += s.kill_every
             time.sleep(0.1)
+        self.finished = True
         for t in threads:
             t.join(timeout=60)
+
+    def _tracker(self) -> None:
+        while not self.finished:
+            self.track()
+            time.sleep(0.5)
 
     def _check(self) -> None:
         r = self.report
         r.tasks = len(self.accepted)
         statuses = {}
+        deadline = time.monotonic() + 300
         for tid in self.accepted:
-            res = httpx.get(f"{self.url}/v1/tasks/{tid}/status", timeout=10)
-            statuses[tid] = res.json() if res.status_code == 200 else {"status": "lost"}
+            while True:
+                res = httpx.get(f"{self.url}/v1/tasks/{tid}/status", timeout=30)
+                st = res.json() if res.status_code == 200 else {"status": "lost"}
+                if st["status"] not in ("pending", "processing") or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)  # the tracker let go too early: wait for it to finish
+            statuses[tid] = st
         counts = Counter(st["status"] for st in statuses.values())
         r.completed, r.failed = counts["completed"], counts["failed"]
         r.lost = r.tasks - r.completed - r.failed - counts["cancelled"]
