@@ -11,10 +11,12 @@ A task put back in play is charged by the cause of the ended attempt (:class:`Ca
   the task's ``killers``; ``poison_worker_deaths`` of them in a row -- with no attempt ending
   otherwise in between -- quarantine it as poison (``poison``).
 
-Two charges are undone when the controller learns better: a worker that registers again
-under the same name (same host and pid) was not killed, its connection dropped, so it leaves
-the ``killers`` of the tasks it lost; and a transfer failure charged while its producer still
-looked alive is refunded when that producer's connection then drops (its buffer was dying).
+Two charges are undone when the controller learns better: a worker that is heard from
+again -- it registers again under the same name (same host and pid) after its connection
+dropped, or heartbeats again after its lease expired (stalled, starved of CPU) -- was not
+killed, so it leaves the ``killers`` of the tasks it lost; and a transfer failure charged
+while its producer still looked alive is refunded when that producer's connection then drops
+(its buffer was dying).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class RetryBudget:
         self._blamed_producer.setdefault(producer_id, set()).add(task_id)
 
     def worker_back(self, name: str, table: TaskTable) -> None:
-        """Worker ``name`` registered again: it was never killed."""
+        """Worker ``name`` was heard from again: it was never killed. (Called on every
+        heartbeat: a dict lookup unless it lost a task.)"""
         for tid in self._lost_by.pop(name, ()):
             task = table.get(tid)
             if task is not None and name in task.killers:

@@ -259,6 +259,7 @@ class Coordinator:
         """
         worker.last_heartbeat = time.time()
         worker.state = "running"
+        self.budget.worker_back(worker.name, self.table)  # it outlived any lease it lost
         self.table.renew(worker.worker_id, self.lease_timeout_s)
         cancel = []
         for tid in tasks:

@@ -82,13 +82,20 @@ class Launcher:
         proc = self.ctx.Process(target=_worker_main, args=(role, str(path), str(log)),
                                 name=f"{role}-w{n}")
         worker = ForkedWorker(role, proc, log)
-        self.started.append(worker)
-        proc.start()
+        # A Ctrl+C while the fork server answers would leave a worker whose pid we never
+        # learnt (so nobody could stop it): hold SIGINT / SIGTERM until it is known.
+        held = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            proc.start()
+            self.started.append(worker)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
         return worker
 
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM every worker still running (they drain), then SIGKILL what is left."""
-        workers = [w for w in self.started if w.proc.pid is not None and w.alive()]
+        workers = [w for w in self.started if w.alive()]
         for w in workers:
             if w.alive():
                 os.kill(w.pid, signal.SIGCONT)  # a stopped one could not drain

@@ -252,6 +252,23 @@ def test_worker_that_comes_back_was_not_killed(tmp_path: Path) -> None:
     assert t.stage == Stage.QUEUED and t.attempt == 4
 
 
+def test_a_slow_worker_that_heartbeats_again_was_not_killed(tmp_path: Path) -> None:
+    """A starved machine: the worker's heartbeats come late, its leases expire, but it is
+    alive; that never makes the task poison."""
+    co = make(tmp_path, lease=0.01, poison_worker_deaths=2)
+    enc, _, _ = workers(co)
+    t = task("starved")
+    co.submit(t)
+    for attempt in (1, 2, 3):
+        assert co.on_claim(enc, "starved", attempt)[0]
+        time.sleep(0.02)
+        co.sweep()  # lease expired
+        assert t.killers == ["e"]
+        co.on_heartbeat(enc, [], [])  # ... and there it is again
+        assert t.killers == []
+    assert t.stage == Stage.QUEUED and t.attempt == 4
+
+
 def test_poison_needs_deaths_in_a_row(tmp_path: Path) -> None:
     co = make(tmp_path, poison_worker_deaths=3)
     t = task("p")
