@@ -83,7 +83,7 @@ class Settings:
     pipeline: str = DEFAULT_PIPELINE
     models: Path = ROOT / "out" / "tiny-models"
     workdir: Path = ROOT / "out" / "chaos"
-    lease_s: float = 5.0
+    lease_s: float = 10.0
     heartbeat_s: float = 1.0
     read_fail_p: float = 0.01
     drop_p: float = 0.001
