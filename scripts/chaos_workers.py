@@ -97,16 +97,22 @@ class Launcher:
         """SIGTERM every worker still running (they drain), then SIGKILL what is left."""
         workers = [w for w in self.started if w.alive()]
         for w in workers:
-            if w.alive():
-                os.kill(w.pid, signal.SIGCONT)  # a stopped one could not drain
-                os.kill(w.pid, signal.SIGTERM)
+            _signal(w.pid, signal.SIGCONT)  # a stopped one could not drain
+            _signal(w.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for w in workers:
             if w.wait(max(0.1, deadline - time.monotonic())) is None:
-                os.kill(w.pid, signal.SIGKILL)
+                _signal(w.pid, signal.SIGKILL)
                 w.wait()
         # The fork server we started goes too (it would linger until it noticed that this
         # process is gone); the standard library's own tests stop it this way.
         server = getattr(multiprocessing.forkserver, "_forkserver", None)
         if server is not None and hasattr(server, "_stop"):
             server._stop()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # it exited meanwhile

@@ -135,3 +135,32 @@ def test_check_item_accepts_a_well_formed_item() -> None:
     assert "serves qwen_t2i" in (check_item({**item, "pipeline": "wan_t2v"}, Role.ENCODER,
                                             "qwen_t2i") or "")
     assert "attempt" in (check_item({**item, "attempt": True}, Role.ENCODER, "qwen_t2i") or "")
+
+
+def test_a_handshake_reset_by_a_dying_controller_is_a_lost_connection() -> None:
+    """A controller killed (or just starting) resets the worker's control handshake: that is
+    ConnectionLost, which the worker waits out and retries, not a start-up failure."""
+    import socket
+    import struct
+
+    from workers.control import ControlClient
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def reset_one() -> None:
+        conn, _ = server.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        time.sleep(0.3)  # the worker waits for the greeting by now
+        conn.close()  # RST, before any greeting
+
+    t = threading.Thread(target=reset_one)
+    t.start()
+    try:
+        with pytest.raises(ConnectionLost):
+            ControlClient("127.0.0.1", server.getsockname()[1], "token", timeout=10).connect(
+                "encoder")
+    finally:
+        t.join()
+        server.close()

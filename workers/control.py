@@ -45,6 +45,11 @@ class ControlClient:
                 role="peer",
                 extras={"worker_role": role},
             )
+        except OSError as exc:  # reset mid-handshake: a controller dying or starting
+            sock.close()
+            raise ConnectionLost(
+                f"control channel to {self.where} lost during the handshake: {exc}"
+            ) from exc
         except BaseException:
             sock.close()
             raise
