@@ -126,13 +126,15 @@ class Chaos:
         self.killed: set[int] = set()
         self.workers: list[ForkedWorker] = []  # every worker ever started
         self.kills_by_role: Counter[str] = Counter()
+        self.ports_used: set[int] = {cfg["server"]["port"]} | {
+            v for k, v in cfg["disagg_config"].items() if k.endswith("port")}
 
     # -- processes -----------------------------------------------------------------------
     def start_worker(self, role: str) -> ForkedWorker:
         faults = [f"control.drop:raise:p={self.s.drop_p}"] if self.s.drop_p else []
         if role != "encoder" and self.s.read_fail_p:
             faults.append(f"transfer.read:raise:p={self.s.read_fail_p}")
-        (port,) = free_ports(1)
+        port = self._metric_port()
         cfg = json.loads(json.dumps(self.group.config))
         cfg.update(faults=",".join(faults) or None,
                    server={**cfg["server"], "metric_port": port})
@@ -141,6 +143,15 @@ class Chaos:
         self.workers.append(w)
         self.metrics[w.pid] = port
         return w
+
+    def _metric_port(self) -> int:
+        # free_ports closes what it found, so two calls can hand out one port: never reuse
+        # one within the run.
+        while True:
+            (port,) = free_ports(1)
+            if port not in self.ports_used:
+                self.ports_used.add(port)
+                return port
 
     def start_controller(self) -> None:
         ctl = self.group.start("controller")

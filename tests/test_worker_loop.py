@@ -164,3 +164,32 @@ def test_a_handshake_reset_by_a_dying_controller_is_a_lost_connection() -> None:
     finally:
         t.join()
         server.close()
+
+
+def test_the_same_attempt_staged_again_frees_the_first_copy() -> None:
+    """A restarted controller numbers attempts from its journal and may hand a producer an
+    attempt it already staged outputs for; the first copy must not stay in the pool."""
+    import torch
+
+    from tensorplane.engine import MooncakeSettings, TransferEngine
+    from tensorplane.pool import StagingPool
+    from workers.roles import EncoderWorker
+    from workers.worker import Job
+
+    engine = TransferEngine(MooncakeSettings(protocol="tcp"))
+    engine.start()
+    pool = StagingPool(1 << 20)
+    pool.start(engine)
+    try:
+        w = EncoderWorker(CFG, "token", {})
+        w.engine, w.pool = engine, pool
+        w.out_ring = Ring(LocalVerbs(Region(RingLayout("phase1", 4, 1024)), 3))
+        job = Job("t", 2, {"pipeline": "qwen_t2i", "request": {}})
+        outputs = {"prompt_embeds": torch.ones(8, 256)}
+        w.publish(job, outputs)
+        once = pool.stats().used_bytes
+        w.publish(job, outputs)  # the same (task, attempt), from a new controller
+        assert pool.stats().used_bytes == once == 8192
+    finally:
+        pool.close()
+        engine.close()

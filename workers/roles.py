@@ -38,7 +38,13 @@ class ProducerWorker(StageWorker):
             descs = stage_tensors(self.pool, self.engine, dict(outputs), task_id=job.task_id)
         key = (job.task_id, job.attempt)
         with self._staged_lock:
+            # The same attempt again: a restarted controller numbers attempts from its
+            # journal, so it can hand out one this worker staged for its predecessor. That
+            # copy is nobody's now; keeping it unreferenced would leak it.
+            stale = self.staged.pop(key, [])
             self.staged[key] = descs
+        if stale:
+            self.pool.free_staged(stale)
         payload = {
             "kind": self.output_kind.value,
             "task_id": job.task_id,
