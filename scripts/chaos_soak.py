@@ -126,6 +126,8 @@ class Chaos:
         self.killed: set[int] = set()
         self.workers: list[ForkedWorker] = []  # every worker ever started
         self.kills_by_role: Counter[str] = Counter()
+        self.last_kill: float | None = None
+        self.longest_gap = 0.0
         self.ports_used: set[int] = {cfg["server"]["port"]} | {
             v for k, v in cfg["disagg_config"].items() if k.endswith("port")}
 
@@ -184,6 +186,10 @@ class Chaos:
         self.start_worker(role)
         self.report.kills += 1
         self.kills_by_role[role] += 1
+        now = time.monotonic()
+        if self.last_kill is not None:
+            self.longest_gap = max(self.longest_gap, now - self.last_kill)
+        self.last_kill = now
         return True
 
     def restart_controller(self) -> None:
@@ -262,7 +268,9 @@ class Chaos:
         with self.lock:  # a task accepted after the question is not in the answer
             self.in_flight = {t for t in self.in_flight
                               if t in busy or self.accepted_at[t] >= asked}
-        self.ready = {w["pid"] for ws in workers.values() for w in ws}
+        # Once registered, a worker is past its start-up for good (after a controller
+        # restart it registers again, but it is as killable meanwhile).
+        self.ready |= {w["pid"] for ws in workers.values() for w in ws}
 
     # -- the attacks ------------------------------------------------------------------------
     def zombie(self) -> None:
@@ -334,7 +342,6 @@ class Chaos:
             self._attack(t0)
             self._check()
         finally:
-            self.report.seconds = time.monotonic() - t0
             try:
                 self.launcher.stop()
             finally:
@@ -378,9 +385,12 @@ class Chaos:
                 n, busy = len(self.accepted), bool(self.in_flight)
             if self.done_submitting and not busy:
                 break
-            if restart_at and n >= restart_at[0]:
-                restart_at.pop(0)
-                self.restart_controller()
+            if restart_at and n >= restart_at[0] and not any(
+                    t.name == "restart" and t.is_alive() for t in threads):
+                restart_at.pop(0)  # in a thread: the kills go on meanwhile
+                threads.append(threading.Thread(target=self.restart_controller,
+                                                name="restart", daemon=True))
+                threads[-1].start()
             for at in [a for a in attacks if n >= a]:
                 kind, ring = attacks.pop(at)
                 if kind == "zombie":
@@ -398,9 +408,10 @@ class Chaos:
                 if any(self.kill_worker(ROLES[(first + k) % 3]) for k in range(3)):
                     next_kill += s.kill_every
             time.sleep(0.1)
+        self.report.seconds = time.monotonic() - t0
         self.finished = True
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=120)
 
     def _tracker(self) -> None:
         while not self.finished:
@@ -427,8 +438,9 @@ class Chaos:
                 self.events.append(f"{w.role} pid {w.pid} holds {n} staging bytes "
                                    f"(log {w.log_path.name})")
         recovery = httpx.get(f"{self.url}/v1/service/status", timeout=10).json()["recovery"]
-        self.events.append(f"workers killed by role: {dict(self.kills_by_role)}; "
-                           f"poison_worker_deaths={POISON_DEATHS}")
+        self.events.append(f"workers killed by role: {dict(self.kills_by_role)}, longest gap "
+                           f"between kills {self.longest_gap:.1f} s; poison_worker_deaths="
+                           f"{POISON_DEATHS}")
         self.events.append(f"recovery since the last restart: {recovery}")
         for w in self.workers:  # a worker that died by itself is a bug
             if not w.alive() and w.pid not in self.killed:
