@@ -26,7 +26,9 @@ from controller.coordinator import Coordinator, WorkerInfo
 from controller.frontdoor import FrontDoor
 from controller.main import run_async
 from rings.ports import bind_socket
+from workers.metrics import WorkerMetrics
 from workers.models import LocalPipeline
+from workers.roles import video_settings
 
 log = logging.getLogger("diffring.baseline")
 T = TypeVar("T")
@@ -42,8 +44,11 @@ class BaselineWorker:
             raise ConfigError("--service all needs model_path (config) or --model_path")
         self.cfg = cfg
         self.pipeline = LocalPipeline(
-            cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend
+            cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend,
+            compile=cfg.compile, cfg_batch=cfg.cfg_batch, video=video_settings(cfg),
         )
+        # The workers' stage-time histogram, so that benchmarks read both modes alike.
+        self.metrics = WorkerMetrics(Role.DECODER.value)
         self.co = co
         self.jobs = jobs
         self.loop = loop
@@ -69,6 +74,10 @@ class BaselineWorker:
 
             torch.set_num_threads(self.cfg.torch_threads)
         self.pipeline.load()
+        if self.cfg.warmup_shapes:
+            seconds = self.pipeline.transformer.warm_up(self.cfg.warmup_shapes)
+            log.info("baseline: warm-up of %s took %.1f s (compile=%s)",
+                     ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
 
     def start(self) -> None:
         self.load()
@@ -106,16 +115,24 @@ class BaselineWorker:
             if self.on_loop(self.co.on_progress, dit, tid, attempt, k, n):
                 stop.set()
 
+        def timed(role: Role, step: str = "compute") -> Any:
+            return self.metrics.timed(role.value, step)
+
         try:
-            cond = self.pipeline.encoder.encode(req, image)
+            with timed(Role.ENCODER):
+                cond = self.pipeline.encoder.encode(req, image)
             self.on_loop(self.co.on_handoff, enc, tid, attempt)
             if not self.on_loop(self.co.on_claim, dit, tid, attempt)[0]:
                 return
-            lat = self.pipeline.transformer.denoise(req, cond, on_step, stop.is_set)
+            with timed(Role.TRANSFORMER):
+                lat = self.pipeline.transformer.denoise(req, cond, on_step, stop.is_set)
             self.on_loop(self.co.on_handoff, dit, tid, attempt)
             if not self.on_loop(self.co.on_claim, dec, tid, attempt)[0]:
                 return
-            art = self.pipeline.decoder.decode(req, lat)
+            with timed(Role.DECODER):
+                pixels = self.pipeline.decoder.decode_pixels(req, lat)
+            with timed(Role.DECODER, "encode_media"):
+                art = self.pipeline.decoder.encode_media(req, pixels)
             self.on_loop(
                 self.co.on_complete, dec, tid, attempt, art.extension, art.media_type, art.data
             )
@@ -162,7 +179,9 @@ async def run_all_async(
         raise
     worker.start()
     front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all")
-    metrics_server = start_metrics(cfg, co, front, lambda: {}, None)
+    metrics_server = start_metrics(
+        cfg, co, front, lambda: {}, None, collectors=[worker.metrics.stage_seconds]
+    )
     log.info(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )

@@ -18,7 +18,10 @@ from contracts.pipelines import (
     ATTENTION_BACKENDS,
     DTYPES,
     MODEL_TASKS,
+    VIDEO_CODECS,
+    X264_PRESETS,
     check_device,
+    parse_shape,
     pipeline_name,
 )
 from rings.config import DEFAULT_TOKEN, RING_NAMES, DisaggConfig, from_mapping
@@ -67,6 +70,27 @@ class ServiceConfig:
     """Model dtype: 'float32' or 'bfloat16'."""
     attention_backend: str = "sdpa"
     """DiT attention backend: 'sdpa', 'flash_attn' or 'sage_attn'."""
+    compile: bool = False
+    """Transformer stage: torch.compile the DiT's repeated blocks at start. Needs
+    ``warmup_shapes``: the worker compiles them before it registers (ready = compiled)."""
+    cfg_batch: bool = False
+    """Transformer stage: run the two classifier-free-guidance branches as one batch-2
+    forward instead of two batch-1 forwards."""
+    warmup_shapes: tuple[str, ...] = ()
+    """Transformer stage: geometries ("HxW" for images, "HxWxF" for videos) run through a
+    short denoising loop on synthetic inputs at start, before the worker registers."""
+    video_codec: str = "auto"
+    """MP4 encoder: 'libx264', 'h264_nvenc', or 'auto' (NVENC when it opens, else libx264)."""
+    video_preset: str = "veryfast"
+    """libx264 preset, 'ultrafast' .. 'veryslow' (NVENC: the preset of similar rank)."""
+    video_crf: int = 18
+    """libx264 constant rate factor, 0 (lossless) .. 51 (NVENC: its constant quality)."""
+    video_threads: int = 0
+    """libx264 threads; 0 = one per core."""
+    encode_queue: int = 2
+    """Decoder: results being encoded and written in the background at most; the decoder
+    claims its next task meanwhile and reports each completion after its file is written.
+    0 = encode in the foreground."""
     torch_threads: int | None = None
     """CPU threads torch may use in this process (None: torch's default). Many CPU workers
     sharing few cores want 1."""
@@ -110,6 +134,29 @@ class ServiceConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
+        for shape in self.warmup_shapes:
+            try:
+                parse_shape(shape)
+            except ValueError as exc:
+                raise ConfigError(f"warmup_shapes: {exc}") from None
+        if self.compile and not self.warmup_shapes:
+            raise ConfigError(
+                "compile needs warmup_shapes (the request geometries to compile for, e.g. "
+                '["480x832x81"]), or the first requests would wait for the compiler'
+            )
+        if self.video_codec not in VIDEO_CODECS:
+            raise ConfigError(
+                f"video_codec must be one of {', '.join(VIDEO_CODECS)}, got {self.video_codec!r}"
+            )
+        if self.video_preset not in X264_PRESETS:
+            raise ConfigError(
+                f"video_preset must be one of {', '.join(X264_PRESETS)}, got "
+                f"{self.video_preset!r}"
+            )
+        if not 0 <= self.video_crf <= 51:
+            raise ConfigError(f"video_crf must be within 0..51, got {self.video_crf}")
+        if self.video_threads < 0 or self.encode_queue < 0:
+            raise ConfigError("video_threads and encode_queue must be >= 0")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
 

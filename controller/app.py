@@ -10,7 +10,7 @@ import contextlib
 import logging
 import queue
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,13 @@ def start_metrics(
     front: FrontDoor,
     ring_status: Callable[[], dict[str, Any]],
     pool_stats: Callable[[], Any] | None,
+    collectors: Iterable[Any] = (),
 ) -> Any:
-    """Instrument the front door; serve /metrics when a metric port is configured."""
+    """Instrument the front door; serve /metrics when a metric port is configured.
+    ``collectors``: further Prometheus collectors to serve (the baseline's stage times)."""
     metrics = ControllerMetrics(co)
+    for collector in collectors:
+        metrics.registry.register(collector)
     metrics.ring_status = ring_status
     metrics.pool_stats = pool_stats
     front.app.middleware("http")(metrics.middleware)

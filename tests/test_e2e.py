@@ -46,9 +46,9 @@ def pixels(data: bytes, extension: str) -> np.ndarray:
         from PIL import Image
 
         return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    import imageio.v3 as iio
+    from workers.models.media import read_mp4
 
-    return np.asarray(iio.imread(data, extension=".mp4"))
+    return read_mp4(data)
 
 
 def fetch(url: str, task_id: str) -> bytes:
