@@ -46,6 +46,7 @@ class BaselineWorker:
         self.pipeline = LocalPipeline(
             cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend,
             compile=cfg.compile, cfg_batch=cfg.cfg_batch, video=video_settings(cfg),
+            prompt_cache_bytes=cfg.prompt_cache_mb << 20,
         )
         # The workers' stage-time histogram, so that benchmarks read both modes alike.
         self.metrics = WorkerMetrics(Role.DECODER.value)
@@ -186,7 +187,7 @@ async def run_all_async(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
     try:
-        await serve_http(front.app, http_sock, stop)
+        await serve_http(front.app, http_sock, stop, on_stop=front.close)
     finally:
         log.info("baseline shutting down")
         if metrics_server is not None:

@@ -59,9 +59,9 @@ class ServiceConfig:
     disagg_mode: str | None = None
     """Role this file is for (LightX2V naming); --service on the command line wins."""
     model_cls: str = "wan2.1"
-    """Model family: 'wan2.1' or 'qwen_image'."""
+    """Model family: 'wan2.1', 'qwen_image' or 'synthetic' (timed stages, no model)."""
     task: str = "t2v"
-    """Task: 't2v' / 'i2v' for wan2.1, 't2i' / 'i2i' for qwen_image."""
+    """Task: 't2v' / 'i2v' for wan2.1, 't2i' / 'i2i' for qwen_image, 't2i' for synthetic."""
     model_path: str | None = None
     """Local diffusers-format model folder (workers and ``all``)."""
     device: str = "cpu"
@@ -100,6 +100,9 @@ class ServiceConfig:
     """Mooncake config JSON (MOONCAKE_CONFIG_PATH from the environment otherwise)."""
     staging_pool_mb: int = 512
     """Size of a worker's registered staging pool in MiB (bounded: full means backpressure)."""
+    prompt_cache_mb: int = 256
+    """Encoder: bytes of text embeddings (MiB) kept for repeated prompts, least recently used
+    first out, on the encoder's device; 0 turns the cache off."""
     heartbeat_interval_s: float = 1.0
     """How often a worker renews its leases with the controller."""
     lease_timeout_s: float = 15.0
@@ -157,6 +160,8 @@ class ServiceConfig:
             raise ConfigError(f"video_crf must be within 0..51, got {self.video_crf}")
         if self.video_threads < 0 or self.encode_queue < 0:
             raise ConfigError("video_threads and encode_queue must be >= 0")
+        if self.prompt_cache_mb < 0:
+            raise ConfigError("prompt_cache_mb must be 0 (off) or a positive number of MiB")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
 

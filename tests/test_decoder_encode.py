@@ -21,7 +21,7 @@ from contracts.messages import Op
 from workers.encode_pool import EncodePool
 from workers.models import Artifact
 from workers.roles import DecoderWorker
-from workers.worker import Idle, Job
+from workers.worker import Idle, Job, State
 
 REQUEST = {"task": "wan_t2v", "prompt": "x", "height": 32, "width": 32, "num_frames": 5,
            "fps": 8}
@@ -97,13 +97,34 @@ def test_completion_waits_for_the_file(decoder: Any, tmp_path: Path) -> None:
 
 
 def test_full_pool_stops_claiming(decoder: Any) -> None:
+    """While the pool is full the decoder claims nothing: it waits for room (the ring is not
+    touched: in_ring is None here, so a claim would fail), and gives up when draining."""
     run_step(decoder, "t1")
     assert not decoder.encoder_pool.has_room()
-    # The real claim: a full pool leaves the ring alone (in_ring is None: touching it fails).
+    decoder.state = State.RUNNING
+    claimed: list[Any] = []
+    decoder.in_ring = None
+
+    def real_claim() -> None:
+        try:
+            claimed.append(DecoderWorker.claim(decoder))
+        except AssertionError:  # reached the ring: only after room was made
+            claimed.append("ring")
+
+    waiter = threading.Thread(target=real_claim)
+    waiter.start()
+    time.sleep(0.4)
+    assert waiter.is_alive() and claimed == []  # waiting for room
+    decoder.stage.release.set()
+    waiter.join(30)
+    assert claimed == ["ring"]
+    # Full again, and draining: the claim returns without touching the ring.
+    decoder.stage.release.clear()
+    run_step(decoder, "t2")
+    decoder.state = State.DRAINING
     assert DecoderWorker.claim(decoder) is Idle.EMPTY
     decoder.stage.release.set()
     assert decoder.encoder_pool.join(timeout=30)
-    assert decoder.encoder_pool.has_room()
 
 
 def test_background_failure_is_reported(decoder: Any) -> None:
@@ -119,7 +140,7 @@ def test_background_failure_is_reported(decoder: Any) -> None:
 def test_drain_reports_what_is_in_flight(decoder: Any) -> None:
     """run() returns only after the background results were reported."""
     run_step(decoder, "t1")
-    decoder.state = __import__("workers.worker", fromlist=["State"]).State.DRAINING
+    decoder.state = State.DRAINING
     threading.Timer(0.3, decoder.stage.release.set).start()
     t0 = time.monotonic()
     decoder.run()  # the loop exits at once (draining); the pool is joined

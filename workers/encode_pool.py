@@ -3,8 +3,9 @@
 The decoder's critical path is the VAE; writing an MP4 of 81 frames takes as long again on
 the CPU. The decoder hands the uint8 pixels of a finished decode to this pool and claims its
 next task while the file is encoded and written here. The pool is bounded: at most ``depth``
-results are held (waiting or being encoded); a full pool makes the decoder stop claiming,
-so pixels never pile up in memory.
+results are held (waiting or being encoded); while the pool is full the decoder claims
+nothing (it waits for room), so pixels never pile up in memory and a Phase2 item it cannot
+start yet stays in the ring for another decoder.
 
 One thread, on purpose: libx264 already runs one thread per core on one video, and two
 videos encoded at once would only split the same cores while both finish later.
@@ -34,6 +35,7 @@ class EncodePool:
         self._slots = threading.BoundedSemaphore(depth)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
         self._pending: set[Future[None]] = set()
 
     @property
@@ -44,6 +46,11 @@ class EncodePool:
 
     def has_room(self) -> bool:
         return self.held < self.depth
+
+    def wait_for_room(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until a job can be queued without waiting."""
+        with self._room:
+            return self._room.wait_for(lambda: len(self._pending) < self.depth, timeout)
 
     def submit(self, job: Callable[[], None]) -> None:
         """Queue ``job``; waits while the pool is full (the caller checked :meth:`has_room`
@@ -62,9 +69,10 @@ class EncodePool:
             log.exception("background encode job failed")
 
     def _done(self, fut: Future[None]) -> None:
-        with self._lock:
-            self._pending.discard(fut)
         self._slots.release()
+        with self._room:
+            self._pending.discard(fut)
+            self._room.notify_all()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until every job queued so far has finished; False on timeout."""

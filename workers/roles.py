@@ -21,7 +21,8 @@ from tensorplane.handoff import pull_tensors, stage_tensors
 from workers.encode_pool import EncodePool
 from workers.models import Artifact, DecoderAdapter, EncoderAdapter, TransformerAdapter
 from workers.models.media import VideoSettings
-from workers.worker import Idle, Job, StageWorker
+from workers.models.prompt_cache import PromptCache
+from workers.worker import Idle, Job, StageWorker, State
 
 log = logging.getLogger("diffring.worker")
 
@@ -74,6 +75,12 @@ class EncoderWorker(ProducerWorker):
     role = Role.ENCODER
     adapter = EncoderAdapter
     output_kind = Kind.PHASE1
+
+    def load_model(self) -> None:
+        super().load_model()
+        if self.cfg.prompt_cache_mb:
+            self.stage.cache = PromptCache(self.cfg.prompt_cache_mb << 20)
+            self.metrics.watch_prompt_cache(self.stage.cache.stats)
 
     def fetch_inputs(self, job: Job) -> bytes | None:
         """The input image of I2V / I2I tasks, pulled from the controller's pool."""
@@ -148,9 +155,12 @@ class DecoderWorker(StageWorker):
         super().start()
 
     def claim(self) -> Job | Idle:
-        # A full pool: leave the ring item to another decoder rather than hold its pixels.
-        if self.encoder_pool is not None and not self.encoder_pool.has_room():
-            return Idle.EMPTY
+        # A full pool: claim nothing until a result is written, so the ring item stays
+        # there for another decoder rather than wait here (and no pixels pile up).
+        if self.encoder_pool is not None:
+            while not self.encoder_pool.wait_for_room(timeout=0.1):
+                if self.state is not State.RUNNING:
+                    return Idle.EMPTY
         return super().claim()
 
     def fetch_inputs(self, job: Job) -> dict[str, Any]:

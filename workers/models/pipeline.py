@@ -16,6 +16,7 @@ from .base import (
     TransformerAdapter,
 )
 from .media import VideoSettings
+from .prompt_cache import PromptCache
 
 
 class LocalPipeline:
@@ -33,8 +34,11 @@ class LocalPipeline:
         compile: bool = False,
         cfg_batch: bool = False,
         video: VideoSettings | None = None,
+        prompt_cache_bytes: int = 0,
     ) -> None:
         self.encoder = EncoderAdapter.for_task(model_dir, task, device, dtype)
+        if prompt_cache_bytes:
+            self.encoder.cache = PromptCache(prompt_cache_bytes)
         self.transformer = TransformerAdapter.for_task(
             model_dir, task, device, dtype, attention=attention, compile=compile,
             cfg_batch=cfg_batch,
