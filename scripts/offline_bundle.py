@@ -215,7 +215,8 @@ def slim_mooncake(wheel: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------- debian packages
 def deb_closure(names: list[str]) -> list[str]:
     """The packages and their recursive Depends, not following into the base system
-    (Priority required / important, Essential): every Debian or Ubuntu image has those."""
+    (Priority required / important, Essential, and what apt depends on): every Debian or
+    Ubuntu image has those."""
     def depends(pkgs: list[str]) -> dict[str, list[str]]:
         out = subprocess.run(["apt-cache", "depends", "--no-recommends", "--no-suggests",
                               "--no-conflicts", "--no-breaks", "--no-replaces",
@@ -245,15 +246,20 @@ def deb_closure(names: list[str]) -> list[str]:
                 base.add(name)
         return base
 
-    seen = set(names)
-    frontier = list(names)
-    while frontier:
-        found = {d for ds in depends(frontier).values() for d in ds} - seen
-        found -= base_system(sorted(found)) if found else set()
-        found -= ESSENTIAL_DEBS
-        seen |= found
-        frontier = sorted(found)
-    return sorted(seen - ESSENTIAL_DEBS)
+    def closure(roots: list[str], stop: set[str]) -> set[str]:
+        seen = set(roots)
+        frontier = list(roots)
+        while frontier:
+            found = {d for ds in depends(frontier).values() for d in ds} - seen
+            found -= base_system(sorted(found)) if found else set()
+            found -= stop
+            seen |= found
+            frontier = sorted(found)
+        return seen
+
+    # What apt itself runs on (its TLS stack included) is on every system that has apt.
+    apt_base = closure(["apt"], ESSENTIAL_DEBS)
+    return sorted(closure(names, ESSENTIAL_DEBS | apt_base) - ESSENTIAL_DEBS - apt_base)
 
 
 def download_debs(names: list[str], dest: Path, arch: str) -> list[str]:
