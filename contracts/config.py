@@ -69,7 +69,8 @@ class ServiceConfig:
     dtype: str = "float32"
     """Model dtype: 'float32' or 'bfloat16'."""
     attention_backend: str = "sdpa"
-    """DiT attention backend: 'sdpa', 'flash_attn' or 'sage_attn'."""
+    """DiT attention backend: 'sdpa', 'sdpa_cudnn', 'sdpa_flash', 'flash_attn' or
+    'sage_attn'."""
     compile: bool = False
     """Transformer stage: torch.compile the DiT's repeated blocks at start. Needs
     ``warmup_shapes``: the worker compiles them before it registers (ready = compiled)."""

@@ -12,12 +12,13 @@ skipped and says so):
             CRF 18 with all cores (the default) and with one thread, and preset medium.
 * ``wan``:  Wan2.1-T2V-1.3B architecture (random bf16, ``scripts/real_models.py``),
             480x832x81: one CFG step (two DiT forwards, or one batch-2 forward) timed
-            through ``TransformerAdapter.denoise`` for each variant (eager SDPA,
-            ``cfg_batch``, ``sage_attn``, ``compile``, ``compile`` + ``cfg_batch``), the
-            warm-up (compile) time, and each variant's latents against eager SDPA on the
-            same inputs; then the decoder: VAE decode alone against ``decode_pixels``
-            (VAE + uint8 + copy to the host: the decoder's critical path with the
-            background encoder) and the MP4 of those frames.
+            through ``TransformerAdapter.denoise`` for each of ``--wan-variants`` (eager
+            SDPA, ``cfg_batch``, ``sage_attn``, ``sdpa_cudnn``, ``compile``, ...), the
+            warm-up (compile) time, and each variant's latents against the first variant
+            on the same inputs.
+* ``decoder``: the Wan VAE decode alone against ``decode_pixels`` (VAE + uint8 + copy to
+            the host: the decoder's critical path with the background encoder) and the
+            MP4 of those frames.
 * ``qwen``: Qwen-Image architecture (20B DiT, random bf16), 1024x1024: one step without CFG
             (one forward) eager and compiled, and the compiled latents against eager.
 
@@ -199,6 +200,22 @@ def dit_variants(args: argparse.Namespace, task: str, folder: Path, shape: str, 
 
 
 def section_wan(args: argparse.Namespace) -> dict[str, Any]:
+    import real_models
+
+    folder = model_dir(args, "wan-1.3b")
+    t0 = time.perf_counter()
+    built = real_models.build("wan-1.3b", folder, args.device, args.dtype, args.layers)
+    free()
+    out: dict[str, Any] = {"build": built, "build_wall_s": round(time.perf_counter() - t0, 1)}
+    variants = [dict(WAN_VARIANTS[k]) for k in args.wan_variants.split(",")]
+    out["dit"] = dit_variants(args, "wan_t2v", folder, args.wan_shape, args.wan_steps,
+                              variants, True, args.budget_s - 60)
+    return out
+
+
+def section_decoder(args: argparse.Namespace) -> dict[str, Any]:
+    """The Wan decoder: VAE alone against the critical path of the background-encoder
+    decoder (decode_pixels), and the MP4 of its frames."""
     import numpy as np
     import real_models
     import torch
@@ -209,21 +226,8 @@ def section_wan(args: argparse.Namespace) -> dict[str, Any]:
     from workers.models.media import VideoSettings
 
     folder = model_dir(args, "wan-1.3b")
-    t0 = time.perf_counter()
-    built = real_models.build("wan-1.3b", folder, args.device, args.dtype, args.layers)
-    free()
-    out: dict[str, Any] = {"build": built, "build_wall_s": round(time.perf_counter() - t0, 1)}
-    variants: list[dict[str, Any]] = [
-                {"name": "eager sdpa, 2 x batch-1"},
-                {"name": "eager sdpa, cfg_batch", "cfg_batch": True},
-                {"name": "sage_attn 1.0.6, 2 x batch-1", "attention": "sage_attn"},
-                {"name": "compile, 2 x batch-1", "compile": True},
-                {"name": "compile + cfg_batch", "compile": True, "cfg_batch": True}]
-    out["dit"] = dit_variants(args, "wan_t2v", folder, args.wan_shape, args.wan_steps,
-                              variants, True, args.budget_s - 60)
-    RESULTS["wan"] = out
-    save(args.out)
-    # The decoder: VAE alone against the critical path of the background-encoder decoder.
+    real_models.build("wan-1.3b", folder, args.device, args.dtype, args.layers)
+    out: dict[str, Any] = {}
     dec = DecoderAdapter.for_task(folder, "wan_t2v", args.device, args.dtype,
                                   video=VideoSettings(codec="libx264"))
     dec.load()
@@ -244,12 +248,12 @@ def section_wan(args: argparse.Namespace) -> dict[str, Any]:
     vae_s, _ = timed(vae_only, args.repeats)
     crit_s, pixels = timed(lambda: dec.decode_pixels(req, latents), args.repeats)
     mp4_s, art = timed(lambda: dec.encode_media(req, pixels), args.repeats)
-    out["decoder"] = {"vae_decode_s": round(vae_s, 3),
-                      "critical_path_decode_pixels_s": round(crit_s, 3),
-                      "overhead_over_vae_s": round(crit_s - vae_s, 3),
-                      "mp4_of_vae_frames_s": round(mp4_s, 3), "mp4_bytes": len(art.data),
-                      "pixels": list(np.asarray(pixels).shape)}
-    log(f"decoder: {out['decoder']}")
+    out.update({"vae_decode_s": round(vae_s, 3),
+                "critical_path_decode_pixels_s": round(crit_s, 3),
+                "overhead_over_vae_s": round(crit_s - vae_s, 3),
+                "mp4_of_vae_frames_s": round(mp4_s, 3), "mp4_bytes": len(art.data),
+                "pixels": list(np.asarray(pixels).shape)})
+    log(f"decoder: {out}")
     return out
 
 
@@ -263,15 +267,35 @@ def section_qwen(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"build": built, "build_wall_s": round(time.perf_counter() - t0, 1)}
     RESULTS["qwen"] = out
     save(args.out)
-    variants: list[dict[str, Any]] = [{"name": "eager sdpa"},
-                                      {"name": "compile", "compile": True}]
+    variants = [dict(QWEN_VARIANTS[k]) for k in args.qwen_variants.split(",")]
     out["forward"] = dit_variants(args, "qwen_t2i", folder, args.qwen_shape, args.qwen_steps,
                                   variants, False, args.budget_s)
     return out
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "env": section_env, "mp4": section_mp4, "wan": section_wan, "qwen": section_qwen}
+    "env": section_env, "mp4": section_mp4, "wan": section_wan, "decoder": section_decoder,
+    "qwen": section_qwen}
+WAN_VARIANTS: dict[str, dict[str, Any]] = {
+    "eager": {"name": "eager sdpa, 2 x batch-1"},
+    "cfg_batch": {"name": "eager sdpa, cfg_batch", "cfg_batch": True},
+    "sage": {"name": "sage_attn 1.0.6, 2 x batch-1", "attention": "sage_attn"},
+    "cudnn": {"name": "sdpa_cudnn, 2 x batch-1", "attention": "sdpa_cudnn"},
+    "flash": {"name": "sdpa_flash, 2 x batch-1", "attention": "sdpa_flash"},
+    "compile": {"name": "compile, 2 x batch-1", "compile": True},
+    "compile_cfg": {"name": "compile + cfg_batch", "compile": True, "cfg_batch": True},
+    "compile_cudnn": {"name": "compile + sdpa_cudnn", "compile": True,
+                      "attention": "sdpa_cudnn"},
+    "compile_cudnn_cfg": {"name": "compile + sdpa_cudnn + cfg_batch", "compile": True,
+                          "attention": "sdpa_cudnn", "cfg_batch": True},
+}
+QWEN_VARIANTS: dict[str, dict[str, Any]] = {
+    "eager": {"name": "eager sdpa"},
+    "cudnn": {"name": "sdpa_cudnn", "attention": "sdpa_cudnn"},
+    "compile": {"name": "compile", "compile": True},
+    "compile_cudnn": {"name": "compile + sdpa_cudnn", "compile": True,
+                      "attention": "sdpa_cudnn"},
+}
 
 
 def summary() -> str:
@@ -283,7 +307,7 @@ def summary() -> str:
         lines.append(f"| Wan 1.3B CFG step, {name} | {row.get('step_s', row)} s "
                      f"(warm-up {row.get('warmup_s')} s, "
                      f"max diff {row.get('max_abs_diff_vs_first')}) |")
-    for k, v in (wan.get("decoder") or {}).items():
+    for k, v in (RESULTS.get("decoder") or {}).items():
         lines.append(f"| Wan decoder {k} | {v} |")
     qwen = RESULTS.get("qwen") or {}
     for name, row in ((qwen.get("forward") or {}).get("variants") or {}).items():
@@ -296,7 +320,7 @@ def summary() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--sections", default="env,mp4,wan,qwen")
+    ap.add_argument("--sections", default="env,mp4,wan,decoder,qwen")
     ap.add_argument("--models", type=Path, default=Path("/tmp/diffring-real"))
     ap.add_argument("--wan-steps", type=int, default=3)
     ap.add_argument("--qwen-steps", type=int, default=4)
@@ -306,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layers", type=int, help="DiT depth (quick checks; default: published)")
     ap.add_argument("--wan-shape", default="480x832x81")
+    ap.add_argument("--wan-variants", default="eager,cfg_batch,sage,compile,compile_cfg",
+                    help=f"comma list of {', '.join(WAN_VARIANTS)}")
+    ap.add_argument("--qwen-variants", default="eager,compile",
+                    help=f"comma list of {', '.join(QWEN_VARIANTS)}")
     ap.add_argument("--qwen-shape", default="1024x1024")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

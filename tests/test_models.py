@@ -577,3 +577,10 @@ def test_warm_up_runs_the_shapes(tiny_models: Path, task: str, shape: str,
         adapter.warm_up([wrong])
     with pytest.raises(ModelLoadError, match="not HxW or HxWxF"):
         adapter.warm_up(["big"])
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+def test_pinned_sdpa_needs_cuda(tiny_models: Path, backend: str) -> None:
+    adapter = TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", attention=backend)
+    with pytest.raises(ModelLoadError, match="runs on CUDA devices only"):
+        adapter.load()

@@ -353,7 +353,9 @@ class DecoderAdapter(StageAdapter):
 
         with torch.no_grad():
             pixels = self.decode_tensor(req, tensors).float().mul(255).round().to(torch.uint8)
-            return np.ascontiguousarray(pixels.cpu().numpy())
+            # Contiguous on the device: one dense copy to the host, not a strided one
+            # (decode_tensor is a channels-last view of the VAE's output).
+            return pixels.contiguous().cpu().numpy()
 
     def encode_media(self, req: GenerationRequest, pixels: np.ndarray) -> Artifact:
         """PNG (image) or MP4 (video) of uint8 pixels; CPU only, safe off the main thread."""
