@@ -283,8 +283,13 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
 
         info["av"] = av.__version__
     with contextlib.suppress(Exception):
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                     capture_output=True, text=True).stdout.strip()
+        # Only when this checkout is itself a repository (a copied tree inside another
+        # repository would report that one's commit).
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+        if top and Path(top).resolve() == ROOT:
+            info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                         capture_output=True, text=True).stdout.strip()
     return info
 
 
