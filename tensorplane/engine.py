@@ -208,6 +208,11 @@ def _import_mooncake() -> Any:
     return mooncake_engine
 
 
+def check_installed() -> None:
+    """Raise MooncakeNotInstalled (saying what to install) unless Mooncake imports here."""
+    _import_mooncake()
+
+
 class _CallRunner:
     """Runs blocking Mooncake calls on daemon threads so that a caller can stop waiting.
 

@@ -192,6 +192,7 @@ def test_controller_connect_back(controller: Any) -> None:
     """The control-channel op itself: reachable endpoints pass, a closed port is refused
     with the address and the reason."""
     from conftest import TOKEN
+
     from workers.control import ControlClient
 
     port = controller.config["disagg_config"]["control_port"]
@@ -235,7 +236,7 @@ def test_loopback_read_and_on_paper_checks() -> None:
     try:
         assert preflight.loopback_read(e, p, "w") < 10
         preflight.check_on_paper(e, "127.0.0.10", "w")  # loopback with a loopback controller
-        with pytest.raises(PreflightFailed, match="loopback address.*10.1.2.3"):
+        with pytest.raises(PreflightFailed, match=r"loopback address.*10\.1\.2\.3"):
             preflight.check_on_paper(e, "10.1.2.3", "w")
         assert p.stats().live_blocks == 0
     finally:

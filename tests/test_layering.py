@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("rings", "contracts", "tensorplane", "controller", "workers", "baseline")
+PACKAGES = ("rings", "contracts", "tensorplane", "controller", "workers", "baseline", "doctor")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
