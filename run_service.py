@@ -25,6 +25,19 @@ from contracts.errors import DiffringError
 from contracts.roles import Role
 
 SERVICES = ("controller", *(role.value for role in Role), "all")
+ENV_VARS = (
+    "DIFFRING_CONFIG",
+    "DIFFRING_MODEL_PATH",
+    "DIFFRING_DEVICE",
+    "DIFFRING_CLUSTER_TOKEN",
+    "MOONCAKE_CONFIG_PATH",
+    "MOONCAKE_LOCAL_HOSTNAME",
+    "MOONCAKE_METADATA_SERVER",
+    "MOONCAKE_PROTOCOL",
+    "MOONCAKE_DEVICE_NAME",
+)
+"""Every environment variable a service reads (here, once; deployment manifests are checked
+against this list)."""
 _MODE_ALIASES = {"decode": "decoder", "encode": "encoder"}
 
 

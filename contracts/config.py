@@ -82,6 +82,9 @@ class ServiceConfig:
     """A task whose worker missed heartbeats this long goes back in play."""
     reconnect_timeout_s: float = 300.0
     """How long a worker waits for its controller to come (back) up before giving up."""
+    drain_timeout_s: float = 600.0
+    """A draining worker (SIGTERM) finishes its task, then waits up to this long for the next
+    stage to pull the outputs it staged (they live only in its pool) before it exits."""
     max_pending_tasks: int = 256
     """Front door: tasks accepted but not finished before new ones get 429."""
     disagg_config: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)
@@ -110,6 +113,8 @@ class ServiceConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
+        if self.drain_timeout_s < 0:
+            raise ConfigError("drain_timeout_s must not be negative")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
 

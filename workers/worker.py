@@ -304,12 +304,24 @@ class StageWorker:
                 else:
                     self._wake.wait(idle)
                     idle = min(idle * 2, IDLE_BACKOFF_MAX_S)
+            self._wait_staged_pulled()
         except DiffringError as exc:
             log.error("worker %s: fatal: %s", self.name, exc)
             self.report_fatal(str(exc))
             raise
         finally:
             self.state = State.STOPPED
+
+    def _wait_staged_pulled(self) -> None:
+        """Draining: the outputs this worker staged live only in its pool until the next
+        stage pulls them, so stay (heartbeating, claiming nothing) until the controller says
+        they are no longer needed, or ``drain_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.staged and time.monotonic() < deadline and self._hb and self._hb.is_alive():
+            time.sleep(0.05)
+        if self.staged:
+            log.warning("worker %s: exiting with %d task(s) not pulled yet: %s", self.name,
+                        len(self.staged), sorted(t for t, _a in self.staged))
 
     # -- heartbeats ----------------------------------------------------------------------------
     def _heartbeats(self) -> None:
