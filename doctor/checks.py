@@ -8,7 +8,6 @@ is kept, and nothing but the controller's own ports is connected to.
 from __future__ import annotations
 
 import errno
-import json
 import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ from tensorplane.engine import INFINIBAND_SYSFS, MooncakeSettings, check_install
 Status = Literal["ok", "warn", "fail"]
 CONNECT_TIMEOUT_S = 2.0
 MIN_TOKEN_CHARS = 16
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
@@ -309,34 +307,8 @@ def _mooncake(
 
 
 # -- model folder and device -------------------------------------------------------------------
-def _component_problem(folder: Path, kind: str) -> str | None:
-    if not folder.is_dir():
-        return "missing"
-    files = [p for p in folder.rglob("*") if p.is_file()]
-    if not files:
-        return "empty"
-    if kind == "files":
-        return None
-    if not (folder / "config.json").is_file():
-        return "no config.json"
-    if kind == "config":
-        return None
-    for index in folder.glob("*.index.json"):
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
-            return f"unreadable {index.name}: {exc}"
-        absent = sorted(s for s in shards if not (folder / s).is_file())
-        if absent:
-            return f"{len(absent)} shard(s) listed in {index.name} missing ({absent[0]}, ...)"
-        return None
-    if not any(p.suffix in WEIGHT_SUFFIXES for p in files):
-        return "no weight files"
-    return None
-
-
 def _model(r: _Report, role: str, cfg: ServiceConfig) -> None:
-    from workers.models.base import STAGE_COMPONENTS
+    from workers.models.components import STAGE_COMPONENTS, component_problem
 
     name = f"model ({role})"
     if not cfg.model_path:
@@ -348,7 +320,7 @@ def _model(r: _Report, role: str, cfg: ServiceConfig) -> None:
         return
     needs = STAGE_COMPONENTS[cfg.pipeline][role]
     problems = [f"{c} ({kind}): {p}" for c, kind in needs.items()
-                if (p := _component_problem(root / c, kind)) is not None]
+                if (p := component_problem(root / c, kind)) is not None]
     if problems:
         r.add(name, "fail", f"{root} is incomplete for the {role} of {cfg.pipeline}: "
               + "; ".join(problems))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -164,7 +165,7 @@ def group_metric_port(svc: Any) -> int:
 def test_wrong_advertised_address_is_refused(tiny_models: Path, tmp_path: Path) -> None:
     """A worker advertising an address the controller cannot reach exits at start-up with
     a message naming the address and what failed; it never registers, and it finds out
-    before loading its model (its model folder does not even exist here)."""
+    before loading its model."""
     cfg = group_config("qwen_t2i", str(tiny_models / "qwen_t2i"), tmp_path,
                        host="127.0.0.10")
     with LocalGroup(cfg, tmp_path) as group:
@@ -173,8 +174,12 @@ def test_wrong_advertised_address_is_refused(tiny_models: Path, tmp_path: Path) 
         # 127.255.255.255 is the broadcast address of the loopback network: no TCP peer can
         # be reached there, and no packet leaves this machine trying.
         group.env = {"MOONCAKE_LOCAL_HOSTNAME": "127.255.255.255"}
+        # Weights that cannot load: had the model load come first, it would have failed.
+        model = tmp_path / "not-loadable"
+        shutil.copytree(tiny_models / "qwen_t2i", model)
+        (model / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"junk")
         bad = group.start("transformer", {"server": {"host": "127.0.0.12"},
-                                          "model_path": str(tmp_path / "not-loaded")})
+                                          "model_path": str(model)})
         rc = bad.proc.wait(timeout=240)
         log = bad.log()
         assert rc != 0, log
@@ -182,7 +187,7 @@ def test_wrong_advertised_address_is_refused(tiny_models: Path, tmp_path: Path) 
         assert "refuses to register" in line and "127.255.255.255:" in line, line
         assert "could not connect to" in line and "Network is unreachable" in line, line
         assert "MOONCAKE_LOCAL_HOSTNAME" in line, line
-        assert "not-loaded" not in log, log  # the model load was never reached
+        assert "could not load" not in log, log  # the model load was never reached
         status = httpx.get(f"{group.url}/v1/service/status", timeout=10).json()
         assert status["workers"]["transformer"] == []
         group.services.remove(bad)  # exited already: nothing left to stop

@@ -180,8 +180,9 @@ def test_model_folder(tmp_path: Path, tiny_models: Path) -> None:
 def test_component_table_matches_what_the_stages_read(tiny_models: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """STAGE_COMPONENTS (what --check verifies) is exactly what each stage loads."""
-    from workers.models import base
-    from workers.models.base import STAGE_COMPONENTS, StageAdapter
+    from workers.models import base, components
+    from workers.models.base import StageAdapter
+    from workers.models.components import STAGE_COMPONENTS
 
     read: dict[str, str] = {}
     component, config = StageAdapter._component, StageAdapter._config
@@ -191,7 +192,7 @@ def test_component_table_matches_what_the_stages_read(tiny_models: Path,
         return component(self, loader, name)
 
     def rec_config(self: StageAdapter, name: str) -> Any:
-        read.setdefault(name, base.CONFIG)
+        read.setdefault(name, components.CONFIG)
         return config(self, name)
 
     monkeypatch.setattr(StageAdapter, "_component", rec_component)
@@ -201,7 +202,7 @@ def test_component_table_matches_what_the_stages_read(tiny_models: Path,
         for role, needs in roles.items():
             read.clear()
             getattr(family, role).for_task(tiny_models / task, task, "cpu", "float32").load()
-            want = {c: ("loaded" if k != base.CONFIG else base.CONFIG) for c, k in needs.items()}
+            want = {c: ("loaded" if k != components.CONFIG else k) for c, k in needs.items()}
             assert read == want, (task, role, read)
 
 

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from contracts.addresses import default_advertised_host
@@ -57,6 +58,7 @@ from workers import preflight
 from workers.control import ControlClient
 from workers.metrics import WorkerMetrics
 from workers.models.base import StageAdapter
+from workers.models.components import check_stage_folder
 
 log = logging.getLogger("diffring.worker")
 
@@ -135,8 +137,9 @@ class StageWorker:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Mooncake and pool; transport preflight (:mod:`workers.preflight`), before the
-        model load, which takes minutes for a real checkpoint; model; rings and register."""
+        """Cheap checks (advertised address, model folder); Mooncake and pool; transport
+        preflight (:mod:`workers.preflight`), all before the model load, which takes minutes
+        for a real checkpoint; model; rings and register."""
         srv = self.cfg.server
         if srv.metric_port is not None:
             self._metrics_server = serve_metrics(
@@ -148,6 +151,7 @@ class StageWorker:
 
             torch.set_num_threads(self.cfg.torch_threads)
         own = default_advertised_host(self.cfg, controller=False)
+        check_stage_folder(Path(self.model_path()), self.cfg.pipeline, self.role.value)
         settings = MooncakeSettings.resolve(
             self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own}
         )

@@ -224,32 +224,6 @@ _FAMILIES: dict[str, tuple[str, str, str, str, str]] = {
 assert set(_FAMILIES) == set(TASKS)
 
 
-WEIGHTS, CONFIG, FILES = "weights", "config", "files"
-_TEXT = {"tokenizer": FILES, "text_encoder": WEIGHTS}
-_DIT = {"transformer": WEIGHTS, "scheduler": FILES, "vae": CONFIG}
-STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
-    "wan_t2v": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
-    "wan_i2v": {
-        "encoder": {**_TEXT, "image_processor": FILES, "image_encoder": WEIGHTS,
-                    "vae": WEIGHTS},
-        "transformer": _DIT,
-        "decoder": {"vae": WEIGHTS},
-    },
-    "qwen_t2i": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
-    "qwen_i2i": {
-        "encoder": {"processor": FILES, "vae": WEIGHTS, "text_encoder": WEIGHTS},
-        "transformer": _DIT,
-        "decoder": {"vae": WEIGHTS},
-    },
-}
-"""task -> role -> the components of the model folder its stage reads, and how much of each:
-``weights`` (config and weights), ``config`` (the config file only: the DiT reads the VAE's
-geometry), ``files`` (tokenizer, processor, scheduler: their own files). What
-``run_service.py --check`` verifies before a worker starts; a test loads every stage and
-checks that it reads exactly these."""
-assert set(STAGE_COMPONENTS) == set(TASKS)
-
-
 def get_family(task: str) -> ModelFamily:
     """The adapters serving ``task``. Imports the family module, and with it torch."""
     module_name, enc, dit, dec, pipeline = _FAMILIES[task_spec(task).name]
