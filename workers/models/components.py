@@ -63,7 +63,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 # -- what each stage reads ---------------------------------------------------------------
 
-WEIGHTS, CONFIG, FILES = "weights", "config", "files"
+WEIGHTS, CONFIG, FILES, FILE = "weights", "config", "files", "file"
 _TEXT = {"tokenizer": FILES, "text_encoder": WEIGHTS}
 _DIT = {"transformer": WEIGHTS, "scheduler": FILES, "vae": CONFIG}
 STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
@@ -80,10 +80,13 @@ STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
         "transformer": _DIT,
         "decoder": {"vae": WEIGHTS},
     },
+    # No model: one settings file, read directly by each stage (workers/models/synthetic.py).
+    "synthetic": {r: {"synthetic.json": FILE} for r in ("encoder", "transformer", "decoder")},
 }
 """task -> role -> the components of the model folder its stage reads, and how much of each:
 ``weights`` (config and weights), ``config`` (the config file only: the DiT reads the VAE's
-geometry), ``files`` (tokenizer, processor, scheduler: their own files). What a worker checks
+geometry), ``files`` (tokenizer, processor, scheduler: their own files), ``file`` (a single
+file the stage reads itself, not a component folder). What a worker checks
 before anything slow (:func:`check_stage_folder`) and ``run_service.py --check`` reports; a
 test loads every stage and checks that it reads exactly these."""
 assert set(STAGE_COMPONENTS) == set(TASKS)
@@ -94,6 +97,8 @@ def component_problem(folder: Path, kind: str) -> str | None:
     """What is missing from one component folder for ``kind`` (None: nothing), without
     reading any weights: the folder, its config file, its weight files, every shard a
     sharded checkpoint's index lists."""
+    if kind == FILE:
+        return None if folder.is_file() else "missing"
     if not folder.is_dir():
         return "missing"
     files = [p for p in folder.rglob("*") if p.is_file()]
@@ -123,7 +128,8 @@ def check_stage_folder(model_dir: Path, task: str, role: str) -> None:
     """Fail fast (seconds, not the minutes of a load) when the folder lacks something the
     ``role`` stage of ``task`` reads; the error names folder and component."""
     for component, kind in STAGE_COMPONENTS[task_spec(task).name][role].items():
-        component_dir(model_dir, component, task, role)  # missing: the loader's own message
+        if kind != FILE:
+            component_dir(model_dir, component, task, role)  # the loader's own message
         problem = component_problem(model_dir / component, kind)
         if problem is not None:
             raise ModelLoadError(
