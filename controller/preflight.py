@@ -22,6 +22,10 @@ from controller.coordinator import ControlError
 
 log = logging.getLogger("diffring.controller.preflight")
 
+MAX_ENDPOINTS = 8
+"""A worker advertises one segment; the cap keeps a (token-holding) peer from turning the
+controller into a port scanner."""
+
 CONNECT_BACK_TIMEOUT_S = 5.0
 """Long enough for a TCP handshake across a loaded data-centre network, short enough that an
 unroutable address (packets silently dropped) is reported while someone watches start-up."""
@@ -41,8 +45,8 @@ async def connect_back(
     endpoint that could not be reached and why."""
     name = str(msg.get("name", "?"))
     endpoints = msg.get("endpoints")
-    if not isinstance(endpoints, list) or not endpoints:
-        raise ControlError("preflight names no endpoint to check")
+    if not isinstance(endpoints, list) or not 0 < len(endpoints) <= MAX_ENDPOINTS:
+        raise ControlError(f"preflight must name 1 to {MAX_ENDPOINTS} endpoints to check")
     checked: list[dict[str, Any]] = []
     problems: list[str] = []
     for ep in endpoints:

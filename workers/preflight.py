@@ -71,7 +71,10 @@ def loopback_read(engine: TransferEngine, pool: StagingPool, name: str) -> float
             f"worker {name}: a Mooncake read of its own segment {engine.session_id} returned "
             "different bytes than were staged"
         )
-    return time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    log.info("preflight: read %d bytes back through segment %s in %.1f ms", PROBE_BYTES,
+             engine.session_id, 1e3 * seconds)
+    return seconds
 
 
 def connect_back(
