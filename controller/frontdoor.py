@@ -25,6 +25,7 @@ from contracts.errors import InvalidRequestError, PayloadTooLarge
 from contracts.pipelines import task_spec
 from contracts.request import GenerationRequest
 from controller.coordinator import Coordinator, QueueFull
+from controller.events import EventHub
 from controller.schemas import (
     TASK_ID_RE,
     ImageTaskRequest,
@@ -55,7 +56,12 @@ class FrontDoor:
         self.pipeline = coordinator.pipeline
         self.status_extra = status_extra
         self.service = service
+        self.events = EventHub(coordinator)
         self.app = build_app(self)
+
+    def close(self) -> None:
+        """The server is stopping: end the event streams and the waits on them."""
+        self.events.close()
 
     # -- request building -----------------------------------------------------------------
     def _generation_request(self, body: TaskRequest, kind: str) -> dict[str, Any]:
@@ -205,8 +211,13 @@ async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
 
 
 def build_app(front: FrontDoor) -> FastAPI:
-    """The FastAPI application of ``front``: its routes find it as ``app.state.front``."""
-    from controller.routes import router
+    """The FastAPI application of ``front``: its routes find it as ``app.state.front``
+    (the OpenAI routes their :class:`~controller.openai_api.OpenAIDoor` as
+    ``app.state.openai``)."""
+    from fastapi.staticfiles import StaticFiles
+
+    from controller import routes, routes_events, routes_openai, routes_ui
+    from controller.openai_api import OpenAIDoor
 
     app = FastAPI(
         title="diffring",
@@ -215,7 +226,10 @@ def build_app(front: FrontDoor) -> FastAPI:
         version="0.1.0",
     )
     app.state.front = front
+    app.state.openai = OpenAIDoor(front)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)
-    app.include_router(router)
+    for module in (routes, routes_events, routes_openai, routes_ui):
+        app.include_router(module.router)
+    app.mount("/ui/static", StaticFiles(directory=routes_ui.UI_DIR), name="ui-static")
     return app
