@@ -5,6 +5,8 @@
 The environment is read here, once, and handed down; nothing below reads it again.
 Precedence: command line > environment > config file > defaults.
 
+    python run_service.py --service ROLE --config FILE --check   # check, start nothing
+
 Environment: DIFFRING_CONFIG (config file), DIFFRING_MODEL_PATH, DIFFRING_DEVICE,
 DIFFRING_CLUSTER_TOKEN, MOONCAKE_CONFIG_PATH and the MOONCAKE_* overrides of the Mooncake
 config (MOONCAKE_PROTOCOL, MOONCAKE_METADATA_SERVER, MOONCAKE_DEVICE_NAME,
@@ -23,6 +25,19 @@ from contracts.errors import DiffringError
 from contracts.roles import Role
 
 SERVICES = ("controller", *(role.value for role in Role), "all")
+ENV_VARS = (
+    "DIFFRING_CONFIG",
+    "DIFFRING_MODEL_PATH",
+    "DIFFRING_DEVICE",
+    "DIFFRING_CLUSTER_TOKEN",
+    "MOONCAKE_CONFIG_PATH",
+    "MOONCAKE_LOCAL_HOSTNAME",
+    "MOONCAKE_METADATA_SERVER",
+    "MOONCAKE_PROTOCOL",
+    "MOONCAKE_DEVICE_NAME",
+)
+"""Every environment variable a service reads (here, once; deployment manifests are checked
+against this list)."""
 _MODE_ALIASES = {"decode": "decoder", "encode": "encoder"}
 
 
@@ -36,6 +51,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model_path", "--model-path", help="model folder (workers, all)")
     p.add_argument("--device", help="cpu or cuda:N (workers, all)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check this service's configuration (addresses, ports, token, RDMA devices, "
+        "Mooncake, model folder, device) and exit: 0 when nothing fails",
+    )
     return p.parse_args(argv)
 
 
@@ -81,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service, cfg = build_config(args, env)
         token = cfg.disagg_config.resolve_token(env)
+        if args.check:
+            from doctor import format_report, run_checks
+
+            checks = run_checks(service, cfg, token, env)
+            print(format_report(service, checks))
+            return 1 if any(c.status == "fail" for c in checks) else 0
         if service == "controller":
             from controller.main import run_controller
 

@@ -110,6 +110,9 @@ class ServiceConfig:
     """A task whose worker missed heartbeats this long goes back in play."""
     reconnect_timeout_s: float = 300.0
     """How long a worker waits for its controller to come (back) up before giving up."""
+    drain_timeout_s: float = 600.0
+    """A draining worker (SIGTERM) finishes its task, then waits up to this long for the next
+    stage to pull the outputs it staged (they live only in its pool) before it exits."""
     max_pending_tasks: int = 256
     """Front door: tasks accepted but not finished before new ones get 429."""
     disagg_config: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)
@@ -161,6 +164,8 @@ class ServiceConfig:
             raise ConfigError(f"video_crf must be within 0..51, got {self.video_crf}")
         if self.video_threads < 0 or self.encode_queue < 0:
             raise ConfigError("video_threads and encode_queue must be >= 0")
+        if self.drain_timeout_s < 0:
+            raise ConfigError("drain_timeout_s must not be negative")
         if self.prompt_cache_mb < 0:
             raise ConfigError("prompt_cache_mb must be 0 (off) or a positive number of MiB")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
-from contracts.metrics import serve_metrics
+from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.pipelines import task_spec
 from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
@@ -62,10 +63,12 @@ def start_metrics(
     front: FrontDoor,
     ring_status: Callable[[], dict[str, Any]],
     pool_stats: Callable[[], Any] | None,
+    stopping: asyncio.Event | None = None,
     collectors: Iterable[Any] = (),
 ) -> Any:
-    """Instrument the front door; serve /metrics when a metric port is configured.
-    ``collectors``: further Prometheus collectors to serve (the baseline's stage times)."""
+    """Instrument the front door; serve /metrics (and the /ready, /live probes: ready until
+    ``stopping`` is set) when a metric port is configured. ``collectors``: further
+    Prometheus collectors to serve (the baseline's stage times)."""
     metrics = ControllerMetrics(co)
     for collector in collectors:
         metrics.registry.register(collector)
@@ -74,8 +77,12 @@ def start_metrics(
     front.app.middleware("http")(metrics.middleware)
     if cfg.server.metric_port is None:
         return None
+    def ready() -> tuple[bool, dict[str, Any]]:
+        up = stopping is None or not stopping.is_set()
+        return up, {"state": "running" if up else "stopping", "pipeline": cfg.pipeline}
+
     return serve_metrics(metrics.registry, cfg.server.host, cfg.server.metric_port,
-                         "controller")
+                         "controller", probes={READY_PATH: ready, LIVE_PATH: lambda: (True, {})})
 
 
 async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> None:
@@ -130,7 +137,7 @@ async def run_controller_async(
         await control.start()
         front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller")
         metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
-                                       images.pool.stats if images else None)
+                                       images.pool.stats if images else None, stop)
         sweeper = asyncio.create_task(_sweeper(co, images.reclaim if images else None))
         log.info(
             "controller ready: pipeline=%s http://%s:%d rings=%s control=%d",
@@ -169,7 +176,12 @@ class ImageStager:
         from tensorplane.engine import MooncakeSettings, TransferEngine
         from tensorplane.pool import StagingPool
 
-        settings = MooncakeSettings.resolve(cfg.mooncake_config_path, env)
+        # Encoders on other hosts pull the image from this segment: advertise the
+        # controller's own address unless the operator says otherwise.
+        own = default_advertised_host(cfg, controller=True)
+        settings = MooncakeSettings.resolve(
+            cfg.mooncake_config_path, env, defaults={"local_hostname": own}
+        )
         engine = TransferEngine(settings)
         engine.start()
         pool = StagingPool(cfg.staging_pool_mb << 20, device="cpu")

@@ -17,6 +17,7 @@ from typing import Any
 
 from contracts.messages import CONTROL_RING, Op
 from controller.coordinator import ControlError, Coordinator, WorkerInfo
+from controller.preflight import connect_back
 from rings import wire
 from rings.ports import bind_error
 
@@ -116,7 +117,10 @@ class ControlServer:
                 msg = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
                 seq = msg.get("seq")
                 try:
-                    reply, worker = self._dispatch(msg, worker)
+                    if msg.get("op") == Op.PREFLIGHT:  # awaits connections: not in _dispatch
+                        reply = await connect_back(msg, f"{self.host}:{self.port}")
+                    else:
+                        reply, worker = self._dispatch(msg, worker)
                     out = {"seq": seq, "ok": True, **reply}
                 except (ControlError, KeyError, TypeError, ValueError) as exc:
                     out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}

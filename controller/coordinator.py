@@ -59,6 +59,7 @@ class WorkerInfo:
             "connected_at": self.connected_at,
             "last_heartbeat": self.last_heartbeat,
             "current_tasks": sorted(self.tasks),
+            "segment": self.segment,
         }
 
 

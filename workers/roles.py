@@ -231,17 +231,19 @@ class DecoderWorker(StageWorker):
                 job.attempt,
             )
 
-    def run(self) -> None:
-        try:
-            super().run()
-        finally:
-            # Drained or failed: report what is still being written before close(). The
-            # leases stay valid for lease_timeout_s after the last heartbeat; a result later
-            # than that is refused by the controller (the task was re-run), never lost.
-            if self.encoder_pool is not None:
-                self.encoder_pool.join(timeout=self.cfg.lease_timeout_s)
+    def _wait_staged_pulled(self) -> None:
+        # Draining, still heartbeating (the leases stay renewed): report every result the
+        # pool is still writing before the worker stops.
+        if self.encoder_pool is not None and not self.encoder_pool.join(
+            timeout=self.cfg.drain_timeout_s
+        ):
+            log.warning("worker %s: results still being written after drain_timeout_s",
+                        self.name)
+        super()._wait_staged_pulled()
 
     def close(self) -> None:
+        # After a fatal error the controller has put this worker's tasks back in play: a
+        # late result is refused there (the task completes once), never lost.
         if self.encoder_pool is not None:
             self.encoder_pool.close(timeout=self.cfg.lease_timeout_s)
         super().close()
