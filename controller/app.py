@@ -20,6 +20,7 @@ from contracts.pipelines import task_spec
 from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
 from controller.metrics import ControllerMetrics
+from controller.store import prune_interval
 from controller.tasks import Task
 from rings.inspect import snapshot
 from rings.payload import encode_body
@@ -76,6 +77,24 @@ async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> 
             log.exception("sweep failed")
 
 
+async def retention_loop(co: Coordinator, retention_s: float) -> None:
+    """Forget finished tasks past the retention window, every ``prune_interval``."""
+    interval = prune_interval(retention_s)
+    while True:
+        try:
+            fut = co.table.prune()
+            if fut is None:
+                return
+            gone = await asyncio.wrap_future(fut)
+            co.table.pruned(gone)
+            if gone:
+                log.info("task store: forgot %s finished task(s) older than %g s",
+                         ", ".join(f"{n} {s}" for s, n in gone.items()), retention_s)
+        except Exception:  # retention must outlive a failed prune (retried next time)
+            log.exception("task store: prune failed")
+        await asyncio.sleep(interval)
+
+
 def _ring_status(rings: Any) -> dict[str, Any]:
     out = {}
     for name, host in rings.hosts.items():
@@ -109,16 +128,21 @@ async def run_controller_async(
         stage_image=images.stage if images else None,
         release_image=images.release if images else None,
         journal=output_dir / ".journal",
+        retention_s=cfg.task_retention_s,
+        delete_results=cfg.delete_results_after_retention,
     )
     co.restore()
     control = ControlServer(co, d.bootstrap_addr, d.control_port, token)
     metrics_server = None
+    front = None
     try:
         await control.start()
-        front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller")
+        front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller",
+                          server=cfg.server)
         metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
                                        images.pool.stats if images else None)
         sweeper = asyncio.create_task(_sweeper(co, images.reclaim if images else None))
+        retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
         log.info(
             "controller ready: pipeline=%s http://%s:%d rings=%s control=%d",
             cfg.pipeline,
@@ -129,12 +153,16 @@ async def run_controller_async(
         )
         await serve_http(front.app, http_sock, stop)
         sweeper.cancel()
+        retention.cancel()
     finally:
         log.info("controller shutting down")
         if metrics_server is not None:
             metrics_server.shutdown()
         await control.close()
         await rings.close()
+        if front is not None:
+            front.close()
+        co.close()
         if images is not None:
             images.close()
         http_sock.close()

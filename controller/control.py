@@ -116,7 +116,11 @@ class ControlServer:
                 msg = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
                 seq = msg.get("seq")
                 try:
-                    reply, worker = self._dispatch(msg, worker)
+                    if msg.get("op") == Op.COMPLETE and worker is not None:
+                        # Its result file is written off the loop: the only awaiting op.
+                        reply = await self._complete(msg, worker)
+                    else:
+                        reply, worker = self._dispatch(msg, worker)
                     out = {"seq": seq, "ok": True, **reply}
                 except (ControlError, KeyError, TypeError, ValueError) as exc:
                     out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
@@ -142,6 +146,17 @@ class ControlServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _complete(self, msg: dict[str, Any], worker: WorkerInfo) -> dict[str, Any]:
+        accepted = await self.coordinator.on_complete(
+            worker,
+            str(msg["task_id"]),
+            int(msg["attempt"]),
+            str(msg["extension"]),
+            str(msg["media_type"]),
+            bytes(msg["data"]),
+        )
+        return {"accepted": accepted}
 
     def _dispatch(
         self, msg: dict[str, Any], worker: WorkerInfo | None
@@ -184,16 +199,6 @@ class ControlServer:
         if op == Op.HANDOFF:
             co.on_handoff(worker, str(msg["task_id"]), int(msg["attempt"]))
             return {}, worker
-        if op == Op.COMPLETE:
-            accepted = co.on_complete(
-                worker,
-                str(msg["task_id"]),
-                int(msg["attempt"]),
-                str(msg["extension"]),
-                str(msg["media_type"]),
-                bytes(msg["data"]),
-            )
-            return {"accepted": accepted}, worker
         if op == Op.FAIL:
             co.on_fail(
                 worker,
