@@ -1,6 +1,7 @@
 """The front door's guards: the optional API key and the request-body size limit."""
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: FastAPI reads the dependency's annotation
+# at definition time, and it names a local (the scheme) that a string could not resolve.
 
 import hmac
 import json

@@ -71,11 +71,12 @@ class ControlServer:
         join = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
         cnonce = join.get("client_nonce")
         ring = join.get("ring")
+        mac = join.get("mac")
         error = None
         if not isinstance(cnonce, bytes) or ring != CONTROL_RING:
-            error = f"this port is the control channel, peer asked for {ring!r}"
-        elif not wire.hmac.compare_digest(
-            join.get("mac") or b"", wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
+            error = f"this port is the control channel, peer asked for {str(ring)[:64]!r}"
+        elif not isinstance(mac, bytes) or not wire.hmac.compare_digest(
+            mac, wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
         ):
             error = (
                 "authentication failed: the worker did not prove the cluster token "
@@ -139,6 +140,16 @@ class ControlServer:
             log.warning("control: dropping a peer after a malformed message: %s", exc)
         except asyncio.CancelledError:
             reason = "controller shutting down"
+        except Exception as exc:
+            # Whatever a peer sends must not escape as an unhandled error; msgpack alone
+            # raises TypeError (unhashable keys) besides ValueError. A registered worker's
+            # failure may be ours, so it keeps its traceback.
+            if worker is None:
+                log.warning("control: dropping %s after a malformed message: %s: %s",
+                            writer.get_extra_info("peername"), type(exc).__name__, exc)
+            else:
+                log.exception("control: dropping worker %s", worker.name)
+                reason = f"control connection failed: {type(exc).__name__}: {exc}"
         finally:
             self._conns.discard(task)
             if worker is not None:

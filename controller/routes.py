@@ -47,7 +47,14 @@ async def create_image(body: ImageTaskRequest, front: Front) -> dict[str, Any]:
     return front.created(await front.create_task(body, "image"))
 
 
-@router.post("/v1/tasks/image/sync", responses={200: {"content": {"image/png": {}}}})
+@router.post(
+    "/v1/tasks/image/sync",
+    responses={
+        200: {"content": {"image/png": {}}, "description": "the result image"},
+        409: {"description": "the task was cancelled before it finished"},
+        504: {"description": "not finished within timeout_seconds; the task goes on"},
+    },
+)
 async def create_image_sync(body: SyncImageTaskRequest, front: Front) -> Response:
     fields = body.model_dump(exclude={"timeout_seconds", "poll_interval_seconds"})
     task = await front.create_task(ImageTaskRequest(**fields), "image")
@@ -60,6 +67,8 @@ async def create_image_sync(body: SyncImageTaskRequest, front: Front) -> Respons
                 f"goes on — poll /v1/tasks/{task.task_id}/status",
             )
         await asyncio.sleep(body.poll_interval_seconds)
+    if task.stage == Stage.CANCELLED:
+        raise http_error(409, f"task {task.task_id} was cancelled: {task.error}")
     if task.stage != Stage.COMPLETED or not task.result_path:
         raise http_error(500, f"task {task.task_id} {task.stage.value}: {task.error}")
     return FileResponse(

@@ -50,14 +50,15 @@ class TaskRequest(BaseModel):
 
     @field_validator("*", mode="after")
     @classmethod
-    def _utf8(cls, value: object) -> object:
-        # JSON may carry lone surrogates ("\ud800"): valid Python str, but not encodable,
-        # so msgpack or the file system would fail on them much later.
+    def _encodable(cls, value: object) -> object:
+        # JSON may carry lone surrogates ("\ud800"): a valid Python str, but one that
+        # msgpack and the file system fail on much later. Pydantic catches them in some
+        # fields only.
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError("must be valid Unicode text (no lone surrogates)") from None
+                raise ValueError("must be valid unicode text (no lone surrogates)") from None
         return value
 
 

@@ -122,6 +122,11 @@ def parse_args(p: Pipeline, argv: list[str] | None) -> argparse.Namespace:
         default=3600.0,
         help="seconds to wait for the task (default: %(default)s)",
     )
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("DIFFRING_API_KEY"),
+        help="the front door's API key, if it has one (default: $DIFFRING_API_KEY)",
+    )
     ap.add_argument("--poll-interval", type=float, default=0.5)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
@@ -268,7 +273,9 @@ def download(client: httpx.Client, task_id: str, out: Path | None) -> Path:
 def run(p: Pipeline, args: argparse.Namespace) -> Path:
     body = request_body(p, args)
     timeout = httpx.Timeout(30.0, read=120.0)
-    with httpx.Client(base_url=args.url.rstrip("/"), timeout=timeout, trust_env=False) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(base_url=args.url.rstrip("/"), timeout=timeout, trust_env=False,
+                      headers=headers) as client:
         task_id = submit(client, p, body)
         print(f"task {task_id} accepted by {args.url}", file=sys.stderr)
         try:
