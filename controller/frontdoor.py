@@ -228,6 +228,7 @@ class FrontDoor:
         """A task in memory or, once it has left memory, in the store; 404 otherwise."""
         task = self.co.table.get(task_id)
         if task is None and self.co.table.store is not None:
+            await self._caught_up()
             task = await self._read(self.co.table.lookup, task_id)
         if task is None:
             raise http_error(404, f"no task {task_id}")
@@ -236,9 +237,7 @@ class FrontDoor:
     async def list_tasks(self, status: str | None, offset: int, limit: int) -> dict[str, Any]:
         """One page of every stored task, in acceptance order (the store's, when it has one:
         it sees every task still within its retention window)."""
-        flushed = self.co.table.flush()
-        if flushed is not None:  # read what this controller has written so far
-            await asyncio.wrap_future(flushed)
+        await self._caught_up()
         total, page = await self._read(self.co.table.page, status, offset, limit)
         return {
             "total": total,
@@ -246,6 +245,12 @@ class FrontDoor:
             "limit": limit,
             "tasks": [self.status(t) for t in page],
         }
+
+    async def _caught_up(self) -> None:
+        """Wait until the store holds every change made so far (read your own writes)."""
+        flushed = self.co.table.flush(durable=False)
+        if flushed is not None:
+            await asyncio.wrap_future(flushed)
 
     async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
         store = self.co.table.store

@@ -230,9 +230,10 @@ class TaskTable:
         when the task is durable, raises ``StoreError`` / ``StoreConflict`` if it cannot be."""
         return self._durable.pop(task_id, None)
 
-    def flush(self) -> concurrent.futures.Future[None] | None:
-        """Resolves once every change made so far is durable (None without a store)."""
-        return None if self.store is None else self.store.barrier()
+    def flush(self, durable: bool = True) -> concurrent.futures.Future[None] | None:
+        """Resolves once every change made so far is committed — and durable, unless
+        ``durable`` is False (enough to read them back); None without a store."""
+        return None if self.store is None else self.store.barrier(durable)
 
     def forget(self, task: Task) -> None:
         """Drop a task that was refused right after being added (e.g. the ring was full)."""

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.store import StoreConflict, StoreLocked, TaskStore, check
+from controller.store import StoreConflict, StoreLocked, TaskStore
+from controller.store_check import check
 from controller.tasks import RECENT_FINISHED, Stage, Task, TaskTable
 
 ROOT = Path(__file__).resolve().parent.parent

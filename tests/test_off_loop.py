@@ -1,0 +1,155 @@
+"""The controller's blocking work runs off the event loop that serves the ring verbs and the
+control channel: result-file writes, input-image decoding, store writes. Each test makes the
+blocking step slow on purpose and measures the loop's longest stall meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from contracts.config import ServerConfig
+from controller import coordinator as coordinator_mod
+from controller import frontdoor as frontdoor_mod
+from controller.app import LocalQueue
+from controller.coordinator import Coordinator
+from controller.frontdoor import FrontDoor
+from controller.store_check import completions
+from controller.tasks import Stage, Task
+
+SLOW_S = 0.4
+
+
+def make(tmp_path: Path, pipeline: str = "qwen_t2i") -> Coordinator:
+    return Coordinator(pipeline=pipeline, request_ring=LocalQueue(16, 4096),  # type: ignore[arg-type]
+                       output_dir=tmp_path, lease_timeout_s=15.0, heartbeat_interval_s=1.0,
+                       max_pending=16, journal=tmp_path / ".journal")
+
+
+async def longest_stall(work: Awaitable[Any]) -> tuple[Any, float]:
+    """Run ``work`` while a ticker measures the longest gap between its wake-ups."""
+    gaps = [0.0]
+    stop = False
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not stop:
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.02)
+    result = await work
+    stop = True
+    await tick
+    return result, max(gaps)
+
+
+def to_decoding(co: Coordinator, tid: str) -> Any:
+    workers = [co.on_register(r, r, 1, co.pipeline, "") for r in
+               ("encoder", "transformer", "decoder")]
+    co.submit(Task(task_id=tid, kind="image", pipeline=co.pipeline,
+                   request={"task": co.pipeline, "prompt": "x"}, save_result_path=""))
+    for w in workers:
+        assert co.on_claim(w, tid, 1)[0]
+        if w is not workers[-1]:
+            co.on_handoff(w, tid, 1)
+    return workers[-1]
+
+
+def test_slow_result_write_does_not_stall_the_loop(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    real = coordinator_mod._write_result
+
+    def slow_write(path: Path, data: bytes) -> None:
+        time.sleep(SLOW_S)  # a slow disk, or a large MP4
+        real(path, data)
+
+    monkeypatch.setattr(coordinator_mod, "_write_result", slow_write)
+    co = make(tmp_path)
+    dec = to_decoding(co, "w")
+
+    async def main() -> tuple[Any, float]:
+        return await longest_stall(co.on_complete(dec, "w", 1, "png", "image/png", b"PNG"))
+
+    accepted, stall = asyncio.run(main())
+    assert accepted and (tmp_path / "w.png").read_bytes() == b"PNG"
+    assert stall < SLOW_S / 2, f"the loop stalled {stall:.3f} s"
+    co.close()
+
+
+def test_concurrent_completions_of_one_task_write_once(tmp_path: Path) -> None:
+    """A zombie's late completion racing the live one: one wins, its bytes are the file,
+    the store records one completion."""
+    co = make(tmp_path)
+    dec = to_decoding(co, "race")
+
+    async def main() -> list[bool]:
+        return list(await asyncio.gather(
+            co.on_complete(dec, "race", 1, "png", "image/png", b"first"),
+            co.on_complete(dec, "race", 1, "png", "image/png", b"second"),
+        ))
+
+    outcome = asyncio.run(main())
+    assert outcome == [True, False]
+    assert (tmp_path / "race.png").read_bytes() == b"first"
+    task = co.table.get("race")
+    assert task is not None and task.stage == Stage.COMPLETED
+    co.close()
+    assert completions(tmp_path / ".journal")["race"] == ("completed", 1)
+
+
+def test_cancel_while_the_result_is_written_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = coordinator_mod._write_result
+    co = make(tmp_path)
+    dec = to_decoding(co, "c")
+    task = co.table.get("c")
+    assert task is not None
+
+    def write_then_cancelled(path: Path, data: bytes) -> None:
+        real(path, data)
+        co.table.cancelled(task, "cancelled meanwhile")  # what the loop could do meanwhile
+
+    monkeypatch.setattr(coordinator_mod, "_write_result", write_then_cancelled)
+    assert asyncio.run(co.on_complete(dec, "c", 1, "png", "image/png", b"x")) is False
+    assert not (tmp_path / "c.png").exists() and task.stage == Stage.CANCELLED
+    co.close()
+
+
+def test_image_decoding_does_not_stall_the_loop(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from PIL import Image
+
+    real = frontdoor_mod.decode_image
+
+    def slow_decode(*args: Any) -> bytes:
+        time.sleep(SLOW_S)  # a large image
+        return real(*args)
+
+    monkeypatch.setattr(frontdoor_mod, "decode_image", slow_decode)
+    co = make(tmp_path, "qwen_i2i")
+    front = FrontDoor(co, status_extra=lambda: {}, service="controller", server=ServerConfig())
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(buf, format="PNG")
+    body = {"prompt": "p", "image_path": base64.b64encode(buf.getvalue()).decode()}
+
+    async def main() -> tuple[Any, float]:
+        transport = httpx.ASGITransport(app=front.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+            return await longest_stall(client.post("/v1/tasks/image/", json=body))
+
+    response, stall = asyncio.run(main())
+    assert response.status_code == 200, response.text
+    assert stall < SLOW_S / 2, f"the loop stalled {stall:.3f} s"
+    front.close()
+    co.close()
