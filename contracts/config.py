@@ -74,9 +74,9 @@ class ServiceConfig:
     disagg_mode: str | None = None
     """Role this file is for (LightX2V naming); --service on the command line wins."""
     model_cls: str = "wan2.1"
-    """Model family: 'wan2.1' or 'qwen_image'."""
+    """Model family: 'wan2.1', 'qwen_image' or 'synthetic' (timed stages, no model)."""
     task: str = "t2v"
-    """Task: 't2v' / 'i2v' for wan2.1, 't2i' / 'i2i' for qwen_image."""
+    """Task: 't2v' / 'i2v' for wan2.1, 't2i' / 'i2i' for qwen_image, 't2i' for synthetic."""
     model_path: str | None = None
     """Local diffusers-format model folder (workers and ``all``)."""
     device: str = "cpu"

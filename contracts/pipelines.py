@@ -21,8 +21,8 @@ class TaskSpec:
     """Static facts about a pipeline that hold for every checkpoint of its family."""
 
     name: str
-    """Pipeline name: ``wan_t2v``, ``wan_i2v``, ``qwen_t2i`` or ``qwen_i2i``."""
-    family: Literal["wan", "qwen"]
+    """Pipeline name: ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i`` or ``synthetic``."""
+    family: Literal["wan", "qwen", "synthetic"]
     model_cls: str
     """LightX2V's ``model_cls`` of the family (config files name pipelines this way)."""
     task: str
@@ -66,6 +66,22 @@ _QWEN_DEFAULTS: Mapping[str, Any] = {
 }
 
 
+# The synthetic pipeline has no model: each stage takes a configured time and produces tensors
+# of configured shapes (``workers/models/synthetic.py``), so the runtime's own cost can be
+# measured. Small defaults: a 64x64 PNG after 4 "denoising" steps.
+_SYNTHETIC_DEFAULTS: Mapping[str, Any] = {
+    "negative_prompt": "",
+    "infer_steps": 4,
+    "height": 64,
+    "width": 64,
+    "num_frames": 1,
+    "fps": None,
+    "guidance_scale": None,
+    "true_cfg_scale": None,
+    "max_sequence_length": 64,
+}
+
+
 def _wan(task: str, needs_image: bool) -> TaskSpec:
     return TaskSpec(f"wan_{task}", "wan", "wan2.1", task, "video", needs_image, 16, 4,
                     _WAN_DEFAULTS)
@@ -84,6 +100,8 @@ TASK_SPECS: Final[dict[str, TaskSpec]] = {
         _qwen("t2i", needs_image=False),
         # None: output at ~1 megapixel with the input image's aspect ratio, as diffusers.
         _qwen("i2i", needs_image=True, height=None, width=None),
+        TaskSpec("synthetic", "synthetic", "synthetic", "t2i", "image", False, 8, 1,
+                 _SYNTHETIC_DEFAULTS),
     )
 }
 TASKS: Final[tuple[str, ...]] = tuple(TASK_SPECS)

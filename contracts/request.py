@@ -35,7 +35,7 @@ class GenerationRequest:
     """
 
     task: str
-    """One of ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i``."""
+    """One of ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i``, ``synthetic``."""
     prompt: str
     """What to generate (or, for ``qwen_i2i``, how to edit the input image). Not empty."""
     negative_prompt: str | None = None
@@ -136,10 +136,15 @@ class GenerationRequest:
             if spec.name == "wan_i2v" and self.max_sequence_length != 512:
                 # The I2V DiT splits image from text context at a fixed 512 text tokens.
                 fail(f"max_sequence_length must be 512 for wan_i2v, got {self.max_sequence_length}")
-        else:
+        elif spec.family == "qwen":
             need_float("true_cfg_scale", 0.0)
             if self.guidance_scale is not None:
                 need_float("guidance_scale", 0.0)
+            need_int("max_sequence_length", 1, 1024)
+        else:  # synthetic: no guidance is run, but a given scale must still be a number
+            for name in ("guidance_scale", "true_cfg_scale"):
+                if getattr(self, name) is not None:
+                    need_float(name, 0.0)
             need_int("max_sequence_length", 1, 1024)
 
     # -- conversions --------------------------------------------------------------------------

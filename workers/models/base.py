@@ -209,17 +209,21 @@ class ModelFamily:
     encoder: type[EncoderAdapter]
     transformer: type[TransformerAdapter]
     decoder: type[DecoderAdapter]
-    pipeline_class: str
-    """Name of diffusers' one-process pipeline for this task (the reference in tests)."""
+    pipeline_class: str | None
+    """Name of diffusers' one-process pipeline for this task (the reference in tests); None
+    for the synthetic family, which has no model."""
 
 
 # task -> (module, encoder, transformer, decoder, diffusers pipeline class). Families are
 # imported on first use, so that importing this package does not import torch or diffusers.
-_FAMILIES: dict[str, tuple[str, str, str, str, str]] = {
+_FAMILIES: dict[str, tuple[str, str, str, str, str | None]] = {
     "wan_t2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder", "WanPipeline"),
     "wan_i2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder", "WanImageToVideoPipeline"),
     "qwen_t2i": ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder", "QwenImagePipeline"),
     "qwen_i2i": ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder", "QwenImageEditPipeline"),
+    "synthetic": (
+        "synthetic", "SyntheticEncoder", "SyntheticTransformer", "SyntheticDecoder", None
+    ),
 }
 assert set(_FAMILIES) == set(TASKS)
 
