@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -97,7 +96,8 @@ class Coordinator:
         self.table = TaskTable(journal, retention_s=retention_s, delete_results=delete_results)
         self.io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="results")
         """Result-file writes: off the loop that serves the ring verbs and the control channel."""
-        self._completing: dict[str, asyncio.Future[bool]] = {}
+        self._completing: dict[str, asyncio.Future[None]] = {}
+        """Completions being written, by task: a second one waits for the first to end."""
         self.workers: dict[int, WorkerInfo] = {}
         self._next_worker = 1
         self._requeue: collections.deque[str] = collections.deque()
@@ -281,24 +281,17 @@ class Coordinator:
         and is refused if it won, so a result file is only ever written by the winner."""
         worker.tasks.discard(task_id)
         while (running := self._completing.get(task_id)) is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(running)
+            await asyncio.wait([running])  # then look again: it may have completed the task
         task = self.table.get(task_id)
         if task is None or task.stage in TERMINAL:
             return False
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._completing[task_id] = done
         try:
-            accepted = await self._complete(worker, task, attempt, extension, media_type, data)
-        except BaseException as exc:
-            done.set_exception(exc)
-            done.exception()  # retrieved here: waiters only need to know it ended
-            raise
-        else:
-            done.set_result(accepted)
+            return await self._complete(worker, task, attempt, extension, media_type, data)
         finally:
             del self._completing[task_id]
-        return accepted
+            done.set_result(None)
 
     async def _complete(
         self, worker: WorkerInfo, task: Task, attempt: int, extension: str, media_type: str,
