@@ -315,9 +315,16 @@ class TaskTable:
         return None if self.store is None else self.store.prune()
 
     def pruned(self, gone: dict[str, int]) -> None:
+        """Account for what a prune removed; recent tasks past the window leave memory too,
+        so status, list and counts agree on what is forgotten."""
         for status, n in gone.items():
             if status in self.finished_counts:
                 self.finished_counts[status] = max(0, self.finished_counts[status] - n)
+        if self.store is not None:
+            cutoff = time.time() - self.store.retention_s
+            for tid in [t.task_id for t in self.recent.values()
+                        if t.finished_at is not None and t.finished_at < cutoff]:
+                del self.recent[tid]
 
     def replay(self) -> list[Task]:
         """Rebuild the table from the store; returns the unfinished tasks, each moved to a
