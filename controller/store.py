@@ -53,6 +53,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import os
 import queue
 import sqlite3
 import sys
@@ -154,6 +155,7 @@ class TaskStore:
         """Where async callers run :meth:`get` / :meth:`page` (each thread its connection)."""
         self.commits = 0
         self.ops = 0
+        self._unsynced = False  # a NORMAL commit since the last FULL one
 
     # -- lifecycle --------------------------------------------------------------------------
     def open(self) -> None:
@@ -318,6 +320,7 @@ class TaskStore:
 
     def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
         durable = any(op.durable for op in batch)
+        writes = any(op.kind != "barrier" for op in batch)
         results: list[Any] = [None] * len(batch)
         try:
             conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
@@ -345,6 +348,13 @@ class TaskStore:
             if op.future is not None:
                 op.future.set_exception(err)
             return
+        if writes:
+            self._unsynced = not durable  # a FULL commit syncs every earlier frame too
+        elif durable and self._unsynced:
+            # A transaction without writes adds no WAL frame, so its FULL commit syncs
+            # nothing: the earlier NORMAL commits a durable barrier covers are synced here.
+            self._sync_wal()
+            self._unsynced = False
         self.commits += 1
         self.ops += len(batch)
         for op, res in zip(batch, results, strict=True):
@@ -353,6 +363,17 @@ class TaskStore:
                     conn.execute("PRAGMA incremental_vacuum")
             if op.future is not None:
                 op.future.set_result(res)
+
+    def _sync_wal(self) -> None:
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            fd = os.open(wal, os.O_RDONLY)
+        except FileNotFoundError:
+            return  # checkpointed and truncated: everything is in the database file
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _apply(self, conn: sqlite3.Connection, op: _Op) -> Any:
         if op.kind == "barrier":

@@ -242,7 +242,7 @@ class TaskTable:
         self._journal("rejected", task)
 
     def in_flight(self) -> int:
-        return sum(1 for t in self.tasks.values() if t.stage not in TERMINAL)
+        return len(self.tasks)  # only unfinished tasks are in it (_finished moves them out)
 
     def counts(self) -> dict[str, int]:
         """Tasks by status: the unfinished in memory, the finished ones still stored."""
