@@ -139,6 +139,8 @@ async def run_controller_async(
         await control.start()
         front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller",
                           server=cfg.server)
+        if images is not None:  # start the decoding processes before the first image
+            await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)
         metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
                                        images.pool.stats if images else None)
         sweeper = asyncio.create_task(_sweeper(co, images.reclaim if images else None))

@@ -29,12 +29,12 @@ from contracts.pipelines import task_spec
 from contracts.request import GenerationRequest
 from controller.auth import BodyLimit, api_key_guard
 from controller.coordinator import Coordinator, QueueFull
+from controller.decoding import ImageDecoder
 from controller.schemas import (
     TASK_ID_RE,
     ImageTaskRequest,
     TaskRequest,
     VideoTaskRequest,
-    decode_image,
     http_error,
     safe_relative_path,
     size_for_aspect,
@@ -56,14 +56,16 @@ class FrontDoor:
         status_extra: Callable[[], dict[str, Any]],
         service: str,
         server: ServerConfig | None = None,
+        decoder: ImageDecoder | None = None,
     ) -> None:
         self.co = coordinator
         self.pipeline = coordinator.pipeline
         self.status_extra = status_extra
         self.service = service
         self.server = server or ServerConfig()
-        # Image decoding and staging run here, off the event loop; two threads also bound
-        # how many decoded images are in memory at once.
+        self.decoder = decoder or ImageDecoder()
+        """Input images are decoded in worker processes (:mod:`controller.decoding`)."""
+        # Staging and store look-ups run here, off the event loop.
         self.blocking = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="frontdoor")
         self.app = build_app(self)
 
@@ -141,11 +143,8 @@ class FrontDoor:
             raise http_error(409, f"task {task_id} exists already; choose another task_id")
         image = None
         if body.image_path:
-            image = await self._off_loop(
-                decode_image,
-                body.image_path,
-                self.server.max_image_bytes,
-                self.server.max_image_pixels,
+            image = await self.decoder.decode(
+                body.image_path, self.server.max_image_bytes, self.server.max_image_pixels
             )
         task = Task(
             task_id=task_id,

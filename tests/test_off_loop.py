@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import io
+import os
 import time
 from collections.abc import Awaitable
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +20,10 @@ import pytest
 
 from contracts.config import ServerConfig
 from controller import coordinator as coordinator_mod
-from controller import frontdoor as frontdoor_mod
+from controller import decoding as decoding_mod
 from controller.app import LocalQueue
 from controller.coordinator import Coordinator
+from controller.decoding import ImageDecoder
 from controller.frontdoor import FrontDoor
 from controller.store_check import completions
 from controller.tasks import Stage, Task
@@ -130,15 +134,18 @@ def test_image_decoding_does_not_stall_the_loop(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from PIL import Image
 
-    real = frontdoor_mod.decode_image
+    real = decoding_mod.decode_image
 
     def slow_decode(*args: Any) -> bytes:
         time.sleep(SLOW_S)  # a large image
         return real(*args)
 
-    monkeypatch.setattr(frontdoor_mod, "decode_image", slow_decode)
+    # Threads here so the patch applies; in production the same job runs in processes.
+    monkeypatch.setattr(decoding_mod, "decode_image", slow_decode)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
     co = make(tmp_path, "qwen_i2i")
-    front = FrontDoor(co, status_extra=lambda: {}, service="controller", server=ServerConfig())
+    front = FrontDoor(co, status_extra=lambda: {}, service="controller", server=ServerConfig(),
+                      decoder=ImageDecoder(pool))
     buf = io.BytesIO()
     Image.new("RGB", (32, 32)).save(buf, format="PNG")
     body = {"prompt": "p", "image_path": base64.b64encode(buf.getvalue()).decode()}
@@ -153,3 +160,37 @@ def test_image_decoding_does_not_stall_the_loop(tmp_path: Path,
     assert stall < SLOW_S / 2, f"the loop stalled {stall:.3f} s"
     front.close()
     co.close()
+    pool.shutdown()
+
+
+def test_images_decode_in_other_processes_that_may_die() -> None:
+    """The production decoder: another process does the work, and one that dies (a crash
+    or the kernel's OOM killer) costs that request a 422, not the controller."""
+    from fastapi import HTTPException
+    from PIL import Image
+
+    decoder = ImageDecoder()
+    decoder.start()
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    image = base64.b64encode(buf.getvalue()).decode()
+
+    class Broken(concurrent.futures.Executor):
+        def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+            fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            fut.set_exception(BrokenProcessPool("a decoding process died"))
+            return fut
+
+    async def main() -> None:
+        assert await decoder.run(os.getpid) != os.getpid()
+        with pytest.raises(BrokenProcessPool):
+            await decoder.run(os._exit, 9)  # the process dies mid-job
+        assert await decoder.decode(image, 1 << 20, 1000) == buf.getvalue()  # new ones
+        with pytest.raises(HTTPException) as err:
+            await decoder.decode(image, 1 << 20, 10)
+        assert err.value.status_code == 413
+        with pytest.raises(HTTPException) as err:  # a request whose decoder died: 422
+            await ImageDecoder(Broken()).decode(image, 1 << 20, 1000)
+        assert err.value.status_code == 422 and "crashed" in str(err.value.detail)
+
+    asyncio.run(main())
