@@ -42,7 +42,8 @@ class BaselineWorker:
             raise ConfigError("--service all needs model_path (config) or --model_path")
         self.cfg = cfg
         self.pipeline = LocalPipeline(
-            cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend
+            cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend,
+            prompt_cache_bytes=cfg.prompt_cache_mb << 20,
         )
         self.co = co
         self.jobs = jobs
@@ -172,7 +173,7 @@ async def run_all_async(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
     try:
-        await serve_http(front.app, http_sock, stop)
+        await serve_http(front.app, http_sock, stop, on_stop=front.close)
     finally:
         log.info("baseline shutting down")
         retention.cancel()

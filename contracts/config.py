@@ -94,6 +94,9 @@ class ServiceConfig:
     """Mooncake config JSON (MOONCAKE_CONFIG_PATH from the environment otherwise)."""
     staging_pool_mb: int = 512
     """Size of a worker's registered staging pool in MiB (bounded: full means backpressure)."""
+    prompt_cache_mb: int = 256
+    """Encoder: bytes of text embeddings (MiB) kept for repeated prompts, least recently used
+    first out, on the encoder's device; 0 turns the cache off."""
     heartbeat_interval_s: float = 1.0
     """How often a worker renews its leases with the controller."""
     lease_timeout_s: float = 15.0
@@ -133,6 +136,8 @@ class ServiceConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
+        if self.prompt_cache_mb < 0:
+            raise ConfigError("prompt_cache_mb must be 0 (off) or a positive number of MiB")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
         if not self.task_retention_s > 0:

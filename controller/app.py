@@ -29,20 +29,29 @@ from rings.ports import bind_socket
 log = logging.getLogger("diffring.controller")
 
 SWEEP_INTERVAL_S = 0.5
+GRACEFUL_SHUTDOWN_S = 10
+"""Longest a stopping front door waits for open requests (a waiting OpenAI image request)."""
 
 
-async def serve_http(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
-    """Run uvicorn on an already-bound socket until ``stop`` is set."""
+async def serve_http(
+    app: Any, sock: socket.socket, stop: asyncio.Event,
+    on_stop: Callable[[], None] | None = None,
+) -> None:
+    """Run uvicorn on an already-bound socket until ``stop`` is set; ``on_stop`` then ends
+    what would keep connections open (the front door's event streams)."""
     import uvicorn
 
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                       timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     )
     # Signals belong to the process's own handler (which sets ``stop``), not uvicorn.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if on_stop is not None:
+        on_stop()
     server.should_exit = True
     stopper.cancel()
     await task
@@ -153,7 +162,7 @@ async def run_controller_async(
             rings.ports(),
             control.port,
         )
-        await serve_http(front.app, http_sock, stop)
+        await serve_http(front.app, http_sock, stop, on_stop=front.close)
         sweeper.cancel()
         retention.cancel()
     finally:

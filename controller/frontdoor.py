@@ -30,6 +30,7 @@ from contracts.request import GenerationRequest
 from controller.auth import BodyLimit, api_key_guard
 from controller.coordinator import Coordinator, QueueFull
 from controller.decoding import ImageDecoder
+from controller.events import EventHub
 from controller.schemas import (
     TASK_ID_RE,
     ImageTaskRequest,
@@ -67,9 +68,12 @@ class FrontDoor:
         """Input images are decoded in worker processes (:mod:`controller.decoding`)."""
         # Staging and store look-ups run here, off the event loop.
         self.blocking = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="frontdoor")
+        self.events = EventHub(coordinator)
         self.app = build_app(self)
 
     def close(self) -> None:
+        """The server is stopping: end the event streams and the waits on them."""
+        self.events.close()
         self.blocking.shutdown(wait=True)
 
     # -- request building -----------------------------------------------------------------
@@ -280,8 +284,13 @@ async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
 
 
 def build_app(front: FrontDoor) -> FastAPI:
-    """The FastAPI application of ``front``: its routes find it as ``app.state.front``."""
-    from controller.routes import open_router, router
+    """The FastAPI application of ``front``: its routes find it as ``app.state.front``
+    (the OpenAI routes their :class:`~controller.openai_api.OpenAIDoor` as
+    ``app.state.openai``)."""
+    from fastapi.staticfiles import StaticFiles
+
+    from controller import routes, routes_events, routes_openai, routes_ui
+    from controller.openai_api import OpenAIDoor
 
     app = FastAPI(
         title="diffring",
@@ -290,10 +299,16 @@ def build_app(front: FrontDoor) -> FastAPI:
         version="0.1.0",
     )
     app.state.front = front
+    app.state.openai = OpenAIDoor(front)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)
-    app.include_router(router, dependencies=api_key_guard(front.server.api_key))
-    app.include_router(open_router)
+    guard = api_key_guard(front.server.api_key)
+    for module in (routes, routes_events, routes_openai, routes_ui):
+        app.include_router(module.router, dependencies=guard)
+    # Open with or without a key: /health, and the status page's HTML (its data is guarded).
+    app.include_router(routes.open_router)
+    app.include_router(routes_ui.page_router)
+    app.mount("/ui/static", StaticFiles(directory=routes_ui.UI_DIR), name="ui-static")
     # Whole request bodies are read into memory: refuse what cannot be a valid request
     # (the largest image, base64-encoded, plus room for the other fields) before that.
     limit = (front.server.max_image_bytes + 2) // 3 * 4 + (2 << 20)

@@ -121,7 +121,7 @@ async def task_result(task_id: str, front: Front) -> Response:
             f"task {task_id} has no result yet (status {task.status}, stage {task.stage.value})",
         )
     if not Path(task.result_path).is_file():
-        raise http_error(404, f"the result file of task {task_id} is gone from the output folder")
+        raise http_error(404, f"the result of task {task_id} was deleted")
     return FileResponse(
         task.result_path, media_type=task.media_type, filename=Path(task.result_path).name
     )

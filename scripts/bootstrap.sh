@@ -11,6 +11,9 @@ need_apt=()
 # Mooncake's wheel links libibverbs.so.1; pyverbs backs the rdma ring transport.
 dpkg -s libibverbs1 >/dev/null 2>&1 || need_apt+=(libibverbs1)
 dpkg -s python3-pyverbs >/dev/null 2>&1 || need_apt+=(python3-pyverbs)
+# The status page is tested in a real browser: Debian's chromium, driven by playwright
+# (playwright's own browser download cannot work here).
+dpkg -s chromium >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   export DEBIAN_FRONTEND=noninteractive

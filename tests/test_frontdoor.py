@@ -89,12 +89,27 @@ def test_api_key_guards_everything_but_health(client: TestClient) -> None:
         assert client.get(path).status_code == 401, path
         assert client.get(path, headers=good).status_code == 200, path
     assert client.delete("/v1/tasks/k1").status_code == 401
+    # Every router is behind it: events, the OpenAI API (in OpenAI's error shape), the
+    # status page's data; the page itself, its static files and /health are not.
+    assert client.get("/v1/tasks/k1/events").status_code == 401
+    r = client.post("/v1/images/edits", files={"image": b"x"}, data={"prompt": "p"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert client.get("/ui/state").status_code == 401
+    assert client.get("/ui").status_code == 200 and client.get("/").status_code == 200
+    assert client.get("/ui/static/app.js").status_code == 200
     assert client.get("/health").json() == {"status": "ok"}
+    # The status page sends the key as a cookie (EventSource cannot send headers).
+    client.cookies.set("diffring_api_key", KEY)
+    assert client.get("/ui/state").status_code == 200
+    client.cookies.set("diffring_api_key", "wrong-key-wrong-key")
+    assert client.get("/ui/state").status_code == 401
+    client.cookies.clear()
     spec = client.get("/openapi.json").json()
     assert spec["components"]["securitySchemes"]["apiKey"] == {
         "type": "http", "scheme": "bearer",
         "description": "The front door's API key (server.api_key or DIFFRING_API_KEY)"}
-    assert spec["paths"]["/v1/tasks/image/"]["post"]["security"] == [{"apiKey": []}]
+    assert spec["components"]["securitySchemes"]["apiKeyCookie"]["in"] == "cookie"
+    assert {"apiKey": []} in spec["paths"]["/v1/tasks/image/"]["post"]["security"]
     assert "security" not in spec["paths"]["/health"]["get"]
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("rings", "contracts", "tensorplane", "controller", "workers", "baseline")
+PACKAGES = (
+    "rings", "contracts", "tensorplane", "controller", "workers", "baseline", "diffring_cli",
+)
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -41,6 +43,7 @@ def test_import_contracts_hold() -> None:
         ("rings/_probe.py", "from contracts import errors\n", "imports nothing else"),
         ("tensorplane/_probe.py", "def f():\n    import controller\n", "tensor plane"),
         ("contracts/_probe.py", "def f():\n    import torch\n", "no model library"),
+        ("diffring_cli/_probe.py", "def f():\n    import controller.group\n", "talks HTTP"),
     ],
 )
 def test_a_new_cross_import_breaks_a_contract(

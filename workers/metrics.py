@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from contracts.metrics import CLAIM_BUCKETS, DURATION_BUCKETS, CallbackCollector, Sample
 
@@ -48,3 +50,39 @@ class WorkerMetrics:
                    float(st.live_blocks))
 
         self.registry.register(CallbackCollector(read))
+
+    def watch_prompt_cache(self, cache_stats: Callable[[], Any]) -> None:
+        """Hits, misses and evictions (counters), entries and bytes (gauges) of the
+        encoder's prompt-embedding cache, read at scrape time."""
+        self.registry.register(_PromptCacheCollector(cache_stats, self.role))
+
+
+class _PromptCacheCollector(Collector):
+    def __init__(self, stats: Callable[[], Any], role: str) -> None:
+        self.stats = stats
+        self.role = role
+
+    def collect(self) -> Iterable[Metric]:
+        st = self.stats()
+        out: list[Metric] = []
+        for name, doc, value in (
+            ("diffring_prompt_cache_hits", "Requests whose text embeddings came from the "
+             "prompt cache", st.hits),
+            ("diffring_prompt_cache_misses", "Requests that ran the text encoder", st.misses),
+            ("diffring_prompt_cache_evictions", "Entries dropped to stay within the byte "
+             "bound", st.evictions),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["role"])
+            counter.add_metric([self.role], float(value))
+            out.append(counter)
+        for name, doc, value in (
+            ("diffring_prompt_cache_bytes", "Bytes of tensors held by the prompt cache",
+             st.bytes),
+            ("diffring_prompt_cache_capacity_bytes", "Byte bound of the prompt cache",
+             st.capacity),
+            ("diffring_prompt_cache_entries", "Entries in the prompt cache", st.entries),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["role"])
+            gauge.add_metric([self.role], float(value))
+            out.append(gauge)
+        return out

@@ -15,6 +15,7 @@ from contracts.roles import Role
 from tensorplane.descriptor import TensorDescriptor
 from tensorplane.handoff import pull_tensors, stage_tensors
 from workers.models import Artifact, DecoderAdapter, EncoderAdapter, TransformerAdapter
+from workers.models.prompt_cache import PromptCache
 from workers.worker import Job, StageWorker
 
 log = logging.getLogger("diffring.worker")
@@ -68,6 +69,12 @@ class EncoderWorker(ProducerWorker):
     role = Role.ENCODER
     adapter = EncoderAdapter
     output_kind = Kind.PHASE1
+
+    def load_model(self) -> None:
+        super().load_model()
+        if self.cfg.prompt_cache_mb:
+            self.stage.cache = PromptCache(self.cfg.prompt_cache_mb << 20)
+            self.metrics.watch_prompt_cache(self.stage.cache.stats)
 
     def fetch_inputs(self, job: Job) -> bytes | None:
         """The input image of I2V / I2I tasks, pulled from the controller's pool."""

@@ -22,19 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
-from contracts.errors import ModelLoadError, StageCancelled
+from contracts.errors import ModelLoadError, StageCancelled, StageInputError
 from contracts.pipelines import TASKS, task_spec
 from contracts.request import GenerationRequest
 from contracts.roles import Role
 
 from .components import (
     check_backend_name,
+    check_request_task,
     check_stage_settings,
     load_component,
     read_component_config,
     resolve_device,
     resolve_dtype,
 )
+from .prompt_cache import PromptCache, PromptKey, image_digest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -129,16 +131,70 @@ class StageAdapter(ABC):
 
 
 class EncoderAdapter(StageAdapter):
-    """Stage 1: text (and image) conditioning for the DiT."""
+    """Stage 1: text (and image) conditioning for the DiT.
+
+    :meth:`encode` is the same for every family: the input image is decoded once
+    (:meth:`load_image`), the text embeddings come from the prompt cache when it holds them
+    (else from :meth:`encode_text`, and are then cached), and the image conditioning is
+    added (:meth:`encode_image`). A family fills in those three and :meth:`guidance_on`.
+    """
 
     role = Role.ENCODER
+    cache: PromptCache | None = None
+    """The prompt-embedding cache (None: every request runs the text encoder)."""
+    text_sees_image: bool = False
+    """Whether the text embeddings depend on the input image (Qwen Edit's vision-language
+    prompt): its digest is then part of the cache key."""
 
-    @abstractmethod
     def encode(
         self, req: GenerationRequest, image_bytes: bytes | None = None
     ) -> dict[str, torch.Tensor]:
         """Everything the transformer stage needs, as contiguous tensors on this stage's
         device. ``image_bytes`` is the encoded input image (PNG/JPEG) of I2V / I2I tasks."""
+        self._require_loaded()
+        check_request_task(req, self.task, self.role)
+        image = self.load_image(req, image_bytes)
+        key = self.prompt_key(req, image_bytes) if self.cache is not None else None
+        text = self.cache.get(key) if self.cache is not None and key is not None else None
+        if text is None:
+            text = self.encode_text(req, image)
+            if self.cache is not None and key is not None:
+                self.cache.put(key, text)
+        out = {**text, **self.encode_image(req, image)}
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def prompt_key(self, req: GenerationRequest, image_bytes: bytes | None) -> PromptKey:
+        """The cache key of ``req``'s text embeddings: model, pipeline, prompts, settings."""
+        guided = self.guidance_on(req)
+        return PromptKey(
+            model=str(self.model_dir.resolve()),
+            pipeline=self.task,
+            dtype=self.dtype_name,
+            device=self.device_name,
+            prompt=req.prompt,
+            negative_prompt=req.negative_prompt if guided else None,
+            settings=(req.max_sequence_length, guided),
+            image_digest=image_digest(image_bytes) if self.text_sees_image else None,
+        )
+
+    def load_image(self, req: GenerationRequest, image_bytes: bytes | None) -> Any:
+        """The decoded input image of I2V / I2I tasks; None for text-only tasks, which
+        refuse an image."""
+        if image_bytes is not None:
+            raise StageInputError(f"{self.task} takes no input image, but one was given")
+        return None
+
+    def guidance_on(self, req: GenerationRequest) -> bool:
+        """Whether this request uses classifier-free guidance (negative embeddings made)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement guidance_on")
+
+    def encode_text(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        """The text embeddings (prompt, and negative prompt under guidance)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement encode_text or encode")
+
+    def encode_image(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        """The image conditioning of I2V / I2I tasks (none for text-only tasks)."""
+        return {}
 
 
 class TransformerAdapter(StageAdapter):

@@ -15,6 +15,7 @@ from .base import (
     StopCheck,
     TransformerAdapter,
 )
+from .prompt_cache import PromptCache
 
 
 class LocalPipeline:
@@ -28,8 +29,11 @@ class LocalPipeline:
         device: str = "cpu",
         dtype: str = "float32",
         attention: str = "sdpa",
+        prompt_cache_bytes: int = 0,
     ) -> None:
         self.encoder = EncoderAdapter.for_task(model_dir, task, device, dtype)
+        if prompt_cache_bytes:
+            self.encoder.cache = PromptCache(prompt_cache_bytes)
         self.transformer = TransformerAdapter.for_task(
             model_dir, task, device, dtype, attention=attention
         )

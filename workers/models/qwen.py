@@ -82,6 +82,7 @@ class QwenEncoder(EncoderAdapter):
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         self.edit = self.spec.needs_image
+        self.text_sees_image = self.edit  # the VL prompt embeds the input image
         self.template, self.drop, self.max_tokens = prompt_template(self.edit)
         if self.edit:
             from diffusers import AutoencoderKLQwenImage
@@ -108,36 +109,37 @@ class QwenEncoder(EncoderAdapter):
             "text_encoder",
         )
 
-    def encode(
-        self, req: GenerationRequest, image_bytes: bytes | None = None
-    ) -> dict[str, torch.Tensor]:
-        self._require_loaded()
-        check_request_task(req, self.task, self.role)
-        assert req.true_cfg_scale is not None and req.negative_prompt is not None
-        cfg = req.true_cfg_scale > 1.0
+    def load_image(self, req: GenerationRequest, image_bytes: bytes | None) -> Any:
+        """Edit: (the condition image resized to ~1 megapixel, its VAE input pixels)."""
+        if not self.edit:
+            return super().load_image(req, image_bytes)
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        image = decode_image(image_bytes, self.task)
+        width, height = image.size
+        cond_w, cond_h, _ = calculate_dimensions(_EDIT_CONDITION_AREA, width / height)
+        image = self.image_processor.resize(image, cond_h, cond_w)
+        pixels = self.image_processor.preprocess(image, cond_h, cond_w).unsqueeze(2)
+        return image, pixels
+
+    def guidance_on(self, req: GenerationRequest) -> bool:
+        assert req.true_cfg_scale is not None
+        return req.true_cfg_scale > 1.0
+
+    def encode_text(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        assert req.negative_prompt is not None and req.max_sequence_length is not None
+        cfg = self.guidance_on(req)
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             if self.edit:
-                from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
-                    calculate_dimensions,
-                )
-
-                image = decode_image(image_bytes, self.task)
-                width, height = image.size
-                cond_w, cond_h, _ = calculate_dimensions(_EDIT_CONDITION_AREA, width / height)
-                image = self.image_processor.resize(image, cond_h, cond_w)
-                pixels = self.image_processor.preprocess(image, cond_h, cond_w).unsqueeze(2)
-                embeds, mask = self._embeds(req.prompt, image)
-                out["prompt_embeds"], out["prompt_embeds_mask"] = embeds, mask
+                cond_image = image[0]
+                out["prompt_embeds"], out["prompt_embeds_mask"] = self._embeds(
+                    req.prompt, cond_image)
                 if cfg:
-                    neg, neg_mask = self._embeds(req.negative_prompt, image)
+                    neg, neg_mask = self._embeds(req.negative_prompt, cond_image)
                     out["negative_prompt_embeds"] = neg
                     out["negative_prompt_embeds_mask"] = neg_mask
-                out["image_latents"] = self._image_latents(pixels.to(self.device, embeds.dtype))
             else:
-                if image_bytes is not None:
-                    raise StageInputError(f"{self.task} takes no input image, but one was given")
-                assert req.max_sequence_length is not None
                 limit = req.max_sequence_length
                 embeds, mask = self._embeds(req.prompt, None)
                 out["prompt_embeds"], out["prompt_embeds_mask"] = embeds[:, :limit], mask[:, :limit]
@@ -145,7 +147,15 @@ class QwenEncoder(EncoderAdapter):
                     neg, neg_mask = self._embeds(req.negative_prompt, None)
                     out["negative_prompt_embeds"] = neg[:, :limit]
                     out["negative_prompt_embeds_mask"] = neg_mask[:, :limit]
-        return {k: v.contiguous() for k, v in out.items()}
+        return out
+
+    def encode_image(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        if not self.edit:
+            return {}
+        pixels = image[1]
+        with torch.no_grad():
+            latents = self._image_latents(pixels.to(self.device, self.text_encoder.dtype))
+        return {"image_latents": latents}
 
     def _embeds(self, prompt: str, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
         text = [self.template.format(prompt)]
@@ -199,6 +209,7 @@ class QwenTransformer(TransformerAdapter):
         from diffusers import QwenImageTransformer2DModel
 
         self.edit = self.spec.needs_image
+        self.text_sees_image = self.edit  # the VL prompt embeds the input image
         self.vae_scale_factor = _vae_scale_factor(self._config("vae"))  # config only
         self.transformer: Any = self._component(
             lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.dtype, self.device),

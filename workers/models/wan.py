@@ -99,28 +99,32 @@ class WanEncoder(EncoderAdapter):
                 vae_scale_factor=self.vae.config.scale_factor_spatial
             )
 
-    def encode(
-        self, req: GenerationRequest, image_bytes: bytes | None = None
-    ) -> dict[str, torch.Tensor]:
-        self._require_loaded()
-        check_request_task(req, self.task, self.role)
+    def load_image(self, req: GenerationRequest, image_bytes: bytes | None) -> Any:
         if self.spec.needs_image:
-            image = decode_image(image_bytes, self.task)
-        elif image_bytes is not None:
-            raise StageInputError(f"{self.task} takes no input image, but one was given")
+            return decode_image(image_bytes, self.task)
+        return super().load_image(req, image_bytes)
 
+    def guidance_on(self, req: GenerationRequest) -> bool:
+        assert req.guidance_scale is not None
+        return req.guidance_scale > 1.0
+
+    def encode_text(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
+        assert req.max_sequence_length is not None
         with torch.no_grad():
-            assert req.max_sequence_length is not None and req.guidance_scale is not None
             out["prompt_embeds"] = self._text_embeds(req.prompt, req.max_sequence_length)
-            if req.guidance_scale > 1.0:
+            if self.guidance_on(req):
                 out["negative_prompt_embeds"] = self._text_embeds(
                     req.negative_prompt or "", req.max_sequence_length
                 )
-            if self.spec.needs_image:
-                out["image_embeds"] = self._image_embeds(image)
-                out["condition"] = self._condition(image, req)
-        return {k: v.contiguous() for k, v in out.items()}
+        return out
+
+    def encode_image(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        if not self.spec.needs_image:
+            return {}
+        with torch.no_grad():
+            return {"image_embeds": self._image_embeds(image),
+                    "condition": self._condition(image, req)}
 
     def _text_embeds(self, text: str, max_len: int) -> torch.Tensor:
         if self.spec.needs_image:
