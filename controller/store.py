@@ -171,6 +171,22 @@ class TaskStore:
                 f"another controller uses the task store in {self.folder}; give each "
                 "controller its own output_dir"
             ) from None
+        try:
+            conn = self._create()
+        except sqlite3.DatabaseError as exc:
+            self._lock_file.close()
+            self._lock_file = None
+            raise StoreError(
+                f"cannot open the task store {self.path}: {exc}. Move the folder "
+                f"{self.folder} aside to start with an empty store (the records of past "
+                "tasks are then lost; result files stay)"
+            ) from None
+        self._writer = threading.Thread(
+            target=self._write_loop, args=(conn,), name="task-store", daemon=True
+        )
+        self._writer.start()
+
+    def _create(self) -> sqlite3.Connection:
         conn = self._connect()
         # auto_vacuum must be chosen before the first table exists: space of pruned rows is
         # returned to the file system a little at a time (incremental_vacuum after a prune).
@@ -180,15 +196,18 @@ class TaskStore:
             "INSERT INTO meta VALUES ('schema', ?) ON CONFLICT(key) DO NOTHING",
             (str(SCHEMA_VERSION),),
         )
+        (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if version != str(SCHEMA_VERSION):
+            conn.close()
+            raise sqlite3.DatabaseError(
+                f"it has schema version {version}, this controller reads {SCHEMA_VERSION}"
+            )
         conn.execute(
             "INSERT INTO meta VALUES ('retention_s', ?) "
             "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
             (repr(self.retention_s),),
         )
-        self._writer = threading.Thread(
-            target=self._write_loop, args=(conn,), name="task-store", daemon=True
-        )
-        self._writer.start()
+        return conn
 
     def load(self) -> Restored:
         """What a restarting controller needs: every unfinished task (with its input image)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.store import StoreConflict, StoreLocked, TaskStore
+from controller.store import StoreConflict, StoreError, StoreLocked, TaskStore
 from controller.store_check import check
 from controller.tasks import RECENT_FINISHED, Stage, Task, TaskTable
 
@@ -129,6 +129,15 @@ def test_second_controller_on_the_same_store_is_refused(tmp_path: Path) -> None:
     again = TaskStore(tmp_path)
     again.open()
     again.close()
+
+
+def test_corrupt_store_is_refused_with_a_way_out(tmp_path: Path) -> None:
+    (tmp_path / "tasks.db").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match=r"Move the folder .* aside"):
+        TaskStore(tmp_path).open()
+    with pytest.raises(StoreError) as again:  # the same answer: the lock was let go
+        TaskStore(tmp_path).open()
+    assert not isinstance(again.value, StoreLocked)
 
 
 def test_accepted_task_survives_a_hard_kill_right_after_it_is_durable(tmp_path: Path) -> None:
