@@ -68,7 +68,7 @@ def start_metrics(
     metrics = ControllerMetrics(co)
     metrics.ring_status = ring_status
     metrics.pool_stats = pool_stats
-    front.app.middleware("http")(metrics.middleware)
+    front.app.add_middleware(metrics.asgi)
     if cfg.server.metric_port is None:
         return None
     return serve_metrics(metrics.registry, cfg.server.host, cfg.server.metric_port,

@@ -17,6 +17,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -51,6 +52,12 @@ def _replace_broken(broken: concurrent.futures.Executor) -> None:
     broken.shutdown(wait=False, cancel_futures=True)
 
 
+def _warm() -> None:
+    """Runs in a decoding process: importing this module imported the decoder; the pause
+    makes the pool start a process per call (it starts one only when none is idle)."""
+    time.sleep(0.2)
+
+
 def _job(value: str, max_bytes: int, max_pixels: int) -> bytes | tuple[int, str]:
     """Runs in a decoding process: the image bytes, or (status, reason) to answer with (an
     HTTPException is not sent across processes)."""
@@ -67,9 +74,12 @@ class ImageDecoder:
         self._executor = executor  # None: the shared process pool (tests may pass threads)
 
     def start(self) -> None:
-        """Start the processes now rather than on the first image (a spawn takes ~1 s)."""
+        """Start the processes and import the decoding code in them now, rather than while
+        the first images wait (a spawn and its imports take a second or more)."""
         if self._executor is None:
-            _shared_pool().submit(int).result()
+            pool = _shared_pool()
+            for fut in [pool.submit(_warm) for _ in range(WORKERS)]:
+                fut.result()
 
     async def run(self, fn: Any, *args: Any) -> Any:
         executor = self._executor or _shared_pool()

@@ -54,7 +54,7 @@ class TaskRequest(BaseModel):
         # JSON may carry lone surrogates ("\ud800"): a valid Python str, but one that
         # msgpack and the file system fail on much later. Pydantic catches them in some
         # fields only.
-        if isinstance(value, str):
+        if isinstance(value, str) and not value.isascii():  # isascii: cheap on a 1 MB image
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:

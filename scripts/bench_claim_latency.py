@@ -15,6 +15,10 @@ each controller:
   * after a quiet window, ``--requests`` POSTs with a ``--image-side``-pixel RGB noise PNG
     go out at once (httpx, all concurrent), each with its own image bytes.
 
+Each tree runs with its own dependencies: the 'before' one without httptools (it did not
+depend on it, so uvicorn parsed HTTP in pure Python; the script hides the package from it),
+the 'after' one with it.
+
 Printed per tree: claim latency p50 / p99 in the quiet window, p50 / p99 / p99.9 / max and
 claim rounds completed per second during the burst (first POST sent to last answer), how long the
 burst took, answers by status code, and the load average. The figures are medians over the
@@ -110,7 +114,8 @@ async def _burst(url: str, images: list[str]) -> tuple[float, float, dict[int, i
     return t0, t1, out
 
 
-def _controller(repo: Path, work: Path) -> tuple[subprocess.Popen[bytes], dict[str, int], Path]:
+def _controller(repo: Path, work: Path, hide_httptools: bool
+                ) -> tuple[subprocess.Popen[bytes], dict[str, int], Path]:
     ctl, req, p1, p2, http = free_ports(5)
     cfg = {
         "model_cls": "qwen_image", "task": "i2i", "output_dir": str(work / "results"),
@@ -126,7 +131,15 @@ def _controller(repo: Path, work: Path) -> tuple[subprocess.Popen[bytes], dict[s
     path = work / "controller.json"
     path.write_text(json.dumps(cfg))
     log = work / "controller.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(repo)}
+    path_ = str(repo)
+    if hide_httptools:
+        # The 'before' tree did not depend on httptools: uvicorn then parses HTTP in Python
+        # (h11). A stand-in package that fails to import gives it the same fallback here.
+        shim = work / "shim" / "httptools"
+        shim.mkdir(parents=True)
+        (shim / "__init__.py").write_text("raise ImportError('not a dependency before')\n")
+        path_ = f"{shim.parent}:{repo}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path_}
     proc = subprocess.Popen(
         [sys.executable, str(repo / "run_service.py"), "--service", "controller", "--config",
          str(path), "--log-level", "WARNING"],
@@ -155,9 +168,10 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[int(q * (len(xs) - 1))] if xs else float("nan")
 
 
-def one_round(repo: Path, images: list[str], quiet_s: float) -> dict[str, Any]:
+def one_round(repo: Path, images: list[str], quiet_s: float, hide_httptools: bool
+              ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="claimbench-") as tmp:
-        proc, ports, log = _controller(repo, Path(tmp))
+        proc, ports, log = _controller(repo, Path(tmp), hide_httptools)
         url = f"http://127.0.0.1:{ports['http']}"
         ctx = mp.get_context("spawn")
         stop, ready, q = ctx.Event(), ctx.Event(), ctx.Queue()
@@ -208,6 +222,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--image-side", type=int, default=512)
     ap.add_argument("--quiet-s", type=float, default=3.0)
+    ap.add_argument("--trees", default="before,after", help="which trees to run")
     args = ap.parse_args()
     before = Path(tempfile.mkdtemp(prefix="claimbench-before-"))
     archive = subprocess.run(["git", "archive", args.before_rev], cwd=ROOT, check=True,
@@ -218,11 +233,12 @@ def main() -> int:
     print(f"{args.requests} concurrent POSTs, {args.image_side}x{args.image_side} noise PNGs "
           f"(~{len(images[0]) * 3 // 4 // 1024} KiB each); before = {args.before_rev}, "
           f"after = working tree; {args.rounds} round(s) each", flush=True)
-    trees = {"before": before, "after": ROOT}
+    trees = {k: v for k, v in {"before": before, "after": ROOT}.items()
+             if k in args.trees.split(",")}
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
     for r in range(args.rounds):
         for name, repo in trees.items():
-            res = one_round(repo, images, args.quiet_s)
+            res = one_round(repo, images, args.quiet_s, hide_httptools=name == "before")
             results[name].append(res)
             print(f"  round {r + 1} {name:>6}: " + ", ".join(
                 f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
@@ -238,8 +254,9 @@ def main() -> int:
         codes = rs[-1]["codes"]
         print(f"| {name} | " + " | ".join(_fmt(k, med[name][k]) for k in keys)
               + f" | {codes} | {rs[-1]['load']} |")
-    print("| before / after | " + " | ".join(
-        f"{med['before'][k] / med['after'][k]:.1f}x" for k in keys) + " | | |")
+    if len(med) == 2:
+        print("| before / after | " + " | ".join(
+            f"{med['before'][k] / med['after'][k]:.1f}x" for k in keys) + " | | |")
     return 0
 
 
