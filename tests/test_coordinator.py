@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,19 @@ from controller.tasks import MAX_ATTEMPTS, Stage, Task
 REQ = {"task": "qwen_t2i", "prompt": "x"}
 
 
+_made: list[Coordinator] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores() -> Iterator[None]:
+    """Every coordinator a test made is closed after it (its store has a writer thread)."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0) -> Coordinator:
-    return Coordinator(
+    co = Coordinator(
         pipeline="qwen_t2i",
         request_ring=LocalQueue(slots, 1024),  # type: ignore[arg-type]
         output_dir=tmp_path or Path("/nonexistent"),
@@ -25,6 +37,8 @@ def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0) -> C
         max_pending=16,
         journal=(tmp_path / ".journal") if tmp_path else None,
     )
+    _made.append(co)
+    return co
 
 
 def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
