@@ -27,7 +27,8 @@ from contracts.config import ServerConfig
 from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
 from contracts.pipelines import task_spec
 from contracts.request import GenerationRequest
-from controller.auth import BodyLimit, api_key_guard
+from controller.auth import api_key_guard
+from controller.bodies import BodyLimit
 from controller.coordinator import Coordinator, QueueFull
 from controller.decoding import ImageDecoder
 from controller.events import EventHub

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response
 
+from controller.bodies import OffLoopJSONRoute
 from controller.frontdoor import FrontDoor
 from controller.schemas import (
     ImageTaskRequest,
@@ -33,7 +34,7 @@ def _front(request: Request) -> FrontDoor:
 
 
 Front = Annotated[FrontDoor, Depends(_front)]
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)
 open_router = APIRouter()
 
 

@@ -194,3 +194,39 @@ def test_images_decode_in_other_processes_that_may_die() -> None:
         assert err.value.status_code == 422 and "crashed" in str(err.value.detail)
 
     asyncio.run(main())
+
+
+def test_large_json_bodies_are_parsed_off_the_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many 1 MB bodies arriving together, parsed one after the other on the loop, would
+    hold it for all their parse times in a row: each is parsed on a worker thread, and what
+    FastAPI validates is that parse."""
+    import json
+    import threading
+
+    real = json.loads
+    parsed_on: list[str] = []
+
+    def recording_loads(data: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(data) > (1 << 20):
+            parsed_on.append(threading.current_thread().name)
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", recording_loads)
+    co = make(tmp_path, "qwen_t2i")
+    front = FrontDoor(co, status_extra=lambda: {}, service="controller", server=ServerConfig())
+    body = json.dumps({"prompt": "p", "image_path": "A" * (2 << 20), "task_id": "big"})
+
+    async def main() -> list[Any]:
+        transport = httpx.ASGITransport(app=front.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+            return list(await asyncio.gather(*(
+                client.post(kind, content=body, headers={"content-type": "application/json"})
+                for kind in ("/v1/tasks/video/", "/v1/tasks/image/"))))
+
+    video, image = asyncio.run(main())
+    assert video.status_code == 400 and "serves qwen_t2i" in video.text  # parsed, validated
+    assert image.status_code == 422 and "takes no input image" in image.text
+    assert len(parsed_on) == 2 and all(n.startswith("json-body") for n in parsed_on), parsed_on
+    front.close()
+    co.close()
