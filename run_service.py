@@ -8,9 +8,9 @@ Precedence: command line > environment > config file > defaults.
     python run_service.py --service ROLE --config FILE --check   # check, start nothing
 
 Environment: DIFFRING_CONFIG (config file), DIFFRING_MODEL_PATH, DIFFRING_DEVICE,
-DIFFRING_CLUSTER_TOKEN, MOONCAKE_CONFIG_PATH and the MOONCAKE_* overrides of the Mooncake
-config (MOONCAKE_PROTOCOL, MOONCAKE_METADATA_SERVER, MOONCAKE_DEVICE_NAME,
-MOONCAKE_LOCAL_HOSTNAME).
+DIFFRING_CLUSTER_TOKEN, DIFFRING_API_KEY (front door), MOONCAKE_CONFIG_PATH and the
+MOONCAKE_* overrides of the Mooncake config (MOONCAKE_PROTOCOL, MOONCAKE_METADATA_SERVER,
+MOONCAKE_DEVICE_NAME, MOONCAKE_LOCAL_HOSTNAME).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import sys
 
 from contracts.config import ServiceConfig
 from contracts.errors import DiffringError
+from contracts.pipelines import task_spec
 from contracts.roles import Role
+from rings.config import require_token
 
 SERVICES = ("controller", *(role.value for role in Role), "all")
 ENV_VARS = (
@@ -30,6 +32,7 @@ ENV_VARS = (
     "DIFFRING_MODEL_PATH",
     "DIFFRING_DEVICE",
     "DIFFRING_CLUSTER_TOKEN",
+    "DIFFRING_API_KEY",
     "MOONCAKE_CONFIG_PATH",
     "MOONCAKE_LOCAL_HOSTNAME",
     "MOONCAKE_METADATA_SERVER",
@@ -79,6 +82,11 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, Se
             port=args.port if args.port is not None else server.port,
             metric_port=args.metric_port if args.metric_port is not None else server.metric_port,
         )
+    if env.get("DIFFRING_API_KEY"):
+        try:
+            server = dataclasses.replace(server, api_key=env["DIFFRING_API_KEY"])
+        except DiffringError as exc:
+            raise DiffringError(f"DIFFRING_API_KEY: {exc}") from None
     changes: dict[str, object] = {"server": server}
     # Each setting: command line, else environment, else the file (already in cfg).
     for key, flag, var in (
@@ -92,6 +100,21 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, Se
     return service, dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
 
 
+def _addresses(service: str, cfg: ServiceConfig, env: dict[str, str]) -> dict[str, str]:
+    """What ``service`` binds, advertises or joins; a worker (and the controller of an
+    image pipeline) also advertises its Mooncake address to peers."""
+    out = cfg.addresses(service)
+    if service == "all" or (service == "controller" and not task_spec(cfg.pipeline).needs_image):
+        return out
+    from tensorplane.engine import MooncakeSettings
+
+    host = MooncakeSettings.resolve(cfg.mooncake_config_path, env).local_hostname
+    if host.count(":") == 1:  # host:port (etcd / http metadata)
+        host = host.split(":")[0]
+    out["mooncake local_hostname"] = host
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(
@@ -102,12 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service, cfg = build_config(args, env)
         token = cfg.disagg_config.resolve_token(env)
-        if args.check:
+        if args.check:  # reports the token (and everything else) instead of refusing
             from doctor import format_report, run_checks
 
             checks = run_checks(service, cfg, token, env)
             print(format_report(service, checks))
             return 1 if any(c.status == "fail" for c in checks) else 0
+        require_token(token, _addresses(service, cfg, env), service)
         if service == "controller":
             from controller.main import run_controller
 

@@ -21,7 +21,7 @@ from contracts.config import ServiceConfig
 from contracts.errors import ConfigError, DiffringError, StageCancelled
 from contracts.request import GenerationRequest
 from contracts.roles import Role
-from controller.app import LocalQueue, serve_http, start_metrics
+from controller.app import LocalQueue, retention_loop, serve_http, start_metrics
 from controller.coordinator import Coordinator, WorkerInfo
 from controller.frontdoor import FrontDoor
 from controller.main import run_async
@@ -134,9 +134,11 @@ class BaselineWorker:
                 pixels = self.pipeline.decoder.decode_pixels(req, lat)
             with timed(Role.DECODER, "encode_media"):
                 art = self.pipeline.decoder.encode_media(req, pixels)
-            self.on_loop(
-                self.co.on_complete, dec, tid, attempt, art.extension, art.media_type, art.data
-            )
+            # on_complete is a coroutine (the result file is written off the loop).
+            asyncio.run_coroutine_threadsafe(
+                self.co.on_complete(dec, tid, attempt, art.extension, art.media_type, art.data),
+                self.loop,
+            ).result()
         except StageCancelled as exc:
             self.on_loop(self.co.on_fail, dit, tid, attempt, str(exc), "cancelled", False)
         except Exception as exc:
@@ -170,6 +172,8 @@ async def run_all_async(
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         max_pending=cfg.max_pending_tasks,
         journal=output_dir / ".journal",
+        retention_s=cfg.task_retention_s,
+        delete_results=cfg.delete_results_after_retention,
     )
     co.restore()
     worker = BaselineWorker(cfg, co, jobs, asyncio.get_running_loop())
@@ -177,12 +181,14 @@ async def run_all_async(
         await asyncio.get_running_loop().run_in_executor(None, worker.load)
     except DiffringError:
         http_sock.close()
+        co.close()
         raise
     worker.start()
-    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all")
+    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
     metrics_server = start_metrics(
         cfg, co, front, lambda: {}, None, collectors=[worker.metrics.stage_seconds]
     )
+    retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
     log.info(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
@@ -190,10 +196,13 @@ async def run_all_async(
         await serve_http(front.app, http_sock, stop, on_stop=front.close)
     finally:
         log.info("baseline shutting down")
+        retention.cancel()
         if metrics_server is not None:
             metrics_server.shutdown()
         await asyncio.get_running_loop().run_in_executor(None, worker.close)
         http_sock.close()
+        front.close()
+        co.close()
 
 
 def run_all(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:

@@ -27,6 +27,9 @@ from typing import Final
 from contracts.config import ServiceConfig
 from contracts.errors import ConfigError
 
+# One definition, in rings (the lowest layer, which also refuses the default token).
+from rings.config import is_loopback as is_loopback
+
 WILDCARDS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
@@ -40,14 +43,6 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 def is_wildcard(host: str) -> bool:
     """True for an address that means "every interface" (fine to bind, useless to advertise)."""
     return host in WILDCARDS
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost`` (reachable from this machine only)."""
-    ip = _ip(host)
-    if ip is not None:
-        return ip.is_loopback
-    return host == "localhost" or host.endswith(".localhost")
 
 
 def split_host(hostport: str) -> str:

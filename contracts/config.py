@@ -45,11 +45,29 @@ class ServerConfig:
     """Front-door port."""
     metric_port: int | None = None
     """Prometheus metrics port of this service; None disables the metrics endpoint."""
+    api_key: str | None = None
+    """Front-door API key: when set, every request but ``GET /health`` (and the API docs)
+    must carry ``Authorization: Bearer <key>`` or gets 401. ``DIFFRING_API_KEY`` wins."""
+    max_image_pixels: int = 40_000_000
+    """Largest input image (width x height) the front door accepts; larger ones get 413
+    before they are decoded (decompression-bomb guard)."""
+    max_image_bytes: int = 32 << 20
+    """Largest input image file (after base64 decoding) the front door accepts (413)."""
 
     def __post_init__(self) -> None:
         for p in (self.port, self.metric_port):
             if p is not None and not 0 <= p <= 65535:
                 raise ConfigError(f"port {p} is out of range")
+        if self.api_key is not None and (
+            len(self.api_key) < 16 or not self.api_key.isascii() or not self.api_key.isprintable()
+            or " " in self.api_key
+        ):
+            raise ConfigError(
+                "server.api_key must be at least 16 printable ASCII characters without spaces "
+                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+        if self.max_image_pixels <= 0 or self.max_image_bytes <= 0:
+            raise ConfigError("server.max_image_pixels and max_image_bytes must be positive")
 
 
 @dataclass(frozen=True)
@@ -115,6 +133,11 @@ class ServiceConfig:
     stage to pull the outputs it staged (they live only in its pool) before it exits."""
     max_pending_tasks: int = 256
     """Front door: tasks accepted but not finished before new ones get 429."""
+    task_retention_s: float = 86400.0
+    """How long a finished task (completed, failed, cancelled) stays in the controller's task
+    store: its status and result are served until then, then it is forgotten."""
+    delete_results_after_retention: bool = False
+    """Also delete a forgotten task's result file (default: result files stay)."""
     disagg_config: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)
     """Rings and control channel (LightX2V's field names)."""
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
@@ -170,6 +193,23 @@ class ServiceConfig:
             raise ConfigError("prompt_cache_mb must be 0 (off) or a positive number of MiB")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
+        if not self.task_retention_s > 0:
+            raise ConfigError(
+                f"task_retention_s must be positive (seconds), got {self.task_retention_s}"
+            )
+
+    def addresses(self, service: str) -> dict[str, str]:
+        """The addresses ``service`` binds, advertises or joins, by config key (what the
+        development-token check looks at; see :func:`rings.config.require_token`)."""
+        d = self.disagg_config
+        out: dict[str, str] = {}
+        if service != "all":  # the baseline has no rings and no control channel
+            out["disagg_config.bootstrap_addr"] = d.bootstrap_addr
+            for ring in RING_NAMES:
+                out[f"disagg_config.rdma_{ring}_host"] = d.ring_address(ring)[0]
+        if service in ("controller", "all") or self.server.metric_port is not None:
+            out["server.host"] = self.server.host
+        return out
 
     @property
     def pipeline(self) -> str:

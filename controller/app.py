@@ -21,6 +21,7 @@ from contracts.pipelines import task_spec
 from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
 from controller.metrics import ControllerMetrics
+from controller.store import prune_interval
 from controller.tasks import Task
 from rings.inspect import snapshot
 from rings.payload import encode_body
@@ -74,7 +75,7 @@ def start_metrics(
         metrics.registry.register(collector)
     metrics.ring_status = ring_status
     metrics.pool_stats = pool_stats
-    front.app.middleware("http")(metrics.middleware)
+    front.app.add_middleware(metrics.asgi)
     if cfg.server.metric_port is None:
         return None
     def ready() -> tuple[bool, dict[str, Any]]:
@@ -94,6 +95,24 @@ async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> 
                 extra()
         except Exception:  # the sweeper must outlive any single failure
             log.exception("sweep failed")
+
+
+async def retention_loop(co: Coordinator, retention_s: float) -> None:
+    """Forget finished tasks past the retention window, every ``prune_interval``."""
+    interval = prune_interval(retention_s)
+    while True:
+        try:
+            fut = co.table.prune()
+            if fut is None:
+                return
+            gone = await asyncio.wrap_future(fut)
+            co.table.pruned(gone)
+            if gone:
+                log.info("task store: forgot %s finished task(s) older than %g s",
+                         ", ".join(f"{n} {s}" for s, n in gone.items()), retention_s)
+        except Exception:  # retention must outlive a failed prune (retried next time)
+            log.exception("task store: prune failed")
+        await asyncio.sleep(interval)
 
 
 def _ring_status(rings: Any) -> dict[str, Any]:
@@ -129,16 +148,23 @@ async def run_controller_async(
         stage_image=images.stage if images else None,
         release_image=images.release if images else None,
         journal=output_dir / ".journal",
+        retention_s=cfg.task_retention_s,
+        delete_results=cfg.delete_results_after_retention,
     )
     co.restore()
     control = ControlServer(co, d.bootstrap_addr, d.control_port, token)
     metrics_server = None
+    front = None
     try:
         await control.start()
-        front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller")
+        front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller",
+                          server=cfg.server)
+        if images is not None:  # start the decoding processes before the first image
+            await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)
         metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
                                        images.pool.stats if images else None, stop)
         sweeper = asyncio.create_task(_sweeper(co, images.reclaim if images else None))
+        retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
         log.info(
             "controller ready: pipeline=%s http://%s:%d rings=%s control=%d",
             cfg.pipeline,
@@ -149,12 +175,16 @@ async def run_controller_async(
         )
         await serve_http(front.app, http_sock, stop, on_stop=front.close)
         sweeper.cancel()
+        retention.cancel()
     finally:
         log.info("controller shutting down")
         if metrics_server is not None:
             metrics_server.shutdown()
         await control.close()
         await rings.close()
+        if front is not None:
+            front.close()
+        co.close()
         if images is not None:
             images.close()
         http_sock.close()

@@ -3,12 +3,16 @@
 It owns the task table, the controller's own handle on the request ring, the worker
 registry, and the result folder. The front door calls ``submit`` / ``cancel``; the control
 server calls the ``on_*`` handlers; a sweeper calls ``sweep`` periodically. Everything runs
-on the event-loop thread.
+on the event-loop thread, except what would block it: result files are written on the
+``io`` thread pool (:meth:`Coordinator.on_complete` awaits them), and the task store writes
+on its own thread (:mod:`controller.store`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +22,7 @@ from typing import Any
 
 from contracts.errors import DiffringError
 from contracts.roles import Role
+from controller.store import StoreError
 from controller.tasks import TERMINAL, Stage, Task, TaskTable
 from rings.ring import Ring
 
@@ -78,6 +83,8 @@ class Coordinator:
         stage_image: Callable[[bytes], dict[str, Any]] | None = None,
         release_image: Callable[[Task], None] | None = None,
         journal: Path | None = None,
+        retention_s: float = 86400.0,
+        delete_results: bool = False,
     ) -> None:
         self.pipeline = pipeline
         self.request_ring = request_ring
@@ -87,7 +94,11 @@ class Coordinator:
         self.max_pending = max_pending
         self.stage_image = stage_image
         self.release_image = release_image
-        self.table = TaskTable(journal)
+        self.table = TaskTable(journal, retention_s=retention_s, delete_results=delete_results)
+        self.io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="results")
+        """Result-file writes: off the loop that serves the ring verbs and the control channel."""
+        self._completing: dict[str, asyncio.Future[None]] = {}
+        """Completions being written, by task: a second one waits for the first to end."""
         self.workers: dict[int, WorkerInfo] = {}
         self._next_worker = 1
         self._requeue: collections.deque[str] = collections.deque()
@@ -123,6 +134,11 @@ class Coordinator:
             self._requeue.append(task.task_id)
         self._drain_requeue()
         return len(unfinished)
+
+    def close(self) -> None:
+        """Finish pending result writes and close the task store (commits what is queued)."""
+        self.io.shutdown(wait=True)
+        self.table.close()
 
     # -- front door ------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
@@ -252,7 +268,7 @@ class Coordinator:
         log.info("task %s stage=%s from worker=%s", task_id, task.stage.value, worker.name)
         self._emit("handoff", task)
 
-    def on_complete(
+    async def on_complete(
         self,
         worker: WorkerInfo,
         task_id: str,
@@ -261,26 +277,50 @@ class Coordinator:
         media_type: str,
         data: bytes,
     ) -> bool:
+        """Write the result file (on ``io``), record the completion, and answer once it is
+        durable. Completions of one task are serialised: a second one waits for the first
+        and is refused if it won, so a result file is only ever written by the winner."""
         worker.tasks.discard(task_id)
+        while (running := self._completing.get(task_id)) is not None:
+            await asyncio.wait([running])  # then look again: it may have completed the task
         task = self.table.get(task_id)
         if task is None or task.stage in TERMINAL:
             return False
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._completing[task_id] = done
+        try:
+            return await self._complete(worker, task, attempt, extension, media_type, data)
+        finally:
+            del self._completing[task_id]
+            done.set_result(None)
+
+    async def _complete(
+        self, worker: WorkerInfo, task: Task, attempt: int, extension: str, media_type: str,
+        data: bytes,
+    ) -> bool:
         path = self.result_path(task, extension)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.io, _write_result, path, data)
+        if task.stage in TERMINAL:  # cancelled (or failed) while the file was written
+            await loop.run_in_executor(self.io, _remove, path)
+            return False
         accepted = self.table.complete(task, str(path), media_type)
         if accepted:
             log.info(
                 "task %s stage=completed worker=%s attempt=%d result=%s (%d bytes)",
-                task_id,
+                task.task_id,
                 worker.name,
                 attempt,
                 path,
                 len(data),
             )
             self._emit("completed", task)
+            durable = self.table.flush()
+            if durable is not None:
+                try:
+                    await asyncio.wrap_future(durable)
+                except StoreError as exc:  # the result stands; only its record is at risk
+                    log.error("task %s: completion not recorded durably: %s", task.task_id, exc)
         return accepted
 
     def result_path(self, task: Task, extension: str) -> Path:
@@ -377,3 +417,14 @@ class Coordinator:
         for w in self.workers.values():
             out.setdefault(w.role, []).append(w.public())
         return out
+
+
+def _write_result(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)

@@ -197,11 +197,18 @@ class LocalGroup:
             time.sleep(0.1)
         raise TimeoutError(f"front door {self.url} did not answer within {timeout} s")
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of this group's front door sends (its API key, if it has one)."""
+        key = self.env.get("DIFFRING_API_KEY") or self.config["server"].get("api_key")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def wait_workers(self, counts: Mapping[str, int], timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            status = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()
+            status = httpx.get(f"{self.url}/v1/service/status", timeout=5,
+                               headers=self.headers).json()
             have = {r: len(ws) for r, ws in status["workers"].items()}
             if all(have.get(r, 0) >= n for r, n in counts.items()):
                 return

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.metrics import DURATION_BUCKETS, CallbackCollector, Sample
 from contracts.roles import Role
@@ -126,17 +125,30 @@ class ControllerMetrics:
             yield ("diffring_staging_pool_capacity_bytes", "Capacity of the staging pool",
                    {"role": "controller"}, float(st.capacity))
 
-    async def middleware(
-        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        t0 = time.monotonic()
-        code = 500
-        try:
-            response = await call_next(request)
-            code = response.status_code
-            return response
-        finally:
-            route = request.scope.get("route")
-            endpoint = getattr(route, "path", "unmatched")
-            self.requests.labels(endpoint, request.method, str(code)).inc()
-            self.request_seconds.labels(endpoint).observe(time.monotonic() - t0)
+    def asgi(self, app: ASGIApp) -> ASGIApp:
+        """The front door's requests counted and timed, as a plain ASGI middleware (Starlette's
+        ``BaseHTTPMiddleware`` re-streams every request body through extra tasks, which
+        costs the event loop — it also serves the ring verbs — dearly on 1 MB uploads)."""
+
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            t0 = time.monotonic()
+            code = 500
+
+            async def send_status(message: Message) -> None:
+                nonlocal code
+                if message["type"] == "http.response.start":
+                    code = int(message["status"])
+                await send(message)
+
+            try:
+                await app(scope, receive, send_status)
+            finally:
+                route = scope.get("route")  # set by the router on the shared scope
+                endpoint = getattr(route, "path", "unmatched")
+                self.requests.labels(endpoint, scope.get("method", "?"), str(code)).inc()
+                self.request_seconds.labels(endpoint).observe(time.monotonic() - t0)
+
+        return middleware

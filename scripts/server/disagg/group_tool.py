@@ -279,7 +279,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.timeout
     metrics_deadline: float | None = None
-    client = httpx.Client(timeout=2.0, trust_env=False)
+    # The readiness check reads /v1/service/status, which is behind the API key if any.
+    key = os.environ.get("DIFFRING_API_KEY")
+    client = httpx.Client(timeout=2.0, trust_env=False,
+                          headers={"Authorization": f"Bearer {key}"} if key else {})
 
     def mark(key: str, msg: str) -> None:
         if key not in done:
