@@ -9,6 +9,7 @@ Nobody invents a new root.
 
     DiffringError
     ├── ConfigError                 bad or unknown configuration
+    │   └── PreflightFailed         an advertised address does not work (which, and why)
     ├── VerbsError                  a one-sided verb could not be executed
     │   ├── VerbRangeError          out-of-region offset/length (peer asked for it)
     │   ├── VerbAlignmentError      atomic on an address that is not 8-byte aligned
@@ -65,6 +66,7 @@ __all__ = [
     "ModelLoadError",
     "PayloadCorrupt",
     "PayloadTooLarge",
+    "PreflightFailed",
     "RingEmpty",
     "RingError",
     "RingFull",
@@ -78,6 +80,11 @@ __all__ = [
     "VerbRangeError",
     "VerbsError",
 ]
+
+
+class PreflightFailed(ConfigError):
+    """A service's transport preflight failed: the address it advertises cannot be reached
+    (or used) the way its peers will use it. The message names the address and what failed."""
 
 
 class ControlRefused(DiffringError):

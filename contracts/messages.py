@@ -14,6 +14,11 @@ Ring payloads
   checksum, release word); ``producer`` the producing worker's name (for error messages).
 
 Control channel (worker -> controller; every request gets one reply with the same ``seq``)
+    preflight {role, name, endpoints: [{what, host, port}]}
+                                                    -> {checked: [{what, host, port, seconds}]}
+              the controller opens a TCP connection to each endpoint the worker advertises
+              (its Mooncake segment) and refuses (ok: False, error naming the address and
+              what failed) when one cannot be reached; sent before register
     register  {role, name, pid, pipeline, segment}  -> {worker_id, heartbeat_interval_s,
                                                           lease_timeout_s}
     heartbeat {tasks: [task_id], staged: [[task_id, attempt]]}
@@ -60,6 +65,7 @@ class Kind(enum.StrEnum):
 
 
 class Op(enum.StrEnum):
+    PREFLIGHT = "preflight"
     REGISTER = "register"
     HEARTBEAT = "heartbeat"
     CLAIM = "claim"

@@ -17,6 +17,7 @@ from typing import Any
 
 from contracts.messages import CONTROL_RING, Op
 from controller.coordinator import ControlError, Coordinator, WorkerInfo
+from controller.preflight import connect_back
 from rings import wire
 from rings.ports import bind_error
 
@@ -71,11 +72,12 @@ class ControlServer:
         join = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
         cnonce = join.get("client_nonce")
         ring = join.get("ring")
+        mac = join.get("mac")
         error = None
         if not isinstance(cnonce, bytes) or ring != CONTROL_RING:
-            error = f"this port is the control channel, peer asked for {ring!r}"
-        elif not wire.hmac.compare_digest(
-            join.get("mac") or b"", wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
+            error = f"this port is the control channel, peer asked for {str(ring)[:64]!r}"
+        elif not isinstance(mac, bytes) or not wire.hmac.compare_digest(
+            mac, wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
         ):
             error = (
                 "authentication failed: the worker did not prove the cluster token "
@@ -116,7 +118,13 @@ class ControlServer:
                 msg = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
                 seq = msg.get("seq")
                 try:
-                    reply, worker = self._dispatch(msg, worker)
+                    # The two ops that await (connections, a file write) are not in _dispatch.
+                    if msg.get("op") == Op.PREFLIGHT:
+                        reply = await connect_back(msg, f"{self.host}:{self.port}")
+                    elif msg.get("op") == Op.COMPLETE and worker is not None:
+                        reply = await self._complete(msg, worker)
+                    else:
+                        reply, worker = self._dispatch(msg, worker)
                     out = {"seq": seq, "ok": True, **reply}
                 except (ControlError, KeyError, TypeError, ValueError) as exc:
                     out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
@@ -135,6 +143,16 @@ class ControlServer:
             log.warning("control: dropping a peer after a malformed message: %s", exc)
         except asyncio.CancelledError:
             reason = "controller shutting down"
+        except Exception as exc:
+            # Whatever a peer sends must not escape as an unhandled error; msgpack alone
+            # raises TypeError (unhashable keys) besides ValueError. A registered worker's
+            # failure may be ours, so it keeps its traceback.
+            if worker is None:
+                log.warning("control: dropping %s after a malformed message: %s: %s",
+                            writer.get_extra_info("peername"), type(exc).__name__, exc)
+            else:
+                log.exception("control: dropping worker %s", worker.name)
+                reason = f"control connection failed: {type(exc).__name__}: {exc}"
         finally:
             self._conns.discard(task)
             if worker is not None:
@@ -142,6 +160,17 @@ class ControlServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _complete(self, msg: dict[str, Any], worker: WorkerInfo) -> dict[str, Any]:
+        accepted = await self.coordinator.on_complete(
+            worker,
+            str(msg["task_id"]),
+            int(msg["attempt"]),
+            str(msg["extension"]),
+            str(msg["media_type"]),
+            bytes(msg["data"]),
+        )
+        return {"accepted": accepted}
 
     def _dispatch(
         self, msg: dict[str, Any], worker: WorkerInfo | None
@@ -184,16 +213,6 @@ class ControlServer:
         if op == Op.HANDOFF:
             co.on_handoff(worker, str(msg["task_id"]), int(msg["attempt"]))
             return {}, worker
-        if op == Op.COMPLETE:
-            accepted = co.on_complete(
-                worker,
-                str(msg["task_id"]),
-                int(msg["attempt"]),
-                str(msg["extension"]),
-                str(msg["media_type"]),
-                bytes(msg["data"]),
-            )
-            return {"accepted": accepted}, worker
         if op == Op.FAIL:
             co.on_fail(
                 worker,

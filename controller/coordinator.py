@@ -3,68 +3,23 @@
 It owns the task table, the controller's own handle on the request ring, the worker
 registry, and the result folder. The front door calls ``submit`` / ``cancel``; the control
 server calls the ``on_*`` handlers; a sweeper calls ``sweep`` periodically. Everything runs
-on the event-loop thread, so each handler sees the table, the registry and (over tcp) the
-ring memory at one instant.
+on the event-loop thread, except what would block it: result files are written on the
+``io`` thread pool (:meth:`Coordinator.on_complete` awaits them), and the task store writes
+on its own thread (:mod:`controller.store`). So each handler sees the table, the registry and
+(over tcp) the ring memory at one instant.
 
 Ownership without gaps
 ----------------------
 At every instant each unfinished task is owned by the controller, by a ring slot, or by a
 worker's lease, and the owner is what puts it back in play when it fails:
 
-============================  ======================================  ====================
-stage (``controller.tasks``)  owner                                   if the owner fails
-============================  ======================================  ====================
-accepted                      the controller (``_requeue``)           journal (restart)
-queued / phase1 / phase2      an item of the current attempt in the   reconciliation
-                              stage's ring (``WAITING_RING``)
-encoding / denoising /        the lease of the worker that claimed    connection drop or
-decoding                      it                                      lease expiry
-============================  ======================================  ====================
-
-The windows, one by one:
-
-1. *Accepted, then queued.* ``submit`` journals the task, pushes it to the request ring and
-   marks it queued in one turn of the event loop; a full ring leaves it accepted in
-   ``_requeue`` (pushed at a later sweep). A retry does the same.
-2. *Popped, claim not yet heard.* A consumer's pop frees the slot before its ``claim``
-   message leaves, so for a moment nothing names the task. The gap is closed by
-   reconciliation (:meth:`Coordinator.reconcile`): every sweep the controller reads the rings
-   it hosts (:mod:`controller.reconcile`) and lists the (task, attempt) of every item a
-   consumer can still get. A task in a waiting stage, with no lease, whose current attempt
-   is in no such slot, is *missing*; missing for ``lease_timeout_s`` -- the implicit lease of
-   whoever popped it -- it is put back in play (a system fault: not counted). The popper, if
-   it lives, then claims an old attempt and is refused. The same check catches every other
-   way an item leaves its ring unclaimed: a consumer killed holding the slot (the host frees
-   it), a claim timed out, a payload corrupted so badly it cannot name its task.
-3. *Dropped item.* A worker that pops an item it cannot run (corrupt, wrong kind, malformed)
-   reports it (``dropped``). An item that names the task's current attempt, waiting for that
-   worker's role, puts the task back in play at once; one that names nothing is left to 2.
-4. *Claimed: the lease.* From the claim to the handoff, completion or failure, the task is
-   the worker's. A dropped control connection (crash, network) revokes all its leases at
-   once (``on_gone``); a worker that stops heartbeating (hung, SIGSTOPped) loses them when they
-   expire (``sweep``). The attempt number then fences the old holder: its progress, handoff,
-   failure and result are refused, so a zombie never completes a task twice.
-5. *Published, handoff in flight.* A producer publishes to the next ring, then reports the
-   handoff: meanwhile both its lease and the slot name the task (an overlap, not a gap). The
-   next stage may claim first (``CLAIMABLE_FROM``); the late handoff is then ignored. A
-   producer dying here loses its lease (4): the task is retried and the published item,
-   now of an old attempt, is refused at its claim.
-6. *Handed off, then the producer dies.* The item names buffers that died with it: the
-   consumer's pull fails, reports ``fault: transfer``, and the task is retried; a producer
-   that is gone does not count against the task.
-7. *Controller restart.* The rings live in the controller's memory and die with it, and
-   leases die with its connections. The journal brings back every accepted task, the
-   unfinished ones as accepted in a new attempt (1), queued before the control channel
-   opens; workers' old jobs fail on their dead connections and they register again.
-
-Each task put back in play is charged to its retry budget by the cause of the ended attempt
-(:mod:`controller.budget`): only failures the task causes count, and a task that keeps
-killing the workers that take it is quarantined as poison.
-"""
+============================  ======================================  ============="""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -77,6 +32,7 @@ from contracts.messages import Fault
 from contracts.roles import Role
 from controller.budget import Cause, RetryBudget
 from controller.reconcile import Census, MissingTracker
+from controller.store import StoreError
 from controller.tasks import CLAIMABLE_FROM, TERMINAL, Stage, Task, TaskTable
 from rings.ring import Ring
 
@@ -118,6 +74,7 @@ class WorkerInfo:
             "connected_at": self.connected_at,
             "last_heartbeat": self.last_heartbeat,
             "current_tasks": sorted(self.tasks),
+            "segment": self.segment,
         }
 
 
@@ -139,6 +96,8 @@ class Coordinator:
         max_task_failures: int = 3,
         poison_worker_deaths: int = 3,
         census: Callable[[], Census] | None = None,
+        retention_s: float = 86400.0,
+        delete_results: bool = False,
     ) -> None:
         self.pipeline = pipeline
         self.request_ring = request_ring
@@ -148,7 +107,11 @@ class Coordinator:
         self.max_pending = max_pending
         self.stage_image = stage_image
         self.release_image = release_image
-        self.table = TaskTable(journal)
+        self.table = TaskTable(journal, retention_s=retention_s, delete_results=delete_results)
+        self.io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="results")
+        """Result-file writes: off the loop that serves the ring verbs and the control channel."""
+        self._completing: dict[str, asyncio.Future[None]] = {}
+        """Completions being written, by task: a second one waits for the first to end."""
         self.workers: dict[int, WorkerInfo] = {}
         self._next_worker = 1
         self._requeue: collections.deque[str] = collections.deque()
@@ -193,6 +156,11 @@ class Coordinator:
             self._requeue.append(task.task_id)
         self._drain_requeue()
         return len(unfinished)
+
+    def close(self) -> None:
+        """Finish pending result writes and close the task store (commits what is queued)."""
+        self.io.shutdown(wait=True)
+        self.table.close()
 
     # -- front door ------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
@@ -329,7 +297,7 @@ class Coordinator:
         log.info("task %s stage=%s from worker=%s", task_id, task.stage.value, worker.name)
         self._emit("handoff", task)
 
-    def on_complete(
+    async def on_complete(
         self,
         worker: WorkerInfo,
         task_id: str,
@@ -338,7 +306,12 @@ class Coordinator:
         media_type: str,
         data: bytes,
     ) -> bool:
+        """Write the result file (on ``io``), record the completion, and answer once it is
+        durable. Completions of one task are serialised: a second one waits for the first
+        and is refused if it won, so a result file is only ever written by the winner."""
         worker.tasks.discard(task_id)
+        while (running := self._completing.get(task_id)) is not None:
+            await asyncio.wait([running])  # then look again: it may have completed the task
         task = self._held(worker, task_id, attempt)
         if task is None:
             # Completed already, or this worker's lease ran out and the task is another
@@ -346,22 +319,42 @@ class Coordinator:
             log.info("task %s: result of attempt %d from %s refused (not its lease)",
                      task_id, attempt, worker.name)
             return False
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._completing[task_id] = done
+        try:
+            return await self._complete(worker, task, attempt, extension, media_type, data)
+        finally:
+            del self._completing[task_id]
+            done.set_result(None)
+
+    async def _complete(
+        self, worker: WorkerInfo, task: Task, attempt: int, extension: str, media_type: str,
+        data: bytes,
+    ) -> bool:
         path = self.result_path(task, extension)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.io, _write_result, path, data)
+        if task.stage in TERMINAL or not self.table.holds(task, attempt, worker.worker_id):
+            # Cancelled, failed or its lease lost while the file was written: not a result.
+            await loop.run_in_executor(self.io, _remove, path)
+            return False
         accepted = self.table.complete(task, str(path), media_type)
         if accepted:
             log.info(
                 "task %s stage=completed worker=%s attempt=%d result=%s (%d bytes)",
-                task_id,
+                task.task_id,
                 worker.name,
                 attempt,
                 path,
                 len(data),
             )
             self._emit("completed", task)
+            durable = self.table.flush()
+            if durable is not None:
+                try:
+                    await asyncio.wrap_future(durable)
+                except StoreError as exc:  # the result stands; only its record is at risk
+                    log.error("task %s: completion not recorded durably: %s", task.task_id, exc)
         return accepted
 
     def result_path(self, task: Task, extension: str) -> Path:
@@ -532,3 +525,14 @@ class Coordinator:
         for w in self.workers.values():
             out.setdefault(w.role, []).append(w.public())
         return out
+
+
+def _write_result(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)

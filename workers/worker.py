@@ -31,11 +31,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from contracts import faults
+from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
 from contracts.errors import (
     ConnectionLost,
@@ -46,7 +48,7 @@ from contracts.errors import (
     StageError,
 )
 from contracts.messages import Fault, Op
-from contracts.metrics import serve_metrics
+from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.roles import ROLE_RINGS, Role
 from rings.ring import Ring
 from rings.verbs import connect
@@ -54,9 +56,11 @@ from tensorplane.descriptor import TensorDescriptor
 from tensorplane.engine import MooncakeSettings, TransferEngine
 from tensorplane.handoff import pull_tensors
 from tensorplane.pool import StagingPool
+from workers import preflight
 from workers.control import ControlClient
 from workers.metrics import WorkerMetrics
 from workers.models.base import StageAdapter
+from workers.models.components import check_stage_folder
 from workers.triage import check_item, describe_failure
 
 log = logging.getLogger("diffring.worker")
@@ -134,6 +138,7 @@ class StageWorker:
         self.tasks_done = 0
         self.metrics = WorkerMetrics(self.role.value)
         self._metrics_server: Any = None
+        self.registered = False  # over the current control connection (readiness)
 
     @contextlib.contextmanager
     def timed(self, step: str) -> Iterator[None]:
@@ -143,25 +148,44 @@ class StageWorker:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Load the model, start Mooncake, join the rings and register with the controller."""
+        """Cheap checks (advertised address, model folder); Mooncake and pool; transport
+        preflight (:mod:`workers.preflight`), all before the model load, which takes minutes
+        for a real checkpoint; model; rings and register."""
         srv = self.cfg.server
         if srv.metric_port is not None:
             self._metrics_server = serve_metrics(
-                self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker"
+                self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker",
+                probes={READY_PATH: self._ready, LIVE_PATH: lambda: (True, self._probe_info())},
             )
         if self.cfg.torch_threads is not None:
             import torch
 
             torch.set_num_threads(self.cfg.torch_threads)
-        self.load_model()
-        settings = MooncakeSettings.resolve(self.cfg.mooncake_config_path, self.env)
+        own = default_advertised_host(self.cfg, controller=False)
+        check_stage_folder(Path(self.model_path()), self.cfg.pipeline, self.role.value)
+        settings = MooncakeSettings.resolve(
+            self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own}
+        )
         self.engine = TransferEngine(settings)
         self.engine.start()
         self.pool = StagingPool(self.cfg.staging_pool_mb << 20, device=self.pool_device())
         self.pool.start(self.engine)
         self.metrics.watch_pool(self.pool.stats)
+        preflight.check_on_paper(self.engine, self.cfg.disagg_config.bootstrap_addr, self.name)
         self.state = State.RUNNING
+        self._connect_retrying(  # the controller connects back, before the model load
+            lambda: preflight.connect_back(self.control, self.engine, self.role, self.name, True)
+        )
+        preflight.loopback_read(self.engine, self.pool, self.name)
+        self.load_model()
         self._connect_retrying()
+
+    def _probe_info(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state.value, "registered": self.registered}
+
+    def _ready(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: registered and pulling (not starting, reconnecting or draining)."""
+        return self.registered and self.state == State.RUNNING, self._probe_info()
 
     def _connect(self) -> None:
         """Join the rings and register with the controller; start heartbeating."""
@@ -170,6 +194,7 @@ class StageWorker:
         if out_name is not None:
             self.out_ring = self._join(out_name)
         self.control.connect(self.role.value)
+        preflight.connect_back(self.control, self.engine, self.role, self.name)
         reply = self.control.call(
             Op.REGISTER,
             role=self.role.value,
@@ -179,6 +204,7 @@ class StageWorker:
             segment=self.engine.session_id,
         )
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        self.registered = True
         self.start_heartbeats()
         log.info(
             "worker %s ready: pipeline=%s in=%s out=%s segment=%s transport=%s",
@@ -191,6 +217,7 @@ class StageWorker:
         )
 
     def _disconnect(self) -> None:
+        self.registered = False
         self._hb_stop.set()
         self.control.close()
         for ring in (self.in_ring, self.out_ring):
@@ -200,8 +227,9 @@ class StageWorker:
         if self._hb is not None:
             self._hb.join(timeout=5)
 
-    def _connect_retrying(self) -> None:
-        """Connect, waiting up to ``reconnect_timeout_s`` for the controller to (re)appear.
+    def _connect_retrying(self, connect: Callable[[], None] | None = None) -> None:
+        """Connect (``connect``, default: join and register), waiting up to
+        ``reconnect_timeout_s`` for the controller to (re)appear.
 
         A controller restart drops every ring and control connection; the worker keeps its
         model and Mooncake state, reconnects, registers again and goes on pulling.
@@ -210,7 +238,7 @@ class StageWorker:
         delay = 0.2
         while True:
             try:
-                self._connect()
+                (connect or self._connect)()
                 return
             except (ConnectionLost, HandshakeError) as exc:
                 if isinstance(exc, HandshakeError) and not isinstance(
@@ -256,6 +284,7 @@ class StageWorker:
 
     def close(self) -> None:
         self.state = State.STOPPED
+        self.registered = False
         self._wake.set()
         self._hb_stop.set()
         try:
@@ -298,12 +327,24 @@ class StageWorker:
                 else:
                     self._wake.wait(idle)
                     idle = min(idle * 2, IDLE_BACKOFF_MAX_S)
+            self._wait_staged_pulled()
         except DiffringError as exc:
             log.error("worker %s: fatal: %s", self.name, exc)
             self.report_fatal(str(exc))
             raise
         finally:
             self.state = State.STOPPED
+
+    def _wait_staged_pulled(self) -> None:
+        """Draining: the outputs this worker staged live only in its pool until the next
+        stage pulls them, so stay (heartbeating, claiming nothing) until the controller says
+        they are no longer needed, or ``drain_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.staged and time.monotonic() < deadline and self._hb and self._hb.is_alive():
+            time.sleep(0.05)
+        if self.staged:
+            log.warning("worker %s: exiting with %d task(s) not pulled yet: %s", self.name,
+                        len(self.staged), sorted(t for t, _a in self.staged))
 
     # -- heartbeats ----------------------------------------------------------------------------
     def start_heartbeats(self) -> None:

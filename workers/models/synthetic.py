@@ -352,6 +352,12 @@ class SyntheticTransformer(_SyntheticStage, TransformerAdapter):
         return out
 
 
+    def warmup_inputs(self, req: GenerationRequest, variant: int) -> dict[str, torch.Tensor]:
+        arrays = {name: _make(spec, variant, "phase1", name)
+                  for name, spec in self.cfg.phase1.items()}
+        return self._to_device(arrays, self.cfg.phase1)
+
+
 class SyntheticDecoder(_SyntheticStage, DecoderAdapter):
     """Decoder stage: a ``height`` x ``width`` gradient picture from the seed and the phase2
     bytes, after ``decoder_s`` (PNG encoding included)."""
@@ -370,11 +376,22 @@ class SyntheticDecoder(_SyntheticStage, DecoderAdapter):
         rgb = np.stack([x * a + d0, y * b + d1, (x + y) * c + d2], axis=-1) % 256
         return rgb.astype(np.uint8)
 
-    def decode_float(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
-                     ) -> np.ndarray:
+    def decode_tensor(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+                      ) -> torch.Tensor:
+        import torch
+
         self._require_loaded()
-        out: np.ndarray = self.pixels(req, tensors).astype(np.float32) / 255
-        return out
+        return torch.from_numpy(self.pixels(req, tensors).astype(np.float32) / 255)
+
+    def decode_pixels(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+                      ) -> np.ndarray:
+        """The decoder's critical path when it writes files in the background
+        (``encode_queue``): ``decoder_s``, the PNG written afterwards off that path."""
+        self._require_loaded()
+        deadline = time.monotonic() + self.cfg.decoder_s
+        pixels = self.pixels(req, tensors)
+        self._spend(deadline)
+        return pixels
 
     def decode(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]) -> Artifact:
         self._require_loaded()
