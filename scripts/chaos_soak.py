@@ -23,8 +23,8 @@ It ends with one line::
     kills=… restarts=… seconds=…
 
 OK means: every accepted task completed exactly once (one result file, one completion in
-the journal, one completion logged by the controllers), none failed or lost, every live
-worker's staging pool back to 0 bytes in use, and the journal compacted to a bounded size.
+the task store, one completion logged by the controllers), none failed or lost, every live
+worker's staging pool back to 0 bytes in use, and the task store within a bounded size.
 Exit status 0 only when OK. Every process it starts, it stops, by pid.
 """
 

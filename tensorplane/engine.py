@@ -385,7 +385,7 @@ class TransferEngine:
         tensor: str | None = None,
     ) -> None:
         """Copy ``nbytes`` from the peer's ``remote_addr`` into local ``local_addr``."""
-        if faults.ON:
+        if faults.ON and task_id is not None:  # a task's read (not the start-up probe's)
             faults.hit("transfer.read", lambda why: TransferFailed(
                 f"mooncake read of {nbytes} bytes failed ({why})", nbytes=nbytes,
                 task_id=task_id, tensor=tensor, peer=peer_session))

@@ -137,7 +137,8 @@ def pull_tensors(
         if d.nbytes:
             _pull_one(engine, pool, d, tensor, task_id, alloc_timeout)
         out[d.name] = tensor
-        faults.hit("transfer.pull")
+        if task_id is not None:  # a task's pull (the preflight's probe read has no task)
+            faults.hit("transfer.pull")
     if release:
         pool.release_producers(engine, descs, task_id=task_id)
     return out
