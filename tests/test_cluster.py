@@ -291,6 +291,7 @@ def test_worker_exits_when_nothing_to_advertise(tmp_path: Path) -> None:
     path.write_text(json.dumps({"server": {"host": "0.0.0.0"}, "model_path": str(tmp_path),
                                 "disagg_config": {"bootstrap_addr": "ctl.invalid"}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    env["DIFFRING_CLUSTER_TOKEN"] = "a-real-secret-" + "x" * 32  # past the token check
     out = subprocess.run([sys.executable, "run_service.py", "--service", "encoder", "--config",
                           str(path)], capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=120)
