@@ -18,15 +18,24 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from contracts.config import ServiceConfig
-from contracts.errors import ConfigError, DiffringError, StageCancelled
+from contracts.errors import (
+    ConfigError,
+    DiffringError,
+    InvalidRequestError,
+    StageCancelled,
+    StageInputError,
+)
+from contracts.messages import Fault
 from contracts.request import GenerationRequest
 from contracts.roles import Role
-from controller.app import LocalQueue, serve_http, start_metrics
+from controller.app import LocalQueue, retention_loop, serve_http, start_metrics
 from controller.coordinator import Coordinator, WorkerInfo
 from controller.frontdoor import FrontDoor
 from controller.main import run_async
 from rings.ports import bind_socket
+from workers.metrics import WorkerMetrics
 from workers.models import LocalPipeline
+from workers.roles import video_settings
 
 log = logging.getLogger("diffring.baseline")
 T = TypeVar("T")
@@ -43,8 +52,11 @@ class BaselineWorker:
         self.cfg = cfg
         self.pipeline = LocalPipeline(
             cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend,
+            compile=cfg.compile, cfg_batch=cfg.cfg_batch, video=video_settings(cfg),
             prompt_cache_bytes=cfg.prompt_cache_mb << 20,
         )
+        # The workers' stage-time histogram, so that benchmarks read both modes alike.
+        self.metrics = WorkerMetrics(Role.DECODER.value)
         self.co = co
         self.jobs = jobs
         self.loop = loop
@@ -70,6 +82,10 @@ class BaselineWorker:
 
             torch.set_num_threads(self.cfg.torch_threads)
         self.pipeline.load()
+        if self.cfg.warmup_shapes:
+            seconds = self.pipeline.transformer.warm_up(self.cfg.warmup_shapes)
+            log.info("baseline: warm-up of %s took %.1f s (compile=%s)",
+                     ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
 
     def start(self) -> None:
         self.load()
@@ -107,19 +123,29 @@ class BaselineWorker:
             if self.on_loop(self.co.on_progress, dit, tid, attempt, k, n):
                 stop.set()
 
+        def timed(role: Role, step: str = "compute") -> Any:
+            return self.metrics.timed(role.value, step)
+
         try:
-            cond = self.pipeline.encoder.encode(req, image)
+            with timed(Role.ENCODER):
+                cond = self.pipeline.encoder.encode(req, image)
             self.on_loop(self.co.on_handoff, enc, tid, attempt)
             if not self.on_loop(self.co.on_claim, dit, tid, attempt)[0]:
                 return
-            lat = self.pipeline.transformer.denoise(req, cond, on_step, stop.is_set)
+            with timed(Role.TRANSFORMER):
+                lat = self.pipeline.transformer.denoise(req, cond, on_step, stop.is_set)
             self.on_loop(self.co.on_handoff, dit, tid, attempt)
             if not self.on_loop(self.co.on_claim, dec, tid, attempt)[0]:
                 return
-            art = self.pipeline.decoder.decode(req, lat)
-            self.on_loop(
-                self.co.on_complete, dec, tid, attempt, art.extension, art.media_type, art.data
-            )
+            with timed(Role.DECODER):
+                pixels = self.pipeline.decoder.decode_pixels(req, lat)
+            with timed(Role.DECODER, "encode_media"):
+                art = self.pipeline.decoder.encode_media(req, pixels)
+            # on_complete is a coroutine (the result file is written off the loop).
+            asyncio.run_coroutine_threadsafe(
+                self.co.on_complete(dec, tid, attempt, art.extension, art.media_type, art.data),
+                self.loop,
+            ).result()
         except StageCancelled as exc:
             self.on_loop(self.co.on_fail, dit, tid, attempt, str(exc), "cancelled", False)
         except Exception as exc:
@@ -135,6 +161,8 @@ class BaselineWorker:
                 f"{type(exc).__name__}: {exc}",
                 type(exc).__name__,
                 False,
+                Fault.INPUT if isinstance(exc, InvalidRequestError | StageInputError)
+                else Fault.TASK,
             )
 
 
@@ -153,6 +181,10 @@ async def run_all_async(
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         max_pending=cfg.max_pending_tasks,
         journal=output_dir / ".journal",
+        max_task_failures=cfg.max_task_failures,
+        poison_worker_deaths=cfg.poison_worker_deaths,
+        retention_s=cfg.task_retention_s,
+        delete_results=cfg.delete_results_after_retention,
     )
     co.restore()
     worker = BaselineWorker(cfg, co, jobs, asyncio.get_running_loop())
@@ -160,10 +192,14 @@ async def run_all_async(
         await asyncio.get_running_loop().run_in_executor(None, worker.load)
     except DiffringError:
         http_sock.close()
+        co.close()
         raise
     worker.start()
-    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all")
-    metrics_server = start_metrics(cfg, co, front, lambda: {}, None)
+    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
+    metrics_server = start_metrics(
+        cfg, co, front, lambda: {}, None, collectors=[worker.metrics.stage_seconds]
+    )
+    retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
     log.info(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
@@ -171,10 +207,13 @@ async def run_all_async(
         await serve_http(front.app, http_sock, stop, on_stop=front.close)
     finally:
         log.info("baseline shutting down")
+        retention.cancel()
         if metrics_server is not None:
             metrics_server.shutdown()
         await asyncio.get_running_loop().run_in_executor(None, worker.close)
         http_sock.close()
+        front.close()
+        co.close()
 
 
 def run_all(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:

@@ -9,6 +9,7 @@ Nobody invents a new root.
 
     DiffringError
     ├── ConfigError                 bad or unknown configuration
+    │   └── PreflightFailed         an advertised address does not work (which, and why)
     ├── VerbsError                  a one-sided verb could not be executed
     │   ├── VerbRangeError          out-of-region offset/length (peer asked for it)
     │   ├── VerbAlignmentError      atomic on an address that is not 8-byte aligned
@@ -21,6 +22,7 @@ Nobody invents a new root.
     │   ├── RingFull / RingEmpty    timeouts of the blocking push/pop layer
     │   └── LayoutMismatch          a region header does not describe the expected layout
     ├── ControlRefused              the controller answered a control request with an error
+    ├── FaultInjected               a fault point fired with action ``raise`` (contracts.faults)
     └── TaskError                   a task-level failure (carries the task id)
         ├── TransferError           moving a tensor between stages failed (task, tensor,
         │   │                       peer named); subclasses in tensorplane.errors
@@ -56,6 +58,7 @@ __all__ = [
     "ConnectionLost",
     "ControlRefused",
     "DiffringError",
+    "FaultInjected",
     "HandshakeError",
     "InvalidRequestError",
     "LayoutMismatch",
@@ -63,6 +66,7 @@ __all__ = [
     "ModelLoadError",
     "PayloadCorrupt",
     "PayloadTooLarge",
+    "PreflightFailed",
     "RingEmpty",
     "RingError",
     "RingFull",
@@ -78,8 +82,18 @@ __all__ = [
 ]
 
 
+class PreflightFailed(ConfigError):
+    """A service's transport preflight failed: the address it advertises cannot be reached
+    (or used) the way its peers will use it. The message names the address and what failed."""
+
+
 class ControlRefused(DiffringError):
     """The controller answered a control-channel request with an error."""
+
+
+class FaultInjected(DiffringError):
+    """A fault point armed with ``raise`` fired where the real failure has no error of its own
+    (:mod:`contracts.faults`); it counts as the system's fault, never the task's."""
 
 
 class TaskError(DiffringError):

@@ -14,18 +14,33 @@ Ring payloads
   checksum, release word); ``producer`` the producing worker's name (for error messages).
 
 Control channel (worker -> controller; every request gets one reply with the same ``seq``)
+    preflight {role, name, endpoints: [{what, host, port}]}
+                                                    -> {checked: [{what, host, port, seconds}]}
+              the controller opens a TCP connection to each endpoint the worker advertises
+              (its Mooncake segment) and refuses (ok: False, error naming the address and
+              what failed) when one cannot be reached; sent before register
     register  {role, name, pid, pipeline, segment}  -> {worker_id, heartbeat_interval_s,
                                                           lease_timeout_s}
     heartbeat {tasks: [task_id], staged: [[task_id, attempt]]}
                                                     -> {cancel: [task_id], drop: [task_id]}
+              cancel: tasks to stop (cancelled, over, or no longer this worker's: its lease
+              expired); drop: staged outputs nobody will pull any more
     claim     {task_id, attempt, stage}             -> {proceed: bool, reason}
     progress  {task_id, attempt, step, steps}       -> {cancel: bool}
     handoff   {task_id, attempt, stage}             -> {}
     complete  {task_id, attempt, extension, media_type, data, worker_path} -> {accepted}
-    fail      {task_id, attempt, stage, error, error_type, retryable} -> {}
+    fail      {task_id, attempt, stage, error, error_type, retryable, fault} -> {}
+    dropped   {ring, slot, reason, task_id, attempt}  -> {}   a ring item the worker took but
+                                                    cannot run (corrupt, wrong kind, malformed);
+                                                    task_id / attempt are None when the item
+                                                    cannot name its task
     fatal     {error}                               -> {}   the worker is about to exit
     bye       {}                                    -> {}   graceful deregistration
   reply: {seq, ok: True, ...} or {seq, ok: False, error}
+
+``fault`` of a ``fail`` (:class:`Fault`) says whose fault the failed attempt was; the
+controller decides from it (and from what it knows: is the producer still alive?) whether the
+attempt counts against the task's retry budget.
 
 Doorbell channel (a worker's second connection to the control port, handshake extra
 ``channel: "doorbell"``; it never registers, and carries only)
@@ -57,6 +72,7 @@ class Kind(enum.StrEnum):
 
 
 class Op(enum.StrEnum):
+    PREFLIGHT = "preflight"
     REGISTER = "register"
     HEARTBEAT = "heartbeat"
     CLAIM = "claim"
@@ -67,10 +83,29 @@ class Op(enum.StrEnum):
     FATAL = "fatal"
     BYE = "bye"
     WAIT = "wait"
+    DROPPED = "dropped"
 
 
 DOORBELL_CHANNEL: Final = "doorbell"
 """Handshake ``channel`` of a worker's doorbell connection (see the module docstring)."""
+
+
+class Fault(enum.StrEnum):
+    """Whose fault a failed attempt was (the ``fault`` field of a ``fail`` message)."""
+
+    SYSTEM = "system"
+    """The infrastructure's (lost connection, revoked ring claim, full pool, injected fault):
+    retried, never counted against the task."""
+    TRANSFER = "transfer"
+    """A Mooncake transfer from the producer failed: not counted when the producer is gone
+    (its buffer died with it), counted when it is alive."""
+    TASK = "task"
+    """The task's (its stage raised, its tensors keep failing their checksum): retried and
+    counted (``max_task_failures``)."""
+    INPUT = "input"
+    """The task can never succeed (a request the model cannot serve): failed at once."""
+    CANCELLED = "cancelled"
+    """The client cancelled it."""
 
 
 # Ring payload kind each role consumes.

@@ -133,10 +133,32 @@ def pipeline_name(model_cls: str, task: str) -> str:
 
 # -- settings every stage shares -----------------------------------------------------------
 DTYPES: Final[tuple[str, ...]] = ("float32", "bfloat16")
-ATTENTION_BACKENDS: Final[tuple[str, ...]] = ("sdpa", "flash_attn", "sage_attn")
+ATTENTION_BACKENDS: Final[tuple[str, ...]] = (
+    "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_attn", "sage_attn",
+)
+# How MP4 results are encoded: "auto" is NVENC when it opens on the machine, else libx264.
+VIDEO_CODECS: Final[tuple[str, ...]] = ("auto", "libx264", "h264_nvenc")
+X264_PRESETS: Final[tuple[str, ...]] = (
+    "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower",
+    "veryslow",
+)
 _DEVICE_RE: Final = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 def check_device(device: object) -> bool:
     """Whether ``device`` is a device setting diffring accepts: ``cpu``, ``cuda``, ``cuda:N``."""
     return isinstance(device, str) and bool(_DEVICE_RE.match(device))
+
+
+def parse_shape(shape: object) -> tuple[int, ...]:
+    """A geometry setting: ``"480x832x81"`` -> (480, 832, 81) (H, W, frames) for videos,
+    ``"1024x1024"`` -> (1024, 1024) for images. A ``ValueError`` that shows the format."""
+    dims: tuple[int, ...] = ()
+    if isinstance(shape, str):
+        try:
+            dims = tuple(int(part) for part in shape.lower().split("x"))
+        except ValueError:
+            dims = ()
+    if len(dims) not in (2, 3) or min(dims) <= 0:
+        raise ValueError(f"shape {shape!r} is not HxW or HxWxF (e.g. '1024x1024', '480x832x81')")
+    return dims

@@ -10,16 +10,18 @@ import contextlib
 import logging
 import queue
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
-from contracts.metrics import serve_metrics
+from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.pipelines import task_spec
 from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
 from controller.metrics import ControllerMetrics
+from controller.store import prune_interval
 from controller.tasks import Task
 from rings.inspect import snapshot
 from rings.payload import encode_body
@@ -62,16 +64,26 @@ def start_metrics(
     front: FrontDoor,
     ring_status: Callable[[], dict[str, Any]],
     pool_stats: Callable[[], Any] | None,
+    stopping: asyncio.Event | None = None,
+    collectors: Iterable[Any] = (),
 ) -> Any:
-    """Instrument the front door; serve /metrics when a metric port is configured."""
+    """Instrument the front door; serve /metrics (and the /ready, /live probes: ready until
+    ``stopping`` is set) when a metric port is configured. ``collectors``: further
+    Prometheus collectors to serve (the baseline's stage times)."""
     metrics = ControllerMetrics(co)
+    for collector in collectors:
+        metrics.registry.register(collector)
     metrics.ring_status = ring_status
     metrics.pool_stats = pool_stats
-    front.app.middleware("http")(metrics.middleware)
+    front.app.add_middleware(metrics.asgi)
     if cfg.server.metric_port is None:
         return None
+    def ready() -> tuple[bool, dict[str, Any]]:
+        up = stopping is None or not stopping.is_set()
+        return up, {"state": "running" if up else "stopping", "pipeline": cfg.pipeline}
+
     return serve_metrics(metrics.registry, cfg.server.host, cfg.server.metric_port,
-                         "controller")
+                         "controller", probes={READY_PATH: ready, LIVE_PATH: lambda: (True, {})})
 
 
 async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> None:
@@ -83,6 +95,24 @@ async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> 
                 extra()
         except Exception:  # the sweeper must outlive any single failure
             log.exception("sweep failed")
+
+
+async def retention_loop(co: Coordinator, retention_s: float) -> None:
+    """Forget finished tasks past the retention window, every ``prune_interval``."""
+    interval = prune_interval(retention_s)
+    while True:
+        try:
+            fut = co.table.prune()
+            if fut is None:
+                return
+            gone = await asyncio.wrap_future(fut)
+            co.table.pruned(gone)
+            if gone:
+                log.info("task store: forgot %s finished task(s) older than %g s",
+                         ", ".join(f"{n} {s}" for s, n in gone.items()), retention_s)
+        except Exception:  # retention must outlive a failed prune (retried next time)
+            log.exception("task store: prune failed")
+        await asyncio.sleep(interval)
 
 
 def _ring_status(rings: Any) -> dict[str, Any]:
@@ -100,6 +130,7 @@ async def run_controller_async(
 ) -> None:
     from controller.control import ControlServer
     from controller.doorbell import Doorbell
+    from controller.reconcile import census
     from controller.rings_host import ControllerRings
 
     d = cfg.disagg_config
@@ -119,23 +150,35 @@ async def run_controller_async(
         stage_image=images.stage if images else None,
         release_image=images.release if images else None,
         journal=output_dir / ".journal",
+        max_task_failures=cfg.max_task_failures,
+        poison_worker_deaths=cfg.poison_worker_deaths,
+        census=lambda: census(rings.local),
+        retention_s=cfg.task_retention_s,
+        delete_results=cfg.delete_results_after_retention,
     )
     doorbell = Doorbell({name: ring.verbs for name, ring in rings.local.items()})
     co.on_work = doorbell.ring
     co.restore()
     control = ControlServer(co, d.bootstrap_addr, d.control_port, token, doorbell)
     metrics_server = None
+    front = None
     try:
         await control.start()
-        front = FrontDoor(co, status_extra=lambda: _ring_status(rings), service="controller")
+        front = FrontDoor(co, status_extra=lambda: {**_ring_status(rings),
+                                                     "recovery": dict(co.recovery)},
+                          service="controller", server=cfg.server)
+        if images is not None:  # start the decoding processes before the first image
+            await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)
         metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
-                                       images.pool.stats if images else None)
+                                       images.pool.stats if images else None, stop)
+
         def periodic() -> None:
             doorbell.sweep()
             if images is not None:
                 images.reclaim()
 
         sweeper = asyncio.create_task(_sweeper(co, periodic))
+        retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
         log.info(
             "controller ready: pipeline=%s http://%s:%d rings=%s control=%d",
             cfg.pipeline,
@@ -146,12 +189,16 @@ async def run_controller_async(
         )
         await serve_http(front.app, http_sock, stop, on_stop=front.close)
         sweeper.cancel()
+        retention.cancel()
     finally:
         log.info("controller shutting down")
         if metrics_server is not None:
             metrics_server.shutdown()
         await control.close()
         await rings.close()
+        if front is not None:
+            front.close()
+        co.close()
         if images is not None:
             images.close()
         http_sock.close()
@@ -173,7 +220,12 @@ class ImageStager:
         from tensorplane.engine import MooncakeSettings, TransferEngine
         from tensorplane.pool import StagingPool
 
-        settings = MooncakeSettings.resolve(cfg.mooncake_config_path, env)
+        # Encoders on other hosts pull the image from this segment: advertise the
+        # controller's own address unless the operator says otherwise.
+        own = default_advertised_host(cfg, controller=True)
+        settings = MooncakeSettings.resolve(
+            cfg.mooncake_config_path, env, defaults={"local_hostname": own}
+        )
         engine = TransferEngine(settings)
         engine.start()
         pool = StagingPool(cfg.staging_pool_mb << 20, device="cpu")

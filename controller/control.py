@@ -18,6 +18,7 @@ from typing import Any
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from controller.coordinator import ControlError, Coordinator, WorkerInfo
 from controller.doorbell import Doorbell
+from controller.preflight import connect_back
 from rings import wire
 from rings.ports import bind_error
 
@@ -76,11 +77,12 @@ class ControlServer:
         join = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
         cnonce = join.get("client_nonce")
         ring = join.get("ring")
+        mac = join.get("mac")
         error = None
         if not isinstance(cnonce, bytes) or ring != CONTROL_RING:
-            error = f"this port is the control channel, peer asked for {ring!r}"
-        elif not wire.hmac.compare_digest(
-            join.get("mac") or b"", wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
+            error = f"this port is the control channel, peer asked for {str(ring)[:64]!r}"
+        elif not isinstance(mac, bytes) or not wire.hmac.compare_digest(
+            mac, wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
         ):
             error = (
                 "authentication failed: the worker did not prove the cluster token "
@@ -124,7 +126,13 @@ class ControlServer:
                 msg = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
                 seq = msg.get("seq")
                 try:
-                    reply, worker = self._dispatch(msg, worker)
+                    # The two ops that await (connections, a file write) are not in _dispatch.
+                    if msg.get("op") == Op.PREFLIGHT:
+                        reply = await connect_back(msg, f"{self.host}:{self.port}")
+                    elif msg.get("op") == Op.COMPLETE and worker is not None:
+                        reply = await self._complete(msg, worker)
+                    else:
+                        reply, worker = self._dispatch(msg, worker)
                     out = {"seq": seq, "ok": True, **reply}
                 except (ControlError, KeyError, TypeError, ValueError) as exc:
                     out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
@@ -143,6 +151,16 @@ class ControlServer:
             log.warning("control: dropping a peer after a malformed message: %s", exc)
         except asyncio.CancelledError:
             reason = "controller shutting down"
+        except Exception as exc:
+            # Whatever a peer sends must not escape as an unhandled error; msgpack alone
+            # raises TypeError (unhashable keys) besides ValueError. A registered worker's
+            # failure may be ours, so it keeps its traceback.
+            if worker is None:
+                log.warning("control: dropping %s after a malformed message: %s: %s",
+                            writer.get_extra_info("peername"), type(exc).__name__, exc)
+            else:
+                log.exception("control: dropping worker %s", worker.name)
+                reason = f"control connection failed: {type(exc).__name__}: {exc}"
         finally:
             self._conns.discard(task)
             if worker is not None:
@@ -200,6 +218,17 @@ class ControlServer:
                 writer.write(wire.pack_msg(out))
             await writer.drain()
 
+    async def _complete(self, msg: dict[str, Any], worker: WorkerInfo) -> dict[str, Any]:
+        accepted = await self.coordinator.on_complete(
+            worker,
+            str(msg["task_id"]),
+            int(msg["attempt"]),
+            str(msg["extension"]),
+            str(msg["media_type"]),
+            bytes(msg["data"]),
+        )
+        return {"accepted": accepted}
+
     def _dispatch(
         self, msg: dict[str, Any], worker: WorkerInfo | None
     ) -> tuple[dict[str, Any], WorkerInfo | None]:
@@ -241,16 +270,6 @@ class ControlServer:
         if op == Op.HANDOFF:
             co.on_handoff(worker, str(msg["task_id"]), int(msg["attempt"]))
             return {}, worker
-        if op == Op.COMPLETE:
-            accepted = co.on_complete(
-                worker,
-                str(msg["task_id"]),
-                int(msg["attempt"]),
-                str(msg["extension"]),
-                str(msg["media_type"]),
-                bytes(msg["data"]),
-            )
-            return {"accepted": accepted}, worker
         if op == Op.FAIL:
             co.on_fail(
                 worker,
@@ -259,8 +278,23 @@ class ControlServer:
                 str(msg["error"]),
                 str(msg.get("error_type", "error")),
                 bool(msg.get("retryable", False)),
+                _opt_str(msg.get("fault")),
+            )
+            return {}, worker
+        if op == Op.DROPPED:
+            attempt = msg.get("attempt")
+            co.on_dropped(
+                worker,
+                str(msg["ring"]),
+                str(msg.get("reason", "")),
+                _opt_str(msg.get("task_id")),
+                attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
             )
             return {}, worker
         if op in (Op.FATAL, Op.BYE):
             return {}, worker
         raise ControlError(f"unknown control op {op!r}")
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)

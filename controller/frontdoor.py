@@ -10,6 +10,8 @@ diffring adds ``height`` / ``width`` / ``guidance_scale`` / ``true_cfg_scale`` a
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import math
 import uuid
@@ -21,21 +23,25 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from contracts.errors import InvalidRequestError, PayloadTooLarge
+from contracts.config import ServerConfig
+from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
 from contracts.pipelines import task_spec
 from contracts.request import GenerationRequest
+from controller.auth import api_key_guard
+from controller.bodies import BodyLimit
 from controller.coordinator import Coordinator, QueueFull
+from controller.decoding import ImageDecoder
 from controller.events import EventHub
 from controller.schemas import (
     TASK_ID_RE,
     ImageTaskRequest,
     TaskRequest,
     VideoTaskRequest,
-    decode_image,
     http_error,
     safe_relative_path,
     size_for_aspect,
 )
+from controller.store import StoreConflict, StoreError
 from controller.tasks import DuplicateTask, Stage, Task
 
 log = logging.getLogger("diffring.frontdoor")
@@ -51,17 +57,25 @@ class FrontDoor:
         *,
         status_extra: Callable[[], dict[str, Any]],
         service: str,
+        server: ServerConfig | None = None,
+        decoder: ImageDecoder | None = None,
     ) -> None:
         self.co = coordinator
         self.pipeline = coordinator.pipeline
         self.status_extra = status_extra
         self.service = service
+        self.server = server or ServerConfig()
+        self.decoder = decoder or ImageDecoder()
+        """Input images are decoded in worker processes (:mod:`controller.decoding`)."""
+        # Staging and store look-ups run here, off the event loop.
+        self.blocking = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="frontdoor")
         self.events = EventHub(coordinator)
         self.app = build_app(self)
 
     def close(self) -> None:
         """The server is stopping: end the event streams and the waits on them."""
         self.events.close()
+        self.blocking.shutdown(wait=True)
 
     # -- request building -----------------------------------------------------------------
     def _generation_request(self, body: TaskRequest, kind: str) -> dict[str, Any]:
@@ -106,7 +120,9 @@ class FrontDoor:
         except (InvalidRequestError, TypeError) as exc:
             raise http_error(422, str(exc)) from None
 
-    def create_task(self, body: TaskRequest, kind: str) -> Task:
+    async def create_task(self, body: TaskRequest, kind: str) -> Task:
+        """Validate, decode and stage the input image (off the loop), queue the task, and
+        return once it is durable in the task store."""
         spec = task_spec(self.pipeline)
         served = spec.output
         if kind != served:
@@ -121,16 +137,20 @@ class FrontDoor:
             raise http_error(
                 422, "task_id must be 1-128 characters of letters, digits, '_', '.', '-'"
             )
-        if self.co.table.get(task_id) is not None:
-            raise http_error(409, f"task {task_id} exists already; choose another task_id")
-        image = None
-        if spec.needs_image:
-            if not body.image_path:
-                raise http_error(422, f"{self.pipeline} needs an input image: set image_path")
-            image = decode_image(body.image_path)
-        elif body.image_path:
+        if spec.needs_image and not body.image_path:
+            raise http_error(422, f"{self.pipeline} needs an input image: set image_path")
+        if not spec.needs_image and body.image_path:
             raise http_error(422, f"{self.pipeline} takes no input image; leave image_path unset")
         save = safe_relative_path(body.save_result_path) if body.save_result_path else ""
+        if self.co.table.get(task_id) is not None or (
+            body.task_id and await self._off_loop(self.co.table.lookup, task_id) is not None
+        ):
+            raise http_error(409, f"task {task_id} exists already; choose another task_id")
+        image = None
+        if body.image_path:
+            image = await self.decoder.decode(
+                body.image_path, self.server.max_image_bytes, self.server.max_image_pixels
+            )
         task = Task(
             task_id=task_id,
             kind=kind,
@@ -142,7 +162,7 @@ class FrontDoor:
             task.image_bytes = image
         try:
             if image is not None and self.co.stage_image is not None:
-                task.image = self.co.stage_image(image)
+                task.image = await self._off_loop(self.co.stage_image, image)
             self.co.submit(task)
         except PayloadTooLarge as exc:
             self._unstage(task)
@@ -153,13 +173,39 @@ class FrontDoor:
             raise http_error(
                 429, f"{exc}; retry in about {retry} s", {"Retry-After": str(retry)}
             ) from None
+        except TransferError as exc:  # the controller's staging pool is full (or gone)
+            self._unstage(task)
+            raise http_error(
+                503, f"cannot stage the input image now ({exc}); retry shortly",
+                {"Retry-After": "5"},
+            ) from None
         except DuplicateTask:
             self._unstage(task)
             raise http_error(409, f"task {task_id} exists already") from None
         except Exception:
             self._unstage(task)
             raise
+        await self._durable(task)
         return task
+
+    async def _durable(self, task: Task) -> None:
+        """Answer only once the accepted task is in the store (a restart keeps it)."""
+        fut = self.co.table.durable(task.task_id)
+        if fut is None:
+            return
+        try:
+            await asyncio.wrap_future(fut)
+        except StoreConflict:
+            self.co.cancel(task)
+            raise http_error(409, f"task {task.task_id} exists already") from None
+        except StoreError as exc:
+            self.co.cancel(task)
+            raise http_error(
+                503, f"{exc}; the task was not accepted, retry later", {"Retry-After": "5"}
+            ) from None
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.blocking, fn, *args)
 
     def _unstage(self, task: Task) -> None:
         if task.image is not None and self.co.release_image is not None:
@@ -182,11 +228,39 @@ class FrontDoor:
             out["save_result_path"] = str(Path(task.result_path).relative_to(self.co.output_dir))
         return out
 
-    def get(self, task_id: str) -> Task:
+    async def get(self, task_id: str) -> Task:
+        """A task in memory or, once it has left memory, in the store; 404 otherwise."""
         task = self.co.table.get(task_id)
+        if task is None and self.co.table.store is not None:
+            await self._caught_up()
+            task = await self._read(self.co.table.lookup, task_id)
         if task is None:
             raise http_error(404, f"no task {task_id}")
         return task
+
+    async def list_tasks(self, status: str | None, offset: int, limit: int) -> dict[str, Any]:
+        """One page of every stored task, in acceptance order (the store's, when it has one:
+        it sees every task still within its retention window)."""
+        await self._caught_up()
+        total, page = await self._read(self.co.table.page, status, offset, limit)
+        return {
+            "total": total,
+            "offset": offset,
+            "limit": limit,
+            "tasks": [self.status(t) for t in page],
+        }
+
+    async def _caught_up(self) -> None:
+        """Wait until the store holds every change made so far (read your own writes)."""
+        flushed = self.co.table.flush(durable=False)
+        if flushed is not None:
+            await asyncio.wrap_future(flushed)
+
+    async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        store = self.co.table.store
+        if store is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(store.reads, fn, *args)
 
 
 async def _validation_error(_req: Request, exc: Exception) -> JSONResponse:
@@ -229,7 +303,15 @@ def build_app(front: FrontDoor) -> FastAPI:
     app.state.openai = OpenAIDoor(front)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)
+    guard = api_key_guard(front.server.api_key)
     for module in (routes, routes_events, routes_openai, routes_ui):
-        app.include_router(module.router)
+        app.include_router(module.router, dependencies=guard)
+    # Open with or without a key: /health, and the status page's HTML (its data is guarded).
+    app.include_router(routes.open_router)
+    app.include_router(routes_ui.page_router)
     app.mount("/ui/static", StaticFiles(directory=routes_ui.UI_DIR), name="ui-static")
+    # Whole request bodies are read into memory: refuse what cannot be a valid request
+    # (the largest image, base64-encoded, plus room for the other fields) before that.
+    limit = (front.server.max_image_bytes + 2) // 3 * 4 + (2 << 20)
+    app.add_middleware(BodyLimit, max_bytes=limit)
     return app

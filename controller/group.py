@@ -47,16 +47,20 @@ def group_config(
     *,
     ports: Mapping[str, int] | None = None,
     token: str = "diffring-local-group",
+    host: str = "127.0.0.1",
     **overrides: Any,
 ) -> dict[str, Any]:
-    """One config file for every role of a group (each service reads what it needs)."""
+    """The config every role of a group starts from (each service reads what it needs);
+    ``host`` is the controller's address. Per-service differences (a worker's own address,
+    its metrics port, the decoder's folder) are :meth:`LocalGroup.start`'s ``extra`` or
+    :attr:`LocalGroup.hosts`."""
     spec = TASK_SPECS[pipeline]
     p = dict(ports or {})
     if not p:
-        ctl, req, ph1, ph2, http = free_ports(5)
+        ctl, req, ph1, ph2, http = free_ports(5, host)
         p = {"control": ctl, "request": req, "phase1": ph1, "phase2": ph2, "http": http}
     disagg = {
-        "bootstrap_addr": "127.0.0.1",
+        "bootstrap_addr": host,
         "control_port": p["control"],
         "rdma_request_handshake_port": p["request"],
         "rdma_phase1_handshake_port": p["phase1"],
@@ -73,10 +77,31 @@ def group_config(
         # Several CPU workers share the cores of one machine here: one thread each.
         "torch_threads": 1,
         "disagg_config": disagg,
-        "server": {"host": "127.0.0.1", "port": p["http"]},
+        "server": {"host": host, "port": p["http"]},
     }
     cfg.update(overrides)
     return cfg
+
+
+def merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in, nested objects key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+MULTI_HOST: dict[str, tuple[str, ...]] = {
+    "controller": ("127.0.0.10",),
+    "encoder": ("127.0.0.11",),
+    "transformer": ("127.0.0.12", "127.0.0.13"),
+    "decoder": ("127.0.0.14",),
+}
+"""One loopback address per service (the whole of 127.0.0.0/8 is loopback on Linux): a group
+laid out as if each service ran on a host of its own."""
 
 
 @dataclass
@@ -97,16 +122,39 @@ class LocalGroup:
     workdir: Path
     services: list[Service] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    started: int = 0
+    """Services started so far: numbers their config and log files (services that were
+    stopped and dropped from ``services`` keep theirs)."""
+    hosts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Role -> addresses, one per instance in start order (e.g. :data:`MULTI_HOST`). A
+    worker given an address binds its metrics endpoint there, advertises its Mooncake
+    segment there, and keeps its results in a folder of its own (``<workdir>/<address>/``),
+    as on a host of its own; it gets a metrics port too."""
 
     @property
     def url(self) -> str:
         return f"http://{self.config['server']['host']}:{self.config['server']['port']}"
 
+    def own_settings(self, role: str) -> dict[str, Any]:
+        """What the next ``role`` service gets of its own from :attr:`hosts` (else nothing)."""
+        addrs = self.hosts.get(role)
+        if not addrs:
+            return {}
+        n = sum(1 for s in self.services if s.role == role)
+        host = addrs[n % len(addrs)]
+        if role == "controller":
+            return {"server": {"host": host}}  # its rings and control: group_config(host=)
+        return {
+            "server": {"host": host, "metric_port": free_ports(1, host)[0]},
+            "output_dir": str(self.workdir / host / f"{role}-{n}-results"),
+        }
+
     def _config_path(self, role: str, extra: Mapping[str, Any] | None) -> Path:
-        cfg = json.loads(json.dumps(self.config))
+        cfg = merged(self.config, self.own_settings(role))
         if extra:
-            cfg.update(extra)
-        path = self.workdir / f"{role}-{len(self.services)}.json"
+            cfg = merged(cfg, extra)
+        path = self.workdir / f"{role}-{self.started}.json"
+        self.started += 1
         path.write_text(json.dumps(cfg, indent=2))
         return path
 
@@ -153,12 +201,19 @@ class LocalGroup:
             time.sleep(0.1)
         raise TimeoutError(f"front door {self.url} did not answer within {timeout} s")
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of this group's front door sends (its API key, if it has one)."""
+        key = self.env.get("DIFFRING_API_KEY") or self.config["server"].get("api_key")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def wait_workers(self, counts: Mapping[str, int], timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                status = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()
+                status = httpx.get(f"{self.url}/v1/service/status", timeout=5,
+                                   headers=self.headers).json()
             except httpx.TimeoutException:
                 continue  # a busy controller (many workers joining at once): ask again
             have = {r: len(ws) for r, ws in status["workers"].items()}

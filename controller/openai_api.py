@@ -175,9 +175,9 @@ class OpenAIDoor:
                 code="unsupported_pipeline")
 
     # -- task creation ---------------------------------------------------------------------------
-    def _create(self, body: TaskRequest, kind: str, image_param: str) -> Task:
+    async def _create(self, body: TaskRequest, kind: str, image_param: str) -> Task:
         try:
-            return self.front.create_task(body, kind)
+            return await self.front.create_task(body, kind)
         except OpenAIError:
             raise
         except HTTPException as exc:
@@ -195,7 +195,7 @@ class OpenAIDoor:
         return {k: v for k, v in p.model_dump(include=set(_Extensions.model_fields)).items()
                 if v is not None}
 
-    def create_images(self, p: ImageParams, image: bytes | None) -> list[Task]:
+    async def create_images(self, p: ImageParams, image: bytes | None) -> list[Task]:
         if p.stream:
             raise OpenAIError(400, "stream is not supported; follow a task's progress with "
                                    "GET /v1/tasks/{id}/events instead", "stream")
@@ -211,14 +211,14 @@ class OpenAIDoor:
                 seed = (base_seed + i) % 2**63
                 body = _body(ImageTaskRequest, task_id=f"img_{uuid.uuid4().hex}",
                              prompt=p.prompt, image_path=encoded, seed=seed, **fields)
-                tasks.append(self._create(body, "image", "image"))
+                tasks.append(await self._create(body, "image", "image"))
         except BaseException:
             for task in tasks:  # all or nothing
                 self.front.co.cancel(task)
             raise
         return tasks
 
-    def create_video(self, p: VideoParams, image: bytes | None) -> Task:
+    async def create_video(self, p: VideoParams, image: bytes | None) -> Task:
         if self.spec.needs_image and image is None:
             raise OpenAIError(400, f"{self.front.pipeline} needs an input image: send it as "
                                    "input_reference", "input_reference")
@@ -240,7 +240,7 @@ class OpenAIDoor:
             target_video_length=frames, target_fps=fps,
             image_path=base64.b64encode(image).decode() if image is not None else None,
             **fields)
-        return self._create(body, "video", "input_reference")
+        return await self._create(body, "video", "input_reference")
 
     async def wait(self, tasks: list[Task]) -> None:
         await asyncio.gather(*(self.front.events.wait_terminal(t) for t in tasks))
@@ -266,8 +266,11 @@ class OpenAIDoor:
                 "size": f"{req.get('width')}x{req.get('height')}" if req.get("width") else None}
 
     # -- video jobs ------------------------------------------------------------------------------
-    def video_task(self, video_id: str) -> Task:
-        task = self.front.co.table.get(video_id)
+    async def video_task(self, video_id: str) -> Task:
+        try:
+            task: Task | None = await self.front.get(video_id)  # memory, else the store
+        except HTTPException:
+            task = None
         if task is None or video_id in self.deleted or task.kind != "video":
             raise OpenAIError(404, f"no video {video_id}", "video_id", code="not_found")
         if task.stage == Stage.COMPLETED and (

@@ -56,7 +56,7 @@ async def _drain(sub: Subscriber, base: str, stop_at_terminal: bool
     responses={200: {"content": {"text/event-stream": {}}}},
 )
 async def task_events(task_id: str, request: Request, front: Front) -> EventSourceResponse:
-    task = front.get(task_id)  # 404 before the stream starts
+    task = await front.get(task_id)  # 404 before the stream starts
     hub = front.events
     base = str(request.base_url).rstrip("/")
     # Subscribe and take the snapshot together (no await in between): every buffered event

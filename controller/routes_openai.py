@@ -29,7 +29,7 @@ from controller.openai_api import (
     VideoParams,
     parse_params,
 )
-from controller.schemas import MAX_IMAGE_BYTES, decode_image
+from controller.schemas import MAX_IMAGE_BYTES
 from controller.tasks import Stage
 from controller.thumbs import make_thumbnail, thumbnail_file
 
@@ -127,7 +127,7 @@ async def images_generations(body: ImageParams, request: Request, door: Door
                              ) -> dict[str, Any]:
     """Text to image (T2I controllers): waits for the images, like OpenAI's."""
     door.require("image", needs_image=False)
-    tasks = door.create_images(body, None)
+    tasks = await door.create_images(body, None)
     await door.wait(tasks)
     return await door.images_response(tasks, body.response_format, _base(request))
 
@@ -145,7 +145,7 @@ async def images_edits(request: Request, door: Door) -> dict[str, Any]:
         raise OpenAIError(400, f"send exactly one image file (got {len(images)})", "image")
     image = await _read_upload(images[0], "image")
     params: ImageParams = parse_params(ImageParams, fields)
-    tasks = door.create_images(params, image)
+    tasks = await door.create_images(params, image)
     await door.wait(tasks)
     return await door.images_response(tasks, params.response_format, _base(request))
 
@@ -169,8 +169,10 @@ async def create_video(request: Request, door: Door) -> dict[str, Any]:
                 raise OpenAIError(400, 'input_reference must be {"image_url": "data:...;base64,'
                                        '..."} in a JSON body (or a file in a multipart one)',
                                   "input_reference")
-            try:
-                image = decode_image(url)
+            server = door.front.server
+            try:  # in the decoding processes, like every input image
+                image = await door.front.decoder.decode(url, server.max_image_bytes,
+                                                        server.max_image_pixels)
             except HTTPException as exc:
                 raise OpenAIError(400, str(exc.detail).replace("image_path", "input_reference"),
                                   "input_reference") from None
@@ -184,18 +186,18 @@ async def create_video(request: Request, door: Door) -> dict[str, Any]:
     params: VideoParams = parse_params(VideoParams, data)
     if params.input_reference is not None and image is None:
         raise OpenAIError(400, "input_reference must carry an image_url", "input_reference")
-    return door.video(door.create_video(params, image))
+    return door.video(await door.create_video(params, image))
 
 
 @router.get("/v1/videos/{video_id}")
 async def retrieve_video(video_id: str, door: Door) -> dict[str, Any]:
-    return door.video(door.video_task(video_id))
+    return door.video(await door.video_task(video_id))
 
 
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, door: Door) -> dict[str, Any]:
     """Cancel the job if it still runs, delete its files; it is gone for this API."""
-    return door.delete_video(door.video_task(video_id))
+    return door.delete_video(await door.video_task(video_id))
 
 
 @router.get("/v1/videos/{video_id}/content", responses={200: {"content": {"video/mp4": {}}}})
@@ -203,7 +205,7 @@ async def video_content(
     video_id: str, door: Door,
     variant: Literal["video", "thumbnail", "spritesheet"] = Query("video"),
 ) -> Response:
-    task = door.video_task(video_id)
+    task = await door.video_task(video_id)
     if task.stage != Stage.COMPLETED or not task.result_path:
         raise OpenAIError(404, f"video {video_id} has no content yet (status "
                                f"{door.video(task)['status']})", "video_id", code="not_ready")

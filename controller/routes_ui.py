@@ -28,10 +28,12 @@ REFRESH_S = 2.0
 TASKS_SHOWN = 30
 
 router = APIRouter(tags=["status page"])
+page_router = APIRouter()
+"""The page's HTML: open even with an API key (what it reads is behind the key)."""
 
 
-@router.get("/", include_in_schema=False)
-@router.get("/ui", include_in_schema=False)
+@page_router.get("/", include_in_schema=False)
+@page_router.get("/ui", include_in_schema=False)
 async def page() -> FileResponse:
     return FileResponse(UI_DIR / "index.html", media_type="text/html",
                         headers={"Cache-Control": "no-store"})
@@ -90,7 +92,7 @@ async def state(front: Front) -> dict[str, Any]:
 @router.get("/v1/tasks/{task_id}/thumbnail", responses={200: {"content": {"image/png": {}}}})
 async def thumbnail(task_id: str, front: Front) -> Response:
     """A small PNG of a completed task's result (a video's first frame)."""
-    task = front.get(task_id)
+    task = await front.get(task_id)
     if task.stage != Stage.COMPLETED or not task.result_path:
         raise http_error(404, f"task {task_id} has no result yet (stage {task.stage.value})")
     result = Path(task.result_path)

@@ -12,10 +12,17 @@ import re
 from pathlib import PurePosixPath
 
 from fastapi import HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 MAX_IMAGE_BYTES = 32 << 20
+MAX_IMAGE_PIXELS = 40_000_000
+# Formats an input image may have. Pillow opens many more; some of them run external
+# programs (EPS runs Ghostscript) or are rarely fuzzed, so the front door takes these only.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+MAX_PATH_BYTES = 1024
+MAX_NAME_BYTES = 255  # one path component, as most file systems allow
 
 
 class TaskRequest(BaseModel):
@@ -23,7 +30,7 @@ class TaskRequest(BaseModel):
 
     task_id: str | None = Field(None, description="client-chosen id; a duplicate gets 409")
     prompt: str = Field(..., min_length=1, max_length=100_000)
-    negative_prompt: str | None = None
+    negative_prompt: str | None = Field(None, max_length=100_000)
     image_path: str | None = Field(
         None, description="input image for i2v / i2i: base64 or a data: URL"
     )
@@ -40,6 +47,19 @@ class TaskRequest(BaseModel):
     true_cfg_scale: float | None = Field(None, ge=0)
     lora_name: str | None = Field(None, description="not supported by diffring")
     lora_strength: float | None = None
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _encodable(cls, value: object) -> object:
+        # JSON may carry lone surrogates ("\ud800"): a valid Python str, but one that
+        # msgpack and the file system fail on much later. Pydantic catches them in some
+        # fields only.
+        if isinstance(value, str) and not value.isascii():  # isascii: cheap on a 1 MB image
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid unicode text (no lone surrogates)") from None
+        return value
 
 
 class VideoTaskRequest(TaskRequest):
@@ -69,21 +89,47 @@ def http_error(status: int, message: str, headers: dict[str, str] | None = None)
 
 
 def safe_relative_path(path: str) -> str:
-    """``save_result_path`` must stay inside the output folder: relative, no ``..``."""
+    """``save_result_path`` must name a file inside the output folder: relative, no ``..``,
+    no control characters, not a folder, of a length file systems take."""
+    hint = "give a relative file name such as 'cat.png' or 'cats/cat.png'"
+    bad = _CONTROL_CHARS.search(path)
+    if bad:
+        raise http_error(
+            400,
+            f"save_result_path contains the control character U+{ord(bad.group()):04X}; {hint}",
+        )
+    if path.endswith(("/", "\\")):
+        raise http_error(400, f"save_result_path {path!r} names a folder, not a file; {hint}")
     p = PurePosixPath(path.replace("\\", "/"))
     if not path or p.is_absolute() or ".." in p.parts or any(part == "" for part in p.parts):
         raise http_error(
             400,
-            f"save_result_path {path!r} would escape the output folder; give a "
-            "relative file name such as 'cat.png'",
+            f"save_result_path {path!r} would escape the output folder; {hint}",
         )
     if re.match(r"^[A-Za-z]:", path):
         raise http_error(400, f"save_result_path {path!r} must be relative")
+    if p.name in ("", "."):
+        raise http_error(400, f"save_result_path {path!r} names no file; {hint}")
+    if len(path.encode()) > MAX_PATH_BYTES or any(
+        len(part.encode()) > MAX_NAME_BYTES for part in p.parts
+    ):
+        raise http_error(
+            400,
+            f"save_result_path is too long (at most {MAX_PATH_BYTES} bytes, "
+            f"{MAX_NAME_BYTES} per folder or file name)",
+        )
     return str(p)
 
 
-def decode_image(value: str) -> bytes:
-    """Input image from base64 or a data: URL; other schemes are refused (422)."""
+def decode_image(
+    value: str, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS
+) -> bytes:
+    """Input image from base64 or a data: URL; other schemes are refused (422). The file
+    must be at most ``max_bytes`` and ``max_pixels`` (413: the size is read from the header,
+    before anything is decoded), and must decode completely (422).
+
+    Blocking (base64 and image decoding): the front door runs it on a worker thread.
+    """
     value = value.strip()
     if value.startswith("data:"):
         head, _, payload = value.partition(",")
@@ -102,19 +148,41 @@ def decode_image(value: str) -> bytes:
             "image_path looks like a file path; the controller does not read local "
             "files — send the image as base64 or a data: URL",
         )
+    if len(value) > (max_bytes + 2) // 3 * 4 + 4:  # refuse before decoding, too
+        raise http_error(413, f"input image exceeds {max_bytes} bytes")
     try:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise http_error(422, "image_path is not valid base64") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise http_error(413, f"input image of {len(data)} bytes exceeds {MAX_IMAGE_BYTES} bytes")
-    try:
-        from PIL import Image
+    if len(data) > max_bytes:
+        raise http_error(413, f"input image of {len(data)} bytes exceeds {max_bytes} bytes")
+    from PIL import Image
 
-        with Image.open(io.BytesIO(data)) as im:
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+            width, height = im.size
+            if width * height > max_pixels:
+                raise http_error(
+                    413,
+                    f"input image of {width}x{height} = {width * height} pixels exceeds "
+                    f"{max_pixels} pixels; scale it down",
+                )
             im.verify()
+        # verify() leaves the image unusable; decoding it in full catches truncated or
+        # corrupt pixel data here rather than in an encoder worker.
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+            im.load()
+    except HTTPException:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise http_error(413, f"input image refused as a decompression bomb: {exc}") from None
+    except MemoryError:
+        raise http_error(413, "input image too large to decode; scale it down") from None
     except Exception as exc:  # PIL raises many types for undecodable data
-        raise http_error(422, f"image_path does not decode as an image: {exc}") from None
+        raise http_error(
+            422,
+            f"image_path does not decode as an image ({', '.join(IMAGE_FORMATS)}): {exc}",
+        ) from None
     return data
 
 

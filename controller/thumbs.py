@@ -1,8 +1,8 @@
 """Thumbnails of results: a small PNG of an image result, the first frame (poster) of an MP4.
 
 Made on first request and kept in ``<output_dir>/.thumbs/``; the MP4's first frame is read
-with the ffmpeg binary that ``imageio-ffmpeg`` ships (the decoder writes MP4s with it too),
-so the controller needs no torch and no video library of its own.
+with PyAV (``av``, FFmpeg in the wheel; the decoder writes MP4s with it too), so the
+controller needs no torch and no video library of its own.
 """
 
 from __future__ import annotations
@@ -25,18 +25,16 @@ def remove_thumbnail(output_dir: Path, task_id: str) -> None:
 
 def first_frame(path: Path) -> np.ndarray:
     """The first frame of a video file as (H, W, 3) uint8."""
-    import imageio_ffmpeg
+    import av
 
-    frames = imageio_ffmpeg.read_frames(str(path), output_params=["-frames:v", "1"])
     try:
-        meta = next(frames)
-        data = next(frames)
-    except StopIteration:
-        raise ValueError(f"{path} holds no video frame") from None
-    finally:
-        frames.close()
-    width, height = meta["size"]
-    return np.frombuffer(data, dtype=np.uint8).reshape(height, width, 3)
+        with av.open(str(path), mode="r") as container:
+            for frame in container.decode(video=0):
+                rgb: np.ndarray = frame.to_ndarray(format="rgb24")
+                return rgb
+    except (av.error.FFmpegError, IndexError) as exc:  # not a video, or no video stream
+        raise ValueError(f"{path} holds no readable video frame: {exc}") from exc
+    raise ValueError(f"{path} holds no video frame")
 
 
 def make_thumbnail(result: Path, media_type: str | None, out: Path) -> Path:

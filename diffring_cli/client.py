@@ -207,10 +207,14 @@ def download(client: httpx.Client, task_id: str, out: Path | None) -> Path:
 
 
 def run_task(url: str, kind: str, body: dict[str, Any], out: Path | None, timeout: float,
-             quiet: bool = False, poll_interval: float = 0.5) -> Path:
-    """Post, follow, download: the path of the result file."""
+             quiet: bool = False, poll_interval: float = 0.5, api_key: str | None = None
+             ) -> Path:
+    """Post, follow, download: the path of the result file. ``api_key``: the front door's,
+    if it has one (sent as ``Authorization: Bearer``)."""
     http_timeout = httpx.Timeout(30.0, read=120.0)  # events ping every 15 s
-    with httpx.Client(base_url=url.rstrip("/"), timeout=http_timeout, trust_env=False) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url.rstrip("/"), timeout=http_timeout, trust_env=False,
+                      headers=headers) as client:
         task_id = submit(client, kind, body)
         print(f"task {task_id} accepted by {url}", file=sys.stderr)
         try:

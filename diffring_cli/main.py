@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ def _submit_parser(sub: Any) -> None:
     ap.add_argument("--timeout", type=float, default=3600.0,
                     help="seconds to wait for the task (default: %(default)s)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--api-key", default=os.environ.get("DIFFRING_API_KEY"),
+                    help="the front door's API key, if it has one (default: $DIFFRING_API_KEY)")
 
 
 def submit_body(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,7 +69,7 @@ def submit_body(args: argparse.Namespace) -> dict[str, Any]:
 def submit(args: argparse.Namespace) -> int:
     try:
         path = run_task(args.url, args.kind, submit_body(args), args.out, args.timeout,
-                        args.quiet)
+                        args.quiet, api_key=args.api_key)
     except RequestFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

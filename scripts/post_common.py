@@ -12,6 +12,7 @@ too.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,8 @@ def parse_args(p: Pipeline, argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--poll-interval", type=float, default=0.5,
                     help="status polling interval, for controllers without the events route")
+    ap.add_argument("--api-key", default=os.environ.get("DIFFRING_API_KEY"),
+                    help="the front door's API key, if it has one (default: $DIFFRING_API_KEY)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
 
@@ -142,7 +145,7 @@ def request_body(p: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(p: Pipeline, args: argparse.Namespace) -> Path:
     return run_task(args.url, p.kind, request_body(p, args), args.out, args.timeout,
-                    args.quiet, args.poll_interval)
+                    args.quiet, args.poll_interval, api_key=args.api_key)
 
 
 def main(pipeline: str, argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, fields, replace
 from typing import Any, Final
 
+from contracts import faults
 from tensorplane.errors import (
     EngineError,
     MooncakeConfigError,
@@ -82,7 +83,9 @@ class MooncakeSettings:
 
     local_hostname: str = "127.0.0.1"
     """Address peers use to reach this process (host, or host:port for etcd/http metadata).
-    With P2PHANDSHAKE the RPC port is picked by Mooncake and the session id is host:port."""
+    With P2PHANDSHAKE the RPC port is picked by Mooncake and the session id is host:port.
+    Services pass their own address as the default (:func:`contracts.addresses`), so this
+    class default only applies to direct users of the engine."""
 
     metadata_server: str = P2P_HANDSHAKE
     """Where segment metadata lives: ``P2PHANDSHAKE`` (peers exchange it directly on the RPC
@@ -119,11 +122,13 @@ class MooncakeSettings:
         env: Mapping[str, str],
         overrides: Mapping[str, Any] | None = None,
         *,
+        defaults: Mapping[str, str] | None = None,
         infiniband_dir: str = INFINIBAND_SYSFS,
     ) -> MooncakeSettings:
         """Merge the sources, highest first: ``overrides`` (command line / stage config; a
         ``None`` value means "not given"), ``MOONCAKE_*`` variables in ``env``, the JSON file
-        at ``file_path`` (or ``env['MOONCAKE_CONFIG_PATH']``), then the defaults. An empty
+        at ``file_path`` (or ``env['MOONCAKE_CONFIG_PATH']``), ``defaults`` (what the service
+        knows, e.g. its own address as ``local_hostname``), then the class defaults. An empty
         environment variable counts as unset. ``protocol='auto'`` is made concrete here.
 
         ``env`` is passed in (read once at the entry point), never read from ``os.environ``.
@@ -131,6 +136,11 @@ class MooncakeSettings:
         names = {f.name for f in fields(cls)}
         values: dict[str, str] = {}
         source: dict[str, str] = {}
+        unknown = sorted(set(defaults or {}) - names)
+        if unknown:
+            raise MooncakeConfigError(f"unknown Mooncake default(s): {', '.join(unknown)}")
+        for key, value in (defaults or {}).items():
+            values[key], source[key] = value, "service default"
         path = file_path if file_path is not None else env.get(CONFIG_PATH_ENV) or None
         if path is not None:
             for key, value in _read_config_file(path, names).items():
@@ -197,6 +207,11 @@ def _import_mooncake() -> Any:
             f"cannot import mooncake.engine ({exc}); {_INSTALL_HINT}"
         ) from exc
     return mooncake_engine
+
+
+def check_installed() -> None:
+    """Raise MooncakeNotInstalled (saying what to install) unless Mooncake imports here."""
+    _import_mooncake()
 
 
 class _CallRunner:
@@ -289,6 +304,18 @@ class TransferEngine:
         return self._session_id
 
     @property
+    def rpc_endpoint(self) -> tuple[str, int]:
+        """(advertised host, RPC port): where peers' Mooncake handshakes connect to reach
+        this segment. Mooncake listens on every interface; the host is what it advertises."""
+        engine = self._started()
+        host = self.session_id
+        if host.startswith("["):
+            host = host[1 : host.index("]")]
+        elif host.count(":") == 1:
+            host = host.split(":", 1)[0]
+        return host, int(engine.get_rpc_port())
+
+    @property
     def abandoned_calls(self) -> int:
         """Transfers that passed their deadline and are still inside Mooncake."""
         with self._lock:
@@ -358,6 +385,10 @@ class TransferEngine:
         tensor: str | None = None,
     ) -> None:
         """Copy ``nbytes`` from the peer's ``remote_addr`` into local ``local_addr``."""
+        if faults.ON and task_id is not None:  # a task's read (not the start-up probe's)
+            faults.hit("transfer.read", lambda why: TransferFailed(
+                f"mooncake read of {nbytes} bytes failed ({why})", nbytes=nbytes,
+                task_id=task_id, tensor=tensor, peer=peer_session))
         self._transfer("read", peer_session, local_addr, remote_addr, nbytes,
                        timeout_s, task_id, tensor)
 

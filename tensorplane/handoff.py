@@ -29,6 +29,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+from contracts import faults
 from tensorplane.descriptor import (
     TENSOR_DTYPES,
     TensorDescriptor,
@@ -179,6 +180,8 @@ def pull_tensors(
         if d.nbytes:
             _pull_one(engine, pool, d, tensor, task_id, alloc_timeout)
         out[d.name] = tensor
+        if task_id is not None:  # a task's pull (the preflight's probe read has no task)
+            faults.hit("transfer.pull")
     if release:
         pool.release_producers(engine, descs, task_id=task_id)
     return out

@@ -46,9 +46,9 @@ def pixels(data: bytes, extension: str) -> np.ndarray:
         from PIL import Image
 
         return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    import imageio.v3 as iio
+    from workers.models.media import read_mp4
 
-    return np.asarray(iio.imread(data, extension=".mp4"))
+    return read_mp4(data)
 
 
 def fetch(url: str, task_id: str) -> bytes:
@@ -262,3 +262,16 @@ def test_sigterm_during_startup_stops_the_worker(tiny_models: Path, workdir: Pat
         assert "stopped before it was ready" in svc.log()
     finally:
         group.stop()
+
+
+def test_transformer_registers_after_its_warm_up(tiny_models: Path, workdir: Path) -> None:
+    """With warmup_shapes the transformer runs them before it joins: the controller lists it
+    only once the warm-up (the compile, with compile on) is done."""
+    with start_group("wan_t2v", tiny_models, workdir, warmup_shapes=["32x32x5"]) as group:
+        group.start("controller")
+        group.wait_http()
+        dit = group.start("transformer")
+        group.wait_workers({"transformer": 1})
+        log = dit.log()
+    warm = log.index("warm-up of 32x32x5 took")
+    assert warm < log.index("ready: pipeline=wan_t2v")

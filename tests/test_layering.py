@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = (
-    "rings", "contracts", "tensorplane", "controller", "workers", "baseline", "diffring_cli",
+    "rings", "contracts", "tensorplane", "controller", "workers", "baseline", "doctor",
+    "diffring_cli",
 )
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 

@@ -516,3 +516,71 @@ def test_tiny_model_build_is_idempotent(tiny_models: Path) -> None:
 def _release_stages() -> Iterator[None]:
     yield
     _STAGES.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# DiT options: CFG batching, compile wiring, warm-up
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", ["wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i"])
+def test_cfg_batch_equals_two_forwards(tiny_models: Path, input_png: bytes, task: str) -> None:
+    """One batch-2 forward computes what two batch-1 forwards do (other kernel shapes, so
+    equal to float32 rounding, not bit for bit). Qwen's negative prompt is shorter than the
+    prompt here: the padded, masked path."""
+    req = small_request(task)
+    image = input_png if task in IMAGE_INPUT_TASKS else None
+    cond = stage("encoder", tiny_models, task).encode(req, image)
+    if task.startswith("qwen"):
+        assert cond["prompt_embeds"].shape[1] != cond["negative_prompt_embeds"].shape[1]
+    two = stage("transformer", tiny_models, task).denoise(req, wire(cond))["latents"]
+    batched = TransformerAdapter.for_task(tiny_models / task, task, cfg_batch=True)
+    batched.load()
+    one = batched.denoise(req, wire(cond))["latents"]
+    assert one.shape == two.shape
+    rel = float((one - two).norm() / two.norm())
+    assert rel < 1e-4, rel
+
+
+def test_compile_is_applied_at_load(tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers.models.modeling_utils import ModelMixin
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(ModelMixin, "compile_repeated_blocks",
+                        lambda self, *a, **kw: calls.append(kw))
+    adapter = TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", compile=True)
+    assert calls == []  # constructors do no work
+    adapter.load()
+    assert calls == [{"dynamic": None}]
+
+
+@pytest.mark.parametrize(("task", "shape"), [("wan_t2v", "32x32x5"), ("qwen_t2i", "32x48")])
+def test_warm_up_runs_the_shapes(tiny_models: Path, task: str, shape: str,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = TransformerAdapter.for_task(tiny_models / task, task)
+    adapter.load()
+    seen: list[tuple[Any, ...]] = []
+    real = adapter.denoise
+
+    def spy(req: GenerationRequest, tensors: Mapping[str, torch.Tensor], *a: Any,
+            **kw: Any) -> Any:
+        seen.append((req.height, req.width, req.num_frames,
+                     tuple(tensors["prompt_embeds"].shape)))
+        return real(req, tensors, *a, **kw)
+
+    monkeypatch.setattr(adapter, "denoise", spy)
+    assert adapter.warm_up([shape]) > 0
+    dims = tuple(int(x) for x in shape.split("x"))
+    assert [s[:2] for s in seen] == [dims[:2]] * adapter.warmup_variants
+    if task.startswith("qwen"):  # two text lengths: a compiled DiT gets it as dynamic
+        assert seen[0][3][1] != seen[1][3][1]
+    wrong = "32x32" if task == "wan_t2v" else "32x32x5"
+    with pytest.raises(ModelLoadError, match=f"{task} needs HxW"):
+        adapter.warm_up([wrong])
+    with pytest.raises(ModelLoadError, match="not HxW or HxWxF"):
+        adapter.warm_up(["big"])
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+def test_pinned_sdpa_needs_cuda(tiny_models: Path, backend: str) -> None:
+    adapter = TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", attention=backend)
+    with pytest.raises(ModelLoadError, match="runs on CUDA devices only"):
+        adapter.load()

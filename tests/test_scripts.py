@@ -135,14 +135,19 @@ def test_mooncake_config_file() -> None:
     from tensorplane.engine import MooncakeSettings
 
     path = ROOT / "configs" / "mooncake_config.json"
+    # No local_hostname: each service advertises its own address unless told otherwise
+    # (a shared file saying 127.0.0.1 would break every group spanning hosts).
     assert json.loads(path.read_text()) == {
-        "local_hostname": "127.0.0.1",
         "metadata_server": "P2PHANDSHAKE",
         "protocol": "tcp",
         "device_name": "",
     }
-    settings = MooncakeSettings.resolve(str(path), {})
+    settings = MooncakeSettings.resolve(str(path), {}, defaults={"local_hostname": "10.0.0.7"})
     assert (settings.protocol, settings.metadata_server) == ("tcp", "P2PHANDSHAKE")
+    assert settings.local_hostname == "10.0.0.7"  # the service's own address
+    env = {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.8"}
+    assert MooncakeSettings.resolve(str(path), env, defaults={"local_hostname": "10.0.0.7"}
+                                    ).local_hostname == "10.0.0.8"  # environment wins
     override = MooncakeSettings.resolve(str(path), {"MOONCAKE_PROTOCOL": "rdma"})
     assert override.protocol == "rdma"  # environment over file
 

@@ -14,6 +14,7 @@ import socket
 import threading
 from typing import Any
 
+from contracts import faults
 from contracts.errors import ConnectionLost, ControlRefused
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from rings import wire
@@ -52,6 +53,11 @@ class ControlClient:
                 role="peer",
                 extras={"worker_role": role},
             )
+        except OSError as exc:  # reset mid-handshake: a controller dying or starting
+            sock.close()
+            raise ConnectionLost(
+                f"control channel to {self.where} lost during the handshake: {exc}"
+            ) from exc
         except BaseException:
             sock.close()
             raise
@@ -62,6 +68,14 @@ class ControlClient:
         with self._lock:
             if self._sock is None:
                 raise ConnectionLost(f"control channel to {self.where} is closed")
+            if faults.ON:
+                try:
+                    faults.hit("control.drop", ConnectionLost)
+                except ConnectionLost as exc:
+                    self._close_locked()  # a real drop: the controller sees the connection go
+                    raise ConnectionLost(
+                        f"control channel to the controller at {self.where} lost: {exc}"
+                    ) from exc
             self._seq += 1
             msg = {"op": op.value, "seq": self._seq, **fields}
             try:

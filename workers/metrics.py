@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -37,6 +39,15 @@ class WorkerMetrics:
         self.heartbeats = Counter(
             "diffring_worker_heartbeats", "Heartbeats sent to the controller", ["role"],
             registry=r)
+
+    @contextlib.contextmanager
+    def timed(self, role: str, step: str) -> Iterator[None]:
+        """Observe the duration of the block in ``diffring_stage_seconds{role, step}``."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.stage_seconds.labels(role, step).observe(time.monotonic() - t0)
 
     def watch_pool(self, pool_stats: Callable[[], Any]) -> None:
         def read() -> Iterable[Sample]:

@@ -12,10 +12,14 @@
               result): the lease ends                           (role: ``release``)
 
 The role classes (:mod:`workers.roles`) fill in steps 2-5; the claim, the failure path and
-the lifecycle are shared. Lifecycle: RUNNING -> DRAINING (SIGTERM/SIGINT: finish the claimed
-task, claim nothing new) -> STOPPED. A fatal error (lost ring or control connection, model
-failure at start) is reported to the controller before exiting, so the worker's leases are
-revoked at once.
+the lifecycle are shared. An item this worker cannot run (corrupt, wrong kind, malformed) is
+reported to the controller (``dropped``), which puts its task back in play; a worker whose
+control channel is down takes nothing from its ring until it has reconnected. The named
+fault points of :mod:`contracts.faults` sit between the steps.
+
+Lifecycle: RUNNING -> DRAINING (SIGTERM/SIGINT: finish the claimed task, claim nothing new)
+-> STOPPED. A fatal error (lost ring or control connection, model failure at start) is
+reported to the controller before exiting, so the worker's leases are revoked at once.
 """
 
 from __future__ import annotations
@@ -27,24 +31,24 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
+from contracts import faults
+from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
 from contracts.errors import (
     ConnectionLost,
     ControlRefused,
     DiffringError,
-    ModelError,
+    HandshakeError,
     PayloadCorrupt,
-    RingFull,
-    StageCancelled,
     StageError,
-    TransferError,
 )
-from contracts.messages import ROLE_INPUT_KIND, Op
-from contracts.metrics import serve_metrics
+from contracts.messages import Fault, Op
+from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.roles import ROLE_RINGS, Role
 from rings.ring import Ring
 from rings.verbs import connect
@@ -52,10 +56,13 @@ from tensorplane.descriptor import TensorDescriptor
 from tensorplane.engine import MooncakeSettings, TransferEngine
 from tensorplane.handoff import pull_tensors
 from tensorplane.pool import StagingPool
+from workers import preflight
 from workers.control import ControlClient, DoorbellClient
 from workers.metrics import WorkerMetrics
 from workers.models.base import StageAdapter
+from workers.models.components import check_stage_folder
 from workers.progress import ProgressReporter
+from workers.triage import check_item, describe_failure
 
 log = logging.getLogger("diffring.worker")
 
@@ -98,6 +105,9 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     """What the publish step leaves for the release step (the decoder's result)."""
+    published: bool = False
+    """The outputs are in the next ring: from now on the controller decides when the staged
+    copies may go (a consumer may be pulling them)."""
 
 
 class StageWorker:
@@ -116,6 +126,11 @@ class StageWorker:
         self.name = f"{self.role.value}-{socket.gethostname()}-{os.getpid()}"
         self.state = State.STOPPED
         self._wake = threading.Event()
+        """Wakes the pull loop (drain, close, lost control channel)."""
+        self._hb_stop = threading.Event()
+        """Stops the heartbeat thread of the current connection."""
+        self._control_lost = threading.Event()
+        """The heartbeat failed: reconnect before taking anything from a ring."""
         self.current: Job | None = None
         # (task_id, attempt) -> descriptors of outputs staged for the next stage.
         self.staged: dict[tuple[str, int], list[TensorDescriptor]] = {}
@@ -137,6 +152,7 @@ class StageWorker:
         self.tasks_done = 0
         self.metrics = WorkerMetrics(self.role.value)
         self._metrics_server: Any = None
+        self.registered = False  # over the current control connection (readiness)
 
     @contextlib.contextmanager
     def timed(self, step: str) -> Iterator[None]:
@@ -146,22 +162,41 @@ class StageWorker:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Load the model, start Mooncake, join the rings and register with the controller."""
+        """Cheap checks (advertised address, model folder); Mooncake and pool; transport
+        preflight (:mod:`workers.preflight`), all before the model load, which takes minutes
+        for a real checkpoint; model; rings and register."""
         srv = self.cfg.server
         if srv.metric_port is not None:
             self._metrics_server = serve_metrics(
-                self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker"
+                self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker",
+                probes={READY_PATH: self._ready, LIVE_PATH: lambda: (True, self._probe_info())},
             )
-        self.load_model()
         self.progress.start()
-        settings = MooncakeSettings.resolve(self.cfg.mooncake_config_path, self.env)
+        own = default_advertised_host(self.cfg, controller=False)
+        check_stage_folder(Path(self.model_path()), self.cfg.pipeline, self.role.value)
+        settings = MooncakeSettings.resolve(
+            self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own}
+        )
         self.engine = TransferEngine(settings)
         self.engine.start()
         self.pool = StagingPool(self.cfg.staging_pool_mb << 20, device=self.pool_device())
         self.pool.start(self.engine)
         self.metrics.watch_pool(self.pool.stats)
+        preflight.check_on_paper(self.engine, self.cfg.disagg_config.bootstrap_addr, self.name)
         self.state = State.RUNNING
+        self._connect_retrying(  # the controller connects back, before the model load
+            lambda: preflight.connect_back(self.control, self.engine, self.role, self.name, True)
+        )
+        preflight.loopback_read(self.engine, self.pool, self.name)
+        self.load_model()
         self._connect_retrying()
+
+    def _probe_info(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state.value, "registered": self.registered}
+
+    def _ready(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: registered and pulling (not starting, reconnecting or draining)."""
+        return self.registered and self.state == State.RUNNING, self._probe_info()
 
     def _connect(self) -> None:
         """Join the rings and register with the controller; start heartbeating."""
@@ -170,6 +205,7 @@ class StageWorker:
         if out_name is not None:
             self.out_ring = self._join(out_name)
         self.control.connect(self.role.value)
+        preflight.connect_back(self.control, self.engine, self.role, self.name)
         self.doorbell.connect(self.role.value)
         reply = self.control.call(
             Op.REGISTER,
@@ -186,8 +222,8 @@ class StageWorker:
             self.heartbeat_interval_s,
             min(IDLE_HEARTBEAT_MAX_S, float(reply["lease_timeout_s"]) / 3),
         )
-        self._hb = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
-        self._hb.start()
+        self.registered = True
+        self.start_heartbeats()
         log.info(
             "worker %s ready: pipeline=%s in=%s out=%s segment=%s transport=%s",
             self.name,
@@ -199,6 +235,8 @@ class StageWorker:
         )
 
     def _disconnect(self) -> None:
+        self.registered = False
+        self._hb_stop.set()
         self.control.close()
         self.doorbell.close()
         for ring in (self.in_ring, self.out_ring):
@@ -208,8 +246,9 @@ class StageWorker:
         if self._hb is not None:
             self._hb.join(timeout=5)
 
-    def _connect_retrying(self) -> None:
-        """Connect, waiting up to ``reconnect_timeout_s`` for the controller to (re)appear.
+    def _connect_retrying(self, connect: Callable[[], None] | None = None) -> None:
+        """Connect (``connect``, default: join and register), waiting up to
+        ``reconnect_timeout_s`` for the controller to (re)appear.
 
         A controller restart drops every ring and control connection; the worker keeps its
         model and Mooncake state, reconnects, registers again and goes on pulling.
@@ -218,9 +257,14 @@ class StageWorker:
         delay = 0.2
         while True:
             try:
-                self._connect()
+                (connect or self._connect)()
                 return
-            except ConnectionLost as exc:
+            except (ConnectionLost, HandshakeError) as exc:
+                if isinstance(exc, HandshakeError) and not isinstance(
+                    exc.__cause__, OSError | ConnectionLost
+                ):
+                    raise  # refused (token, layout): waiting will not change that
+                # Reset or closed mid-handshake: a controller that is just dying or starting.
                 self._disconnect()
                 if self.state != State.RUNNING:
                     return  # asked to stop while waiting: nothing left to drain
@@ -253,13 +297,17 @@ class StageWorker:
         """Finish the claimed task, claim nothing new, then stop (signal handlers call this)."""
         if self.state == State.RUNNING:
             self.state = State.DRAINING
+        # Wakes the pull loop only: the heartbeats go on at their pace while the claimed
+        # task finishes (they wait on their own event).
         self._wake.set()
         self.doorbell.interrupt()
 
     def close(self) -> None:
         self.state = State.STOPPED
+        self.registered = False
         self.progress.close()
         self._wake.set()
+        self._hb_stop.set()
         self.doorbell.interrupt()
         self.doorbell.close()
         try:
@@ -298,6 +346,7 @@ class StageWorker:
                     log.warning("worker %s: lost the controller: %s", self.name, exc)
                     self._disconnect()
                     self._connect_retrying()
+            self._wait_staged_pulled()
         except DiffringError as exc:
             log.error("worker %s: fatal: %s", self.name, exc)
             self.report_fatal(str(exc))
@@ -335,9 +384,29 @@ class StageWorker:
             return
         self._false_wakes = min(self._false_wakes + 1, 16) if woke else 0
 
+    def _wait_staged_pulled(self) -> None:
+        """Draining: the outputs this worker staged live only in its pool until the next
+        stage pulls them, so stay (heartbeating, claiming nothing) until the controller says
+        they are no longer needed, or ``drain_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.staged and time.monotonic() < deadline and self._hb and self._hb.is_alive():
+            time.sleep(0.05)
+        if self.staged:
+            log.warning("worker %s: exiting with %d task(s) not pulled yet: %s", self.name,
+                        len(self.staged), sorted(t for t, _a in self.staged))
+
     # -- heartbeats ----------------------------------------------------------------------------
-    def _heartbeats(self) -> None:
-        while self.state != State.STOPPED:
+    def start_heartbeats(self) -> None:
+        """Heartbeat the current control connection from a thread of its own."""
+        self._hb_stop = threading.Event()
+        self._control_lost.clear()
+        self._hb = threading.Thread(
+            target=self._heartbeats, args=(self._hb_stop,), name="heartbeat", daemon=True
+        )
+        self._hb.start()
+
+    def _heartbeats(self, stop: threading.Event) -> None:
+        while self.state != State.STOPPED and not stop.is_set():
             job = self.current
             with self._staged_lock:
                 staged = [[t, a] for t, a in self.staged]
@@ -346,8 +415,9 @@ class StageWorker:
                     Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged
                 )
             except DiffringError as exc:
-                if self.state != State.STOPPED:
+                if self.state != State.STOPPED and not stop.is_set():
                     log.error("worker %s: heartbeat failed: %s", self.name, exc)
+                    self._control_lost.set()  # the pull loop sees it within its idle backoff
                 return
             self.metrics.heartbeats.labels(self.role.value).inc()
             if job is not None and job.task_id in reply.get("cancel", []):
@@ -356,7 +426,7 @@ class StageWorker:
             if drop:
                 self._free_staged(lambda key, drop=drop: key[0] in drop)
             holding = job is not None or bool(staged)
-            self._wake.wait(self.heartbeat_interval_s if holding else self.idle_heartbeat_s)
+            stop.wait(self.heartbeat_interval_s if holding else self.idle_heartbeat_s)
 
     def _free_staged(self, pred: Any) -> None:
         with self._staged_lock:
@@ -374,20 +444,25 @@ class StageWorker:
         self.current = job
         t0 = time.monotonic()
         try:
+            faults.hit("worker.after_claim")
             with self.timed("fetch"):
                 inputs = self.fetch_inputs(job)  # 2. fetch
             self.check_cancel(job)
+            faults.hit("worker.stage", StageError)
             with self.timed("compute"):
                 outputs = self.compute(job, inputs)  # 3. compute
             self.check_cancel(job)
+            faults.hit("worker.before_publish")
             self.publish(job, outputs)  # 4. publish
+            job.published = True
+            faults.hit("worker.after_publish")
             self.release(job)  # 5. release
         except TaskDropped as exc:
             self.metrics.tasks.labels(self.role.value, "cancelled").inc()
-            self._fail(job, str(exc), "cancelled", retryable=False)
+            self._fail(job, str(exc), "cancelled", Fault.CANCELLED)
         except Exception as exc:
             self.metrics.tasks.labels(self.role.value, "failed").inc()
-            self._fail(job, *self.describe_failure(exc))
+            self._fail(job, *describe_failure(exc))
         else:
             self.tasks_done += 1
             self.metrics.tasks.labels(self.role.value, "done").inc()
@@ -406,25 +481,25 @@ class StageWorker:
     def claim(self) -> Job | Idle:
         """Step 1: pop one item from the input ring and claim its task at the controller."""
         assert self.in_ring is not None
+        if self._control_lost.is_set():
+            # An item popped now could not be claimed: it would sit unowned until the
+            # controller's reconciliation noticed. Reconnect first (the loop does).
+            raise ConnectionLost(f"control channel to {self.control.where} lost")
+        ring = self.in_ring.name
         try:
             item = self.in_ring.try_pop()
         except PayloadCorrupt as exc:
-            log.error("worker %s: dropped a corrupt %s slot: %s", self.name, self.in_ring.name, exc)
+            self._report_drop(ring, exc.slot, f"corrupt payload: {exc}", None)
             return Idle.SKIPPED
         if item is None:
             return Idle.EMPTY
-        self.metrics.claim_seconds.labels(self.in_ring.name, "pop").observe(
-            self.in_ring.stats.last_claim_s
-        )
-        if item.get("kind") != ROLE_INPUT_KIND[self.role]:
-            log.error(
-                "worker %s: unexpected %r item in ring %s",
-                self.name,
-                item.get("kind"),
-                self.in_ring.name,
-            )
+        self.metrics.claim_seconds.labels(ring, "pop").observe(self.in_ring.stats.last_claim_s)
+        faults.hit("worker.after_pop", ConnectionLost)
+        problem = check_item(item, self.role, self.cfg.pipeline)
+        if problem is not None:
+            self._report_drop(ring, None, problem, item)
             return Idle.SKIPPED
-        job = Job(str(item["task_id"]), int(item["attempt"]), item)
+        job = Job(item["task_id"], item["attempt"], item)
         reply = self.control.call(
             Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
         )
@@ -439,6 +514,27 @@ class StageWorker:
             self.release_inputs(job)
             return Idle.SKIPPED
         return job
+
+    def _report_drop(
+        self, ring: str, slot: int | None, reason: str, item: dict[str, Any] | None
+    ) -> None:
+        """Tell the controller about an item taken from ``ring`` that will not be run."""
+        tid = item.get("task_id") if item is not None else None
+        attempt = item.get("attempt") if item is not None else None
+        log.error("worker %s: dropped an item of ring %s (task %r): %s", self.name, ring, tid,
+                  reason)
+        try:
+            self.control.call(
+                Op.DROPPED,
+                ring=ring,
+                slot=slot,
+                reason=reason,
+                task_id=tid if isinstance(tid, str) else None,
+                attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool)
+                else None,
+            )
+        except ControlRefused as exc:
+            log.error("controller refused the drop report: %s", exc)
 
     # -- steps 2-5: the role classes fill these in ---------------------------------------------
     def fetch_inputs(self, job: Job) -> Any:
@@ -478,18 +574,7 @@ class StageWorker:
         return {}
 
     # -- failure path ------------------------------------------------------------------------------
-    def describe_failure(self, exc: Exception) -> tuple[str, str, bool]:
-        """(message, error_type, retryable) of a task failure."""
-        if isinstance(exc, StageCancelled):
-            return str(exc), "cancelled", False
-        if isinstance(exc, TransferError | ConnectionLost | RingFull):
-            return str(exc), type(exc).__name__, True
-        if isinstance(exc, ModelError | StageError):
-            return str(exc), type(exc).__name__, False
-        log.exception("task failed with an unexpected error")
-        return f"{type(exc).__name__}: {exc}", type(exc).__name__, False
-
-    def _fail(self, job: Job, error: str, error_type: str, retryable: bool) -> None:
+    def _fail(self, job: Job, error: str, error_type: str, fault: Fault) -> None:
         log.warning(
             "task %s stage=%s worker=%s failed (%s): %s",
             job.task_id,
@@ -498,7 +583,8 @@ class StageWorker:
             error_type,
             error,
         )
-        self._free_staged(lambda key: key == (job.task_id, job.attempt))
+        if not job.published:
+            self._free_staged(lambda key: key == (job.task_id, job.attempt))
         try:
             self.control.call(
                 Op.FAIL,
@@ -507,7 +593,8 @@ class StageWorker:
                 stage=self.role.value,
                 error=error,
                 error_type=error_type,
-                retryable=retryable,
+                retryable=fault in (Fault.SYSTEM, Fault.TRANSFER, Fault.TASK),
+                fault=fault.value,
             )
         except ControlRefused as exc:
             log.error("controller refused the failure report of %s: %s", job.task_id, exc)

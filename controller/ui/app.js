@@ -128,6 +128,7 @@ async function refresh() {
   refreshTimer = null;
   try {
     const r = await fetch("/ui/state", { cache: "no-store" });
+    if (r.status === 401) { askForKey(); return; }
     if (!r.ok) return;
     const st = await r.json();
     period = (st.refresh_s || 2) * 1000;
@@ -139,6 +140,19 @@ async function refresh() {
   } catch (e) {
     // The controller is restarting: the next period tries again.
   }
+}
+
+let askedForKey = false;
+
+// A front door with an API key: ask for it once and keep it in a cookie, which fetch and
+// EventSource send with every request to this origin (EventSource cannot send headers).
+function askForKey() {
+  if (askedForKey) return;
+  askedForKey = true;
+  const key = window.prompt("This front door wants its API key:");
+  if (!key) return;
+  document.cookie = `diffring_api_key=${encodeURIComponent(key)}; path=/; SameSite=Strict`;
+  location.reload();
 }
 
 function soon() {

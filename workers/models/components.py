@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from contracts.errors import InvalidRequestError, ModelLoadError, StageInputError
-from contracts.pipelines import ATTENTION_BACKENDS, DTYPES, check_device, task_spec
+from contracts.pipelines import ATTENTION_BACKENDS, DTYPES, TASKS, check_device, task_spec
 from contracts.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -59,6 +59,83 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+# -- what each stage reads ---------------------------------------------------------------
+
+WEIGHTS, CONFIG, FILES, FILE = "weights", "config", "files", "file"
+_TEXT = {"tokenizer": FILES, "text_encoder": WEIGHTS}
+_DIT = {"transformer": WEIGHTS, "scheduler": FILES, "vae": CONFIG}
+STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
+    "wan_t2v": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
+    "wan_i2v": {
+        "encoder": {**_TEXT, "image_processor": FILES, "image_encoder": WEIGHTS,
+                    "vae": WEIGHTS},
+        "transformer": _DIT,
+        "decoder": {"vae": WEIGHTS},
+    },
+    "qwen_t2i": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
+    "qwen_i2i": {
+        "encoder": {"processor": FILES, "vae": WEIGHTS, "text_encoder": WEIGHTS},
+        "transformer": _DIT,
+        "decoder": {"vae": WEIGHTS},
+    },
+    # No model: one settings file, read directly by each stage (workers/models/synthetic.py).
+    "synthetic": {r: {"synthetic.json": FILE} for r in ("encoder", "transformer", "decoder")},
+}
+"""task -> role -> the components of the model folder its stage reads, and how much of each:
+``weights`` (config and weights), ``config`` (the config file only: the DiT reads the VAE's
+geometry), ``files`` (tokenizer, processor, scheduler: their own files), ``file`` (a single
+file the stage reads itself, not a component folder). What a worker checks
+before anything slow (:func:`check_stage_folder`) and ``run_service.py --check`` reports; a
+test loads every stage and checks that it reads exactly these."""
+assert set(STAGE_COMPONENTS) == set(TASKS)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def component_problem(folder: Path, kind: str) -> str | None:
+    """What is missing from one component folder for ``kind`` (None: nothing), without
+    reading any weights: the folder, its config file, its weight files, every shard a
+    sharded checkpoint's index lists."""
+    if kind == FILE:
+        return None if folder.is_file() else "missing"
+    if not folder.is_dir():
+        return "missing"
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    if not files:
+        return "empty"
+    if kind == FILES:
+        return None
+    if not (folder / "config.json").is_file():
+        return "no config.json"
+    if kind == CONFIG:
+        return None
+    for index in folder.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            return f"unreadable {index.name}: {exc}"
+        absent = sorted(s for s in shards if not (folder / s).is_file())
+        if absent:
+            return f"{len(absent)} shard(s) listed in {index.name} missing ({absent[0]}, ...)"
+        return None
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in files):
+        return "no weight files"
+    return None
+
+
+def check_stage_folder(model_dir: Path, task: str, role: str) -> None:
+    """Fail fast (seconds, not the minutes of a load) when the folder lacks something the
+    ``role`` stage of ``task`` reads; the error names folder and component."""
+    for component, kind in STAGE_COMPONENTS[task_spec(task).name][role].items():
+        if kind != FILE:
+            component_dir(model_dir, component, task, role)  # the loader's own message
+        problem = component_problem(model_dir / component, kind)
+        if problem is not None:
+            raise ModelLoadError(
+                f"model folder {model_dir}: the {component!r} component is incomplete "
+                f"({problem}); the {role} stage of {task} needs it"
+            )
 
 
 # -- loading -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from .base import (
     StopCheck,
     TransformerAdapter,
 )
+from .media import VideoSettings
 from .prompt_cache import PromptCache
 
 
@@ -29,15 +30,20 @@ class LocalPipeline:
         device: str = "cpu",
         dtype: str = "float32",
         attention: str = "sdpa",
+        *,
+        compile: bool = False,
+        cfg_batch: bool = False,
+        video: VideoSettings | None = None,
         prompt_cache_bytes: int = 0,
     ) -> None:
         self.encoder = EncoderAdapter.for_task(model_dir, task, device, dtype)
         if prompt_cache_bytes:
             self.encoder.cache = PromptCache(prompt_cache_bytes)
         self.transformer = TransformerAdapter.for_task(
-            model_dir, task, device, dtype, attention=attention
+            model_dir, task, device, dtype, attention=attention, compile=compile,
+            cfg_batch=cfg_batch,
         )
-        self.decoder = DecoderAdapter.for_task(model_dir, task, device, dtype)
+        self.decoder = DecoderAdapter.for_task(model_dir, task, device, dtype, video=video)
         self.task = task
 
     def load(self) -> None:

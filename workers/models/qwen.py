@@ -276,16 +276,22 @@ class QwenTransformer(TransformerAdapter):
                     model_input = torch.cat([latents, inp.image_latents], dim=1)
                 timestep = t.expand(latents.shape[0]).to(latents.dtype)
                 n_tokens = latents.size(1)
-                noise_pred = self._predict(
-                    model_input, timestep, inp.prompt, inp.prompt_mask, "cond", guidance,
-                    inp.img_shapes, n_tokens,
-                )
-                if cfg:
-                    assert inp.negative is not None
-                    neg_pred = self._predict(
-                        model_input, timestep, inp.negative, inp.negative_mask, "uncond",
-                        guidance, inp.img_shapes, n_tokens,
+                if cfg and self.cfg_batch:
+                    noise_pred, neg_pred = self._predict_both(
+                        model_input, timestep, inp, guidance, n_tokens
                     )
+                else:
+                    noise_pred = self._predict(
+                        model_input, timestep, inp.prompt, inp.prompt_mask, "cond", guidance,
+                        inp.img_shapes, n_tokens,
+                    )
+                if cfg:
+                    if not self.cfg_batch:
+                        assert inp.negative is not None
+                        neg_pred = self._predict(
+                            model_input, timestep, inp.negative, inp.negative_mask, "uncond",
+                            guidance, inp.img_shapes, n_tokens,
+                        )
                     combined = neg_pred + true_cfg * (noise_pred - neg_pred)
                     # Rescale the guided prediction back to the conditional one's norm.
                     cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
@@ -296,8 +302,63 @@ class QwenTransformer(TransformerAdapter):
                     on_step(i + 1, total)
             latents = QwenImagePipeline._unpack_latents(
                 latents, inp.height, inp.width, self.vae_scale_factor
-            )
-        return {"latents": latents.contiguous()}
+            ).contiguous()
+        self._synchronize()
+        return {"latents": latents}
+
+    def _predict_both(
+        self,
+        model_input: torch.Tensor,
+        timestep: torch.Tensor,
+        inp: _DitInputs,
+        guidance: torch.Tensor | None,
+        n_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both CFG branches as one batch-2 forward. Prompts of different lengths are padded
+        to the longer one and masked (Qwen's text RoPE and attention honour the mask), which
+        is what diffusers does for a batch of prompts."""
+        assert inp.negative is not None
+        texts = [inp.prompt, inp.negative]
+        masks = [inp.prompt_mask, inp.negative_mask]
+        length = max(t.shape[1] for t in texts)
+        if all(m is None for m in masks) and all(t.shape[1] == length for t in texts):
+            embeds, mask = torch.cat(texts), None
+        else:
+            padded, valid = [], []
+            for text, m in zip(texts, masks, strict=True):
+                pad = length - text.shape[1]
+                padded.append(torch.nn.functional.pad(text, (0, 0, 0, pad)))
+                m = m if m is not None else torch.ones(text.shape[:2], device=text.device,
+                                                       dtype=torch.long)
+                valid.append(torch.nn.functional.pad(m, (0, pad)))
+            embeds, mask = torch.cat(padded), torch.cat(valid)
+        pred = self._predict(
+            torch.cat([model_input, model_input]), timestep.expand(2), embeds, mask, "cond",
+            None if guidance is None else guidance.expand(2), inp.img_shapes * 2, n_tokens,
+        )
+        cond, uncond = pred.chunk(2)
+        return cond, uncond
+
+    def warmup_inputs(self, req: GenerationRequest, variant: int) -> dict[str, torch.Tensor]:
+        """Random encoder outputs for ``req``; variant 1 has a longer text than variant 0, so
+        that a compiled DiT also gets the text length as a dynamic dimension."""
+        dim = self.transformer.config.joint_attention_dim
+        dtype = self.transformer.dtype
+        gen = torch.Generator("cpu").manual_seed(variant)
+        out: dict[str, torch.Tensor] = {}
+        for name, length in (("prompt_embeds", 12 + 7 * variant),
+                             ("negative_prompt_embeds", 5 + 3 * variant)):
+            out[name] = torch.randn((1, length, dim), generator=gen).to(self.device, dtype)
+            out[f"{name}_mask"] = torch.ones((1, length), dtype=torch.long, device=self.device)
+        if self.edit:
+            assert req.height is not None and req.width is not None
+            channels = self.transformer.config.in_channels // 4
+            lat = (1, channels, 1, req.height // self.vae_scale_factor,
+                   req.width // self.vae_scale_factor)
+            out["image_latents"] = torch.randn(lat, generator=gen).to(self.device, dtype)
+        return out
+
+    warmup_variants = 2
 
     def _inputs(
         self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor], cfg: bool
@@ -448,9 +509,9 @@ class QwenDecoder(DecoderAdapter):
             vae_scale_factor=2 ** len(self.vae.temperal_downsample) * 2
         )
 
-    def decode_float(
+    def decode_tensor(
         self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
-    ) -> np.ndarray:
+    ) -> torch.Tensor:
         self._require_loaded()
         check_request_task(req, self.task, self.role)
         latents = require_tensor(tensors, "latents", self.role, ndim=5)
@@ -464,8 +525,10 @@ class QwenDecoder(DecoderAdapter):
             mean, std = latent_stats(self.vae.config, latents)
             latents = latents / (1.0 / std) + mean
             image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-            pixels = self.image_processor.postprocess(image, output_type="np")
-        return np.asarray(pixels[0])
+            pixels = self.image_processor.postprocess(image, output_type="pt")
+        # (1, C, H, W) -> (H, W, C), what the "np" output type's conversion does.
+        out: torch.Tensor = pixels[0].permute(1, 2, 0)
+        return out
 
 
 __all__ = ["QwenDecoder", "QwenEncoder", "QwenTransformer"]

@@ -34,9 +34,12 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: a synthetic worker never imports torch
+    import torch
 
 from contracts.errors import ModelLoadError, StageInputError
 from contracts.request import GenerationRequest
@@ -364,6 +367,12 @@ class SyntheticTransformer(_SyntheticStage, TransformerAdapter):
         return out
 
 
+    def warmup_inputs(self, req: GenerationRequest, variant: int) -> dict[str, torch.Tensor]:
+        arrays = {name: _make(spec, variant, "phase1", name)
+                  for name, spec in self.cfg.phase1.items()}
+        return self._to_device(arrays, self.cfg.phase1)
+
+
 class SyntheticDecoder(_SyntheticStage, DecoderAdapter):
     """Decoder stage: a ``height`` x ``width`` gradient picture from the seed and the phase2
     bytes, after ``decoder_s`` (PNG encoding included)."""
@@ -383,6 +392,20 @@ class SyntheticDecoder(_SyntheticStage, DecoderAdapter):
         self._require_loaded()
         out: np.ndarray = self.pixels(req, tensors).astype(np.float32) / 255
         return out
+
+    def decode_tensor(self, req: GenerationRequest, tensors: Mapping[str, Any]) -> torch.Tensor:
+        import torch  # only benchmarks ask for a tensor; a synthetic worker runs without torch
+
+        return torch.from_numpy(self.decode_float(req, tensors))
+
+    def decode_pixels(self, req: GenerationRequest, tensors: Mapping[str, Any]) -> np.ndarray:
+        """The decoder's critical path when it writes files in the background
+        (``encode_queue``): ``decoder_s``, the PNG written afterwards off that path."""
+        self._require_loaded()
+        deadline = time.monotonic() + self.cfg.decoder_s
+        pixels = self.pixels(req, tensors)
+        self._spend(deadline)
+        return pixels
 
     def decode(self, req: GenerationRequest, tensors: Mapping[str, Any]) -> Artifact:
         self._require_loaded()
