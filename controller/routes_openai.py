@@ -15,11 +15,12 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.events import ShuttingDown
 from controller.openai_api import (
@@ -67,7 +68,7 @@ class OpenAIRoute(APIRoute):
                                     if err.get("type") == "extra_forbidden"
                                     else f"{loc or 'body'}: {err.get('msg')}")
                 return openai_error(400, "; ".join(problems), param)
-            except HTTPException as exc:
+            except StarletteHTTPException as exc:  # FastAPI's (body parsing) included
                 status = 400 if exc.status_code == 422 else exc.status_code
                 return openai_error(status, str(exc.detail), headers=exc.headers)
             except ShuttingDown as exc:
@@ -173,7 +174,7 @@ async def create_video(request: Request, door: Door) -> dict[str, Any]:
             try:  # in the decoding processes, like every input image
                 image = await door.front.decoder.decode(url, server.max_image_bytes,
                                                         server.max_image_pixels)
-            except HTTPException as exc:
+            except StarletteHTTPException as exc:  # FastAPI's (body parsing) included
                 raise OpenAIError(400, str(exc.detail).replace("image_path", "input_reference"),
                                   "input_reference") from None
     else:

@@ -62,7 +62,7 @@ def test_drain_does_not_turn_heartbeats_into_a_busy_loop() -> None:
     """drain() wakes the pull loop; the heartbeat thread must keep its own pace (it used to
     wait on the same event, which drain leaves set: heartbeats back to back)."""
     w, fake, _ = worker()
-    w.heartbeat_interval_s = 0.2
+    w.heartbeat_interval_s = w.idle_heartbeat_s = 0.2  # holding or not: the same pace
     w.state = State.RUNNING
     w.start_heartbeats()
     try:
