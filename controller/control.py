@@ -1,5 +1,5 @@
 """The control channel server: workers register, heartbeat, claim, report progress and
-results (message layouts: :mod:`rings.messages`).
+results (message layouts: :mod:`contracts.messages`).
 
 Same framing and the same token handshake as the ring ports (:mod:`rings.wire`). A worker's
 connection is its liveness: when it drops, every lease the worker holds is revoked at once
@@ -15,9 +15,11 @@ import secrets
 import struct
 from typing import Any
 
+from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from controller.coordinator import ControlError, Coordinator, WorkerInfo
+from controller.doorbell import Doorbell
+from controller.preflight import connect_back
 from rings import wire
-from rings.messages import CONTROL_RING, Op
 from rings.ports import bind_error
 
 log = logging.getLogger("diffring.controller.control")
@@ -26,8 +28,12 @@ MAX_CONTROL_FRAME = 512 << 20  # results travel on this channel (a long MP4 can 
 
 
 class ControlServer:
-    def __init__(self, coordinator: Coordinator, host: str, port: int, token: str) -> None:
+    def __init__(
+        self, coordinator: Coordinator, host: str, port: int, token: str,
+        doorbell: Doorbell | None = None,
+    ) -> None:
         self.coordinator = coordinator
+        self.doorbell = doorbell
         self.host = host
         self.port = port
         self.token = token
@@ -71,11 +77,12 @@ class ControlServer:
         join = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
         cnonce = join.get("client_nonce")
         ring = join.get("ring")
+        mac = join.get("mac")
         error = None
         if not isinstance(cnonce, bytes) or ring != CONTROL_RING:
-            error = f"this port is the control channel, peer asked for {ring!r}"
-        elif not wire.hmac.compare_digest(
-            join.get("mac") or b"", wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
+            error = f"this port is the control channel, peer asked for {str(ring)[:64]!r}"
+        elif not isinstance(mac, bytes) or not wire.hmac.compare_digest(
+            mac, wire.mac(self.token, b"join", nonce, cnonce, ring.encode())
         ):
             error = (
                 "authentication failed: the worker did not prove the cluster token "
@@ -112,11 +119,20 @@ class ControlServer:
             join = await asyncio.wait_for(self._handshake(reader, writer), wire.HANDSHAKE_TIMEOUT_S)
             if join is None:
                 return
+            if join.get("channel") == DOORBELL_CHANNEL:
+                await self._serve_doorbell(reader, writer)
+                return
             while True:
                 msg = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
                 seq = msg.get("seq")
                 try:
-                    reply, worker = self._dispatch(msg, worker)
+                    # The two ops that await (connections, a file write) are not in _dispatch.
+                    if msg.get("op") == Op.PREFLIGHT:
+                        reply = await connect_back(msg, f"{self.host}:{self.port}")
+                    elif msg.get("op") == Op.COMPLETE and worker is not None:
+                        reply = await self._complete(msg, worker)
+                    else:
+                        reply, worker = self._dispatch(msg, worker)
                     out = {"seq": seq, "ok": True, **reply}
                 except (ControlError, KeyError, TypeError, ValueError) as exc:
                     out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
@@ -135,6 +151,16 @@ class ControlServer:
             log.warning("control: dropping a peer after a malformed message: %s", exc)
         except asyncio.CancelledError:
             reason = "controller shutting down"
+        except Exception as exc:
+            # Whatever a peer sends must not escape as an unhandled error; msgpack alone
+            # raises TypeError (unhashable keys) besides ValueError. A registered worker's
+            # failure may be ours, so it keeps its traceback.
+            if worker is None:
+                log.warning("control: dropping %s after a malformed message: %s: %s",
+                            writer.get_extra_info("peername"), type(exc).__name__, exc)
+            else:
+                log.exception("control: dropping worker %s", worker.name)
+                reason = f"control connection failed: {type(exc).__name__}: {exc}"
         finally:
             self._conns.discard(task)
             if worker is not None:
@@ -142,6 +168,66 @@ class ControlServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _serve_doorbell(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """A worker's doorbell connection: one ``wait`` at a time, each answered when its ring
+        has work or its timeout passes (:mod:`controller.doorbell`)."""
+        while True:
+            msg = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
+            seq = msg.get("seq")
+            out: dict[str, Any] | None
+            rung = False
+
+            def wake(seq: Any = seq) -> None:
+                # Sent from inside Doorbell.ring: the wake-up leaves before the code that
+                # rang it (an HTTP response, a handoff reply) has finished.
+                nonlocal rung
+                rung = True
+                writer.write(wire.pack_msg({"seq": seq, "ok": True, "wake": True}))
+
+            try:
+                if msg.get("op") != Op.WAIT:
+                    raise ControlError(f"the doorbell channel carries only 'wait', got "
+                                       f"{msg.get('op')!r}")
+                if self.doorbell is None:
+                    raise ControlError("this controller has no doorbell")
+                waiting = asyncio.ensure_future(
+                    self.doorbell.wait(str(msg["ring"]), float(msg["timeout_s"]), wake)
+                )
+                # The worker sends nothing while it waits: anything read now is the
+                # connection ending (a stopped worker), and its waiter must go at once,
+                # or a wake-up would be spent on it.
+                gone = asyncio.ensure_future(reader.read(1))
+                await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not waiting.done():
+                    waiting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await waiting
+                    return
+                gone.cancel()  # and wait for it: only one reader of the stream at a time
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gone
+                if gone.done() and not gone.cancelled():
+                    return  # the connection ended in the same instant
+                out = None if rung else {"seq": seq, "ok": True, "wake": waiting.result()}
+            except (ControlError, KeyError, TypeError, ValueError) as exc:
+                out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
+            if out is not None:
+                writer.write(wire.pack_msg(out))
+            await writer.drain()
+
+    async def _complete(self, msg: dict[str, Any], worker: WorkerInfo) -> dict[str, Any]:
+        accepted = await self.coordinator.on_complete(
+            worker,
+            str(msg["task_id"]),
+            int(msg["attempt"]),
+            str(msg["extension"]),
+            str(msg["media_type"]),
+            bytes(msg["data"]),
+        )
+        return {"accepted": accepted}
 
     def _dispatch(
         self, msg: dict[str, Any], worker: WorkerInfo | None
@@ -184,16 +270,6 @@ class ControlServer:
         if op == Op.HANDOFF:
             co.on_handoff(worker, str(msg["task_id"]), int(msg["attempt"]))
             return {}, worker
-        if op == Op.COMPLETE:
-            accepted = co.on_complete(
-                worker,
-                str(msg["task_id"]),
-                int(msg["attempt"]),
-                str(msg["extension"]),
-                str(msg["media_type"]),
-                bytes(msg["data"]),
-            )
-            return {"accepted": accepted}, worker
         if op == Op.FAIL:
             co.on_fail(
                 worker,
@@ -202,8 +278,23 @@ class ControlServer:
                 str(msg["error"]),
                 str(msg.get("error_type", "error")),
                 bool(msg.get("retryable", False)),
+                _opt_str(msg.get("fault")),
+            )
+            return {}, worker
+        if op == Op.DROPPED:
+            attempt = msg.get("attempt")
+            co.on_dropped(
+                worker,
+                str(msg["ring"]),
+                str(msg.get("reason", "")),
+                _opt_str(msg.get("task_id")),
+                attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
             )
             return {}, worker
         if op in (Op.FATAL, Op.BYE):
             return {}, worker
         raise ControlError(f"unknown control op {op!r}")
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)

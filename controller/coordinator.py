@@ -3,12 +3,23 @@
 It owns the task table, the controller's own handle on the request ring, the worker
 registry, and the result folder. The front door calls ``submit`` / ``cancel``; the control
 server calls the ``on_*`` handlers; a sweeper calls ``sweep`` periodically. Everything runs
-on the event-loop thread.
-"""
+on the event-loop thread, except what would block it: result files are written on the
+``io`` thread pool (:meth:`Coordinator.on_complete` awaits them), and the task store writes
+on its own thread (:mod:`controller.store`). So each handler sees the table, the registry and
+(over tcp) the ring memory at one instant.
+
+Ownership without gaps
+----------------------
+At every instant each unfinished task is owned by the controller, by a ring slot, or by a
+worker's lease, and the owner is what puts it back in play when it fails:
+
+============================  ======================================  ============="""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -16,8 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.tasks import TERMINAL, Stage, Task, TaskTable
-from rings.errors import DiffringError
+from contracts.errors import DiffringError
+from contracts.messages import Fault
+from contracts.roles import ROLE_RINGS, Role
+from controller.budget import Cause, RetryBudget
+from controller.reconcile import Census, MissingTracker
+from controller.store import StoreError
+from controller.tasks import CLAIMABLE_FROM, TERMINAL, Stage, Task, TaskTable
 from rings.ring import Ring
 
 log = logging.getLogger("diffring.controller")
@@ -38,7 +54,7 @@ class ControlError(DiffringError):
 @dataclass
 class WorkerInfo:
     worker_id: int
-    role: str
+    role: Role
     name: str
     pid: int
     segment: str
@@ -58,6 +74,7 @@ class WorkerInfo:
             "connected_at": self.connected_at,
             "last_heartbeat": self.last_heartbeat,
             "current_tasks": sorted(self.tasks),
+            "segment": self.segment,
         }
 
 
@@ -76,6 +93,11 @@ class Coordinator:
         stage_image: Callable[[bytes], dict[str, Any]] | None = None,
         release_image: Callable[[Task], None] | None = None,
         journal: Path | None = None,
+        max_task_failures: int = 3,
+        poison_worker_deaths: int = 3,
+        census: Callable[[], Census] | None = None,
+        retention_s: float = 86400.0,
+        delete_results: bool = False,
     ) -> None:
         self.pipeline = pipeline
         self.request_ring = request_ring
@@ -85,11 +107,27 @@ class Coordinator:
         self.max_pending = max_pending
         self.stage_image = stage_image
         self.release_image = release_image
-        self.table = TaskTable(journal)
+        self.table = TaskTable(journal, retention_s=retention_s, delete_results=delete_results)
+        self.io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="results")
+        """Result-file writes: off the loop that serves the ring verbs and the control channel."""
+        self._completing: dict[str, asyncio.Future[None]] = {}
+        """Completions being written, by task: a second one waits for the first to end."""
         self.workers: dict[int, WorkerInfo] = {}
         self._next_worker = 1
         self._requeue: collections.deque[str] = collections.deque()
         self.listeners: list[Callable[[str, Task], None]] = []
+        self.on_work: Callable[[str], object] | None = None
+        """Called with a ring's name when an item was pushed to it (by this controller, or
+        by a producer that reported the handoff): the doorbell that wakes idle workers."""
+        self.budget = RetryBudget(max_task_failures, poison_worker_deaths)
+        self.census = census
+        """Reads the rings this controller hosts (None: nothing to reconcile, e.g. the
+        in-process baseline, whose queue hands items over without a gap)."""
+        self._missing = MissingTracker()
+        self._last_forget = time.monotonic()
+        self.recovery: dict[str, int] = dict.fromkeys(
+            ("reconciled", "dropped_items", "leases_expired", "workers_lost", "poisoned"), 0)
+        """Counters of the recovery paths (shown in the service status)."""
 
     # -- helpers ---------------------------------------------------------------------------
     def _emit(self, event: str, task: Task) -> None:
@@ -110,7 +148,14 @@ class Coordinator:
         return round(min(300.0, max(1.0, backlog / rate)), 1)
 
     def _push(self, task: Task) -> bool:
-        return self.request_ring.try_push(task.descriptor()) is None
+        pushed = self.request_ring.try_push(task.descriptor()) is None
+        if pushed:
+            self._announce("request")
+        return pushed
+
+    def _announce(self, ring: str | None) -> None:
+        if ring is not None and self.on_work is not None:
+            self.on_work(ring)
 
     def restore(self) -> int:
         """After a restart: reload the journal and put unfinished tasks back in play."""
@@ -121,6 +166,11 @@ class Coordinator:
             self._requeue.append(task.task_id)
         self._drain_requeue()
         return len(unfinished)
+
+    def close(self) -> None:
+        """Finish pending result writes and close the task store (commits what is queued)."""
+        self.io.shutdown(wait=True)
+        self.table.close()
 
     # -- front door ------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
@@ -162,19 +212,23 @@ class Coordinator:
                 f"this controller serves pipeline {self.pipeline!r}; worker {name} is "
                 f"configured for {pipeline!r}"
             )
-        if role not in ("encoder", "transformer", "decoder"):
-            raise ControlError(f"unknown worker role {role!r}")
+        try:
+            known = Role(role)
+        except ValueError:
+            raise ControlError(f"unknown worker role {role!r}") from None
         wid = self._next_worker
         self._next_worker += 1
-        info = WorkerInfo(wid, role, name, pid, segment, pipeline)
+        info = WorkerInfo(wid, known, name, pid, segment, pipeline)
         self.workers[wid] = info
         log.info("worker %d registered: %s %s pid=%d segment=%s", wid, role, name, pid, segment)
+        self.budget.worker_back(name, self.table)  # it was not killed: its connection dropped
         return info
 
     def on_heartbeat(
         self, worker: WorkerInfo, tasks: list[str], staged: list[tuple[str, int]]
     ) -> tuple[list[str], list[str]]:
-        """Renew the worker's leases. Returns (tasks to cancel, staged outputs to free).
+        """Renew the worker's leases. Returns (tasks to stop: cancelled, over, or no longer
+        this worker's; staged outputs to free).
 
         ``staged``: (task_id, attempt) whose outputs the worker still holds in its pool for
         the next stage. The consumer normally releases them after its pull; these are the
@@ -182,13 +236,18 @@ class Coordinator:
         consumer), so the producer frees them itself instead of leaking pool memory.
         """
         worker.last_heartbeat = time.time()
+        worker.state = "running"
+        self.budget.worker_back(worker.name, self.table)  # it outlived any lease it lost
         self.table.renew(worker.worker_id, self.lease_timeout_s)
         cancel = []
         for tid in tasks:
             t = self.table.get(tid)
-            if t is None or t.cancel_requested or t.stage in TERMINAL:
+            # Not its task any more (its lease expired while it was stalled, say): stop now
+            # rather than finish work whose result would be refused.
+            if (t is None or t.cancel_requested or t.stage in TERMINAL
+                    or t.worker_id != worker.worker_id):
                 cancel.append(tid)
-        past = {"encoder": (Stage.PHASE2, Stage.DECODING), "transformer": ()}
+        past = {Role.ENCODER: (Stage.PHASE2, Stage.DECODING), Role.TRANSFORMER: ()}
         drop = []
         for tid, attempt in staged:
             t = self.table.get(tid)
@@ -240,6 +299,9 @@ class Coordinator:
         return task.cancel_requested
 
     def on_handoff(self, worker: WorkerInfo, task_id: str, attempt: int) -> None:
+        # The producer published to its output ring before saying so: wake a consumer
+        # (even for a task it no longer holds: the item is in the ring all the same).
+        self._announce(ROLE_RINGS[worker.role][1])
         worker.tasks.discard(task_id)
         task = self._held(worker, task_id, attempt)
         if task is None:
@@ -248,7 +310,7 @@ class Coordinator:
         log.info("task %s stage=%s from worker=%s", task_id, task.stage.value, worker.name)
         self._emit("handoff", task)
 
-    def on_complete(
+    async def on_complete(
         self,
         worker: WorkerInfo,
         task_id: str,
@@ -257,26 +319,55 @@ class Coordinator:
         media_type: str,
         data: bytes,
     ) -> bool:
+        """Write the result file (on ``io``), record the completion, and answer once it is
+        durable. Completions of one task are serialised: a second one waits for the first
+        and is refused if it won, so a result file is only ever written by the winner."""
         worker.tasks.discard(task_id)
-        task = self.table.get(task_id)
-        if task is None or task.stage in TERMINAL:
+        while (running := self._completing.get(task_id)) is not None:
+            await asyncio.wait([running])  # then look again: it may have completed the task
+        task = self._held(worker, task_id, attempt)
+        if task is None:
+            # Completed already, or this worker's lease ran out and the task is another
+            # attempt's now: a late result is refused, never a second completion.
+            log.info("task %s: result of attempt %d from %s refused (not its lease)",
+                     task_id, attempt, worker.name)
             return False
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._completing[task_id] = done
+        try:
+            return await self._complete(worker, task, attempt, extension, media_type, data)
+        finally:
+            del self._completing[task_id]
+            done.set_result(None)
+
+    async def _complete(
+        self, worker: WorkerInfo, task: Task, attempt: int, extension: str, media_type: str,
+        data: bytes,
+    ) -> bool:
         path = self.result_path(task, extension)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.io, _write_result, path, data)
+        if task.stage in TERMINAL or not self.table.holds(task, attempt, worker.worker_id):
+            # Cancelled, failed or its lease lost while the file was written: not a result.
+            await loop.run_in_executor(self.io, _remove, path)
+            return False
         accepted = self.table.complete(task, str(path), media_type)
         if accepted:
             log.info(
                 "task %s stage=completed worker=%s attempt=%d result=%s (%d bytes)",
-                task_id,
+                task.task_id,
                 worker.name,
                 attempt,
                 path,
                 len(data),
             )
             self._emit("completed", task)
+            durable = self.table.flush()
+            if durable is not None:
+                try:
+                    await asyncio.wrap_future(durable)
+                except StoreError as exc:  # the result stands; only its record is at risk
+                    log.error("task %s: completion not recorded durably: %s", task.task_id, exc)
         return accepted
 
     def result_path(self, task: Task, extension: str) -> Path:
@@ -293,27 +384,59 @@ class Coordinator:
         error: str,
         error_type: str,
         retryable: bool,
+        fault: str | None = None,
     ) -> None:
         worker.tasks.discard(task_id)
-        task = self.table.get(task_id)
-        if task is None or task.attempt != attempt or task.stage in TERMINAL:
-            return
+        task = self._held(worker, task_id, attempt)
+        if task is None:
+            return  # not this worker's attempt (any more): its failure changes nothing
         log.warning(
-            "task %s failed at worker=%s attempt=%d (%s): %s",
+            "task %s failed at worker=%s attempt=%d (%s, %s): %s",
             task_id,
             worker.name,
             attempt,
             error_type,
+            fault,
             error,
         )
-        if error_type == "cancelled" or task.cancel_requested:
+        if fault is None:  # a worker of an older build: only ``retryable``
+            fault = Fault.TASK if retryable else Fault.INPUT
+        reason = f"{worker.role} {worker.name}: {error}"
+        if fault == Fault.CANCELLED or error_type == "cancelled" or task.cancel_requested:
             self.table.cancelled(task, "cancelled by the client while running")
             self._emit("cancelled", task)
-        elif retryable:
-            self._retry(task, f"{worker.role} {worker.name}: {error}")
-        else:
+        elif fault == Fault.INPUT:
             self.table.failed(task, error, error_type)
             self._emit("failed", task)
+        elif fault == Fault.TRANSFER:
+            producer = task.producer_id
+            if producer is None or not self._alive(producer):
+                self._retry(task, f"{reason} (its producer is gone)", Cause.SYSTEM)
+            else:
+                self.budget.blame_producer(producer, task_id)
+                self._retry(task, reason, Cause.TASK)
+        else:
+            self._retry(task, reason, Cause.TASK if fault == Fault.TASK else Cause.SYSTEM)
+
+    def on_dropped(
+        self, worker: WorkerInfo, ring: str, reason: str, task_id: str | None,
+        attempt: int | None,
+    ) -> None:
+        """A worker took an item from ``ring`` that it cannot run (window 3 of the module
+        doc). Retry the task it names if it is that task's current item; an item that names
+        no task is left to reconciliation."""
+        self.recovery["dropped_items"] += 1
+        log.warning("worker %s dropped an item of ring %s (task %s attempt %s): %s",
+                    worker.name, ring, task_id, attempt, reason)
+        task = self.table.get(task_id) if task_id is not None else None
+        if (
+            task is None
+            or task.attempt != attempt
+            or task.stage not in CLAIMABLE_FROM[worker.role]
+        ):
+            return
+        self._retry(task, f"{worker.role} {worker.name} dropped its {ring} item: {reason}",
+                    Cause.SYSTEM)
 
     def on_gone(self, worker: WorkerInfo, reason: str) -> None:
         """A worker's control connection dropped or it reported a fatal error."""
@@ -329,11 +452,30 @@ class Coordinator:
             reason,
             len(held),
         )
+        self.budget.producer_gone(worker.worker_id, self.table)
         for task in held:
-            self._retry(task, f"{worker.role} {worker.name} {reason} while {task.stage.value}")
+            self.recovery["workers_lost"] += 1
+            self._retry(task, f"{worker.role} {worker.name} {reason} while {task.stage.value}",
+                        Cause.WORKER_LOST, worker.name)
 
-    def _retry(self, task: Task, reason: str) -> None:
-        if self.table.retry(task, reason):
+    def _alive(self, worker_id: int) -> bool:
+        """Registered and heard from lately (a hung producer serves no reads either)."""
+        w = self.workers.get(worker_id)
+        return w is not None and time.time() - w.last_heartbeat <= 3 * self.heartbeat_interval_s
+
+    def _retry(self, task: Task, reason: str, cause: Cause = Cause.SYSTEM,
+               worker: str | None = None) -> None:
+        if task.stage in TERMINAL:
+            return
+        exhausted = None
+        if not task.cancel_requested:
+            exhausted = self.budget.charge(task, reason, cause, worker)
+        if exhausted is not None:
+            self.recovery["poisoned"] += exhausted == "poison"
+            log.error("task %s failed: %s", task.task_id, task.error)
+            self.table.failed(task, task.error or reason, exhausted)
+            self._emit("failed", task)
+        elif self.table.retry(task, reason):
             if task.image_bytes is not None and self.stage_image is not None:
                 # The encoder of the failed attempt may have released the staged copy
                 # already; stage the kept bytes afresh (freeing the old block is safe: it
@@ -360,16 +502,50 @@ class Coordinator:
 
     # -- periodic --------------------------------------------------------------------------
     def sweep(self) -> None:
-        """Expire leases whose worker stopped heartbeating; push pending requeues."""
+        """Expire leases whose worker stopped heartbeating, reconcile the table with the
+        rings, push pending requeues."""
         now = time.monotonic()
         for task in self.table.expired(now):
             worker = self.workers.get(task.worker_id or -1)
             name = worker.name if worker else "?"
-            self._retry(task, f"lease of worker {name} expired while {task.stage.value}")
+            self.recovery["leases_expired"] += 1
+            self._retry(task, f"lease of worker {name} expired while {task.stage.value}",
+                        Cause.WORKER_LOST, name)
+        silent = time.time() - self.lease_timeout_s
+        for w in self.workers.values():
+            if w.last_heartbeat < silent:
+                w.state = "silent"
+        if self.census is not None:
+            self.reconcile(self.census(), now)
         self._drain_requeue()
 
+    def reconcile(self, present: Census, now: float) -> int:
+        """Put back in play every task missing from its ring for ``lease_timeout_s``
+        (window 2 of the module doc); returns how many. ``present``: what the rings hold,
+        read on this thread just now, so no claim can land between that read and this."""
+        lost = self._missing.lost(self.table, present, now, self.lease_timeout_s)
+        for task, ring, gone in lost:
+            self.recovery["reconciled"] += 1
+            self._retry(task, f"its {ring} ring item was taken and never claimed (missing for "
+                              f"{gone:.1f} s)", Cause.SYSTEM)
+        if now - self._last_forget > 60:
+            self._last_forget = now
+            self.budget.forget_finished(self.table)
+        return len(lost)
+
     def workers_by_role(self) -> dict[str, list[dict[str, Any]]]:
-        out: dict[str, list[dict[str, Any]]] = {"encoder": [], "transformer": [], "decoder": []}
+        out: dict[str, list[dict[str, Any]]] = {role.value: [] for role in Role}
         for w in self.workers.values():
             out.setdefault(w.role, []).append(w.public())
         return out
+
+
+def _write_result(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)

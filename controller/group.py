@@ -21,13 +21,10 @@ from typing import Any
 
 import httpx
 
+from contracts.pipelines import TASK_SPECS
+from contracts.roles import Role
+
 ROOT = Path(__file__).resolve().parent.parent
-PIPELINES = {
-    "wan_t2v": ("wan2.1", "t2v"),
-    "wan_i2v": ("wan2.1", "i2v"),
-    "qwen_t2i": ("qwen_image", "t2i"),
-    "qwen_i2i": ("qwen_image", "i2i"),
-}
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -50,16 +47,20 @@ def group_config(
     *,
     ports: Mapping[str, int] | None = None,
     token: str = "diffring-local-group",
+    host: str = "127.0.0.1",
     **overrides: Any,
 ) -> dict[str, Any]:
-    """One config file for every role of a group (each service reads what it needs)."""
-    model_cls, task = PIPELINES[pipeline]
+    """The config every role of a group starts from (each service reads what it needs);
+    ``host`` is the controller's address. Per-service differences (a worker's own address,
+    its metrics port, the decoder's folder) are :meth:`LocalGroup.start`'s ``extra`` or
+    :attr:`LocalGroup.hosts`."""
+    spec = TASK_SPECS[pipeline]
     p = dict(ports or {})
     if not p:
-        ctl, req, ph1, ph2, http = free_ports(5)
+        ctl, req, ph1, ph2, http = free_ports(5, host)
         p = {"control": ctl, "request": req, "phase1": ph1, "phase2": ph2, "http": http}
     disagg = {
-        "bootstrap_addr": "127.0.0.1",
+        "bootstrap_addr": host,
         "control_port": p["control"],
         "rdma_request_handshake_port": p["request"],
         "rdma_phase1_handshake_port": p["phase1"],
@@ -69,17 +70,38 @@ def group_config(
     }
     disagg.update(overrides.pop("disagg_config", {}))
     cfg: dict[str, Any] = {
-        "model_cls": model_cls,
-        "task": task,
+        "model_cls": spec.model_cls,
+        "task": spec.task,
         "model_path": str(model_path),
         "output_dir": str(workdir / "results"),
         # Several CPU workers share the cores of one machine here: one thread each.
         "torch_threads": 1,
         "disagg_config": disagg,
-        "server": {"host": "127.0.0.1", "port": p["http"]},
+        "server": {"host": host, "port": p["http"]},
     }
     cfg.update(overrides)
     return cfg
+
+
+def merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in, nested objects key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+MULTI_HOST: dict[str, tuple[str, ...]] = {
+    "controller": ("127.0.0.10",),
+    "encoder": ("127.0.0.11",),
+    "transformer": ("127.0.0.12", "127.0.0.13"),
+    "decoder": ("127.0.0.14",),
+}
+"""One loopback address per service (the whole of 127.0.0.0/8 is loopback on Linux): a group
+laid out as if each service ran on a host of its own."""
 
 
 @dataclass
@@ -100,16 +122,39 @@ class LocalGroup:
     workdir: Path
     services: list[Service] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    started: int = 0
+    """Services started so far: numbers their config and log files (services that were
+    stopped and dropped from ``services`` keep theirs)."""
+    hosts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Role -> addresses, one per instance in start order (e.g. :data:`MULTI_HOST`). A
+    worker given an address binds its metrics endpoint there, advertises its Mooncake
+    segment there, and keeps its results in a folder of its own (``<workdir>/<address>/``),
+    as on a host of its own; it gets a metrics port too."""
 
     @property
     def url(self) -> str:
         return f"http://{self.config['server']['host']}:{self.config['server']['port']}"
 
+    def own_settings(self, role: str) -> dict[str, Any]:
+        """What the next ``role`` service gets of its own from :attr:`hosts` (else nothing)."""
+        addrs = self.hosts.get(role)
+        if not addrs:
+            return {}
+        n = sum(1 for s in self.services if s.role == role)
+        host = addrs[n % len(addrs)]
+        if role == "controller":
+            return {"server": {"host": host}}  # its rings and control: group_config(host=)
+        return {
+            "server": {"host": host, "metric_port": free_ports(1, host)[0]},
+            "output_dir": str(self.workdir / host / f"{role}-{n}-results"),
+        }
+
     def _config_path(self, role: str, extra: Mapping[str, Any] | None) -> Path:
-        cfg = json.loads(json.dumps(self.config))
+        cfg = merged(self.config, self.own_settings(role))
         if extra:
-            cfg.update(extra)
-        path = self.workdir / f"{role}-{len(self.services)}.json"
+            cfg = merged(cfg, extra)
+        path = self.workdir / f"{role}-{self.started}.json"
+        self.started += 1
         path.write_text(json.dumps(cfg, indent=2))
         return path
 
@@ -156,11 +201,21 @@ class LocalGroup:
             time.sleep(0.1)
         raise TimeoutError(f"front door {self.url} did not answer within {timeout} s")
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of this group's front door sends (its API key, if it has one)."""
+        key = self.env.get("DIFFRING_API_KEY") or self.config["server"].get("api_key")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def wait_workers(self, counts: Mapping[str, int], timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            status = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()
+            try:
+                status = httpx.get(f"{self.url}/v1/service/status", timeout=5,
+                                   headers=self.headers).json()
+            except httpx.TimeoutException:
+                continue  # a busy controller (many workers joining at once): ask again
             have = {r: len(ws) for r, ws in status["workers"].items()}
             if all(have.get(r, 0) >= n for r, n in counts.items()):
                 return
@@ -170,14 +225,11 @@ class LocalGroup:
     def start_all(self, encoders: int = 1, transformers: int = 1, decoders: int = 1) -> None:
         self.start("controller")
         self.wait_http()
-        for role, n in (
-            ("encoder", encoders),
-            ("transformer", transformers),
-            ("decoder", decoders),
-        ):
+        counts = {Role.ENCODER: encoders, Role.TRANSFORMER: transformers, Role.DECODER: decoders}
+        for role, n in counts.items():
             for _ in range(n):
                 self.start(role)
-        self.wait_workers({"encoder": encoders, "transformer": transformers, "decoder": decoders})
+        self.wait_workers({role.value: n for role, n in counts.items()})
 
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM workers first (they drain), then the controller; kill what lingers."""
@@ -223,7 +275,7 @@ def wait_task(url: str, task_id: str, timeout: float = 600) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="run a local group until Ctrl+C")
-    ap.add_argument("--pipeline", choices=sorted(PIPELINES), required=True)
+    ap.add_argument("--pipeline", choices=sorted(TASK_SPECS), required=True)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--workdir", default="out/group")
     ap.add_argument("--encoders", type=int, default=1)

@@ -1,4 +1,4 @@
-"""Entry points of the controller process (``--service controller``) and the baseline."""
+"""Entry point of the controller process (``--service controller``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 
-from rings.config import ServiceConfig
+from contracts.config import ServiceConfig
 
 log = logging.getLogger("diffring.controller")
 
@@ -22,12 +22,14 @@ def run_async(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
+    # Only the import decides between the loops: an ImportError raised by the service itself
+    # must propagate, not run the whole service a second time on the other loop.
     try:
         import uvloop
-
-        uvloop.run(runner())
     except ImportError:
         asyncio.run(runner())
+    else:
+        uvloop.run(runner())
     return 0
 
 
@@ -35,9 +37,3 @@ def run_controller(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> in
     from controller.app import run_controller_async
 
     return run_async(lambda stop: run_controller_async(cfg, token, env, stop))
-
-
-def run_all(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
-    from controller.app import run_all_async
-
-    return run_async(lambda stop: run_all_async(cfg, token, env, stop))

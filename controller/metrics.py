@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from contracts.metrics import DURATION_BUCKETS, CallbackCollector, Sample
+from contracts.roles import Role
 from controller.coordinator import Coordinator
-from controller.tasks import Task
-from workers.metrics import DURATION_BUCKETS, CallbackCollector
+from controller.tasks import TERMINAL, Stage, Task
 
-Sample = tuple[str, str, dict[str, str], float]
+STEP_SECONDS_SMOOTHING = 0.2
+"""Weight of the newest step time in the moving average: follows a change of workload (other
+resolutions) within a few tasks' worth of steps without jumping on one slow step."""
+BEFORE_DIT = (Stage.ACCEPTED, Stage.QUEUED, Stage.ENCODING, Stage.PHASE1)
 
 
 class ControllerMetrics:
@@ -38,6 +41,9 @@ class ControllerMetrics:
         self.stage_seconds = Histogram(
             "diffring_task_stage_seconds", "Time tasks spent in each lifecycle stage",
             ["stage"], buckets=DURATION_BUCKETS, registry=r)
+        self.dit_step_seconds = 0.0
+        """Moving average of measured seconds per denoising step (0 until measured)."""
+        self._last_step: dict[str, tuple[int, float]] = {}
         co.listeners.append(self._on_event)
         r.register(CallbackCollector(self._gauges))
         self.ring_status: Callable[[], dict[str, Any]] = lambda: {}
@@ -45,19 +51,54 @@ class ControllerMetrics:
 
     def _on_event(self, event: str, task: Task) -> None:
         self.task_events.labels(event).inc()
+        self._measure_step(event, task)
         if event == "completed" and task.finished_at is not None:
             self.task_seconds.observe(task.finished_at - task.created_at)
             times = sorted(task.stage_times.items(), key=lambda kv: kv[1])
             for (stage, start), (_next, end) in itertools.pairwise(times):
                 self.stage_seconds.labels(stage).observe(end - start)
 
+    def _measure_step(self, event: str, task: Task) -> None:
+        """Seconds per denoising step, from consecutive progress reports of one task (so the
+        autoscaler can weigh waiting work by what it costs on these GPUs)."""
+        now = time.monotonic()
+        if event != "progress":
+            if task.stage in TERMINAL or event in ("handoff", "queued"):
+                self._last_step.pop(task.task_id, None)
+            return
+        prev = self._last_step.get(task.task_id)
+        self._last_step[task.task_id] = (task.step, now)
+        if prev is not None and task.step > prev[0]:
+            per_step = (now - prev[1]) / (task.step - prev[0])
+            a = STEP_SECONDS_SMOOTHING
+            self.dit_step_seconds = (
+                per_step if not self.dit_step_seconds
+                else (1 - a) * self.dit_step_seconds + a * per_step
+            )
+
+    def _dit_work(self) -> Iterable[Sample]:
+        waiting = 0
+        for t in list(self.co.table.tasks.values()):
+            if t.stage in BEFORE_DIT:
+                waiting += int(t.request.get("infer_steps") or 0)
+            elif t.stage == Stage.DENOISING:
+                waiting += max(0, (t.steps or int(t.request.get("infer_steps") or 0)) - t.step)
+        yield ("diffring_dit_steps_waiting", "Denoising steps not yet run of tasks that have "
+               "not left the DiT stage (queued to denoising)", {}, float(waiting))
+        yield ("diffring_dit_step_seconds", "Measured seconds per denoising step (moving "
+               "average; 0 until the first measurement)", {}, self.dit_step_seconds)
+        yield ("diffring_dit_seconds_waiting", "DiT seconds of work waiting: steps waiting "
+               "times measured seconds per step (0 until measured)", {},
+               waiting * self.dit_step_seconds)
+
     def _gauges(self) -> Iterable[Sample]:
+        yield from self._dit_work()
         for status, n in self.co.table.counts().items():
             yield ("diffring_tasks", "Tasks by status", {"status": status}, float(n))
         yield ("diffring_tasks_in_flight", "Tasks accepted and not finished", {},
                float(self.co.table.in_flight()))
         now = time.time()
-        roles: dict[str, int] = {"encoder": 0, "transformer": 0, "decoder": 0}
+        roles: dict[str, int] = dict.fromkeys(Role, 0)
         for w in self.co.workers.values():
             roles[w.role] = roles.get(w.role, 0) + 1
             yield ("diffring_worker_heartbeat_age_seconds", "Seconds since a worker's last "
@@ -84,17 +125,30 @@ class ControllerMetrics:
             yield ("diffring_staging_pool_capacity_bytes", "Capacity of the staging pool",
                    {"role": "controller"}, float(st.capacity))
 
-    async def middleware(
-        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        t0 = time.monotonic()
-        code = 500
-        try:
-            response = await call_next(request)
-            code = response.status_code
-            return response
-        finally:
-            route = request.scope.get("route")
-            endpoint = getattr(route, "path", "unmatched")
-            self.requests.labels(endpoint, request.method, str(code)).inc()
-            self.request_seconds.labels(endpoint).observe(time.monotonic() - t0)
+    def asgi(self, app: ASGIApp) -> ASGIApp:
+        """The front door's requests counted and timed, as a plain ASGI middleware (Starlette's
+        ``BaseHTTPMiddleware`` re-streams every request body through extra tasks, which
+        costs the event loop — it also serves the ring verbs — dearly on 1 MB uploads)."""
+
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            t0 = time.monotonic()
+            code = 500
+
+            async def send_status(message: Message) -> None:
+                nonlocal code
+                if message["type"] == "http.response.start":
+                    code = int(message["status"])
+                await send(message)
+
+            try:
+                await app(scope, receive, send_status)
+            finally:
+                route = scope.get("route")  # set by the router on the shared scope
+                endpoint = getattr(route, "path", "unmatched")
+                self.requests.labels(endpoint, scope.get("method", "?"), str(code)).inc()
+                self.request_seconds.labels(endpoint).observe(time.monotonic() - t0)
+
+        return middleware

@@ -41,8 +41,8 @@ class ControllerRings:
                 claim_timeout_s=disagg.claim_timeout_s,
                 rdma_join=rdma_join,
             )
-        # The controller's own access goes through the same verbs as any peer's.
-        self.local: dict[str, Ring] = {n: Ring(h.local) for n, h in self.hosts.items()}
+        self.local: dict[str, Ring] = {}
+        """The controller's own handle on each ring, set by :meth:`start`."""
 
     async def start(self) -> None:
         started: list[RingHost] = []
@@ -54,6 +54,10 @@ class ControllerRings:
             for host in started:
                 await host.close()
             raise
+        # Only now: start() may swap a host's local verbs for the NIC loopback (rdma), and
+        # the controller's own pushes must be atomics of the same kind as its peers'
+        # (a CPU update beside NIC atomics is not atomic with them).
+        self.local = {n: Ring(h.local) for n, h in self.hosts.items()}
 
     async def close(self) -> None:
         for host in self.hosts.values():

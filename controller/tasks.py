@@ -4,30 +4,45 @@
              -> completed | failed | cancelled
 
 ``status`` is LightX2V's coarse view (pending / processing / completed / failed /
-cancelled); ``stage`` the fine one above. Attempts: a task whose worker died or whose lease
-expired is put back in play with ``attempt + 1``; work of an older attempt is refused at its
-next claim. Completion is idempotent: the first one wins, later ones are ignored.
+cancelled); ``stage`` the fine one above. Attempts: a task put back in play (its worker died,
+its lease expired, its ring item was lost, its attempt failed) gets ``attempt + 1``; the
+attempt number fences work: an older attempt's claim, progress, handoff or result is refused.
+Completion is idempotent: the first one wins, later ones are ignored. The retry budget (which
+attempts count, when a task is failed or quarantined) is the coordinator's
+(:mod:`controller.coordinator`); this table only counts (``failures``, ``killers``).
 
 Everything here runs on the controller's event-loop thread (the front door, the control
-server and the lease sweeper all live there), so there is no locking.
+server and the lease sweeper all live there), so there is no locking. Durability lives in
+:mod:`controller.store`: every state change is handed to its writer thread (nothing here
+waits for a disk), and a caller that must not answer before a change is durable waits on the
+future the table hands out (:meth:`TaskTable.durable`, :meth:`TaskTable.flush`).
+
+Memory holds the unfinished tasks and the last ``RECENT_FINISHED`` finished ones; every
+other finished task lives only in the store until its retention window ends
+(:meth:`TaskTable.lookup`, :meth:`TaskTable.page`), so a long-running controller's memory
+does not grow with the number of tasks it has served.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import json
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from contracts.roles import Role
+from controller.store import TaskStore
+
 log = logging.getLogger("diffring.controller.tasks")
 
-MAX_ATTEMPTS = 3
+RECENT_FINISHED = 1024
+"""Finished tasks kept in memory as well as in the store (clients poll them right after)."""
 
 
 class Stage(enum.StrEnum):
@@ -46,19 +61,21 @@ class Stage(enum.StrEnum):
 TERMINAL = {Stage.COMPLETED, Stage.FAILED, Stage.CANCELLED}
 # The stage a task is in while a worker of each role holds it, and after its handoff.
 WORKING_STAGE = {
-    "encoder": Stage.ENCODING,
-    "transformer": Stage.DENOISING,
-    "decoder": Stage.DECODING,
+    Role.ENCODER: Stage.ENCODING,
+    Role.TRANSFORMER: Stage.DENOISING,
+    Role.DECODER: Stage.DECODING,
 }
-HANDOFF_STAGE = {"encoder": Stage.PHASE1, "transformer": Stage.PHASE2}
+HANDOFF_STAGE = {Role.ENCODER: Stage.PHASE1, Role.TRANSFORMER: Stage.PHASE2}
 # Which stages a claim of each role is valid from. A worker publishes to the next ring
 # before its handoff message reaches the controller, so the next stage may claim the ring
 # item first: the item itself proves the handoff, and the late message is then ignored.
 CLAIMABLE_FROM = {
-    "encoder": (Stage.QUEUED,),
-    "transformer": (Stage.PHASE1, Stage.ENCODING),
-    "decoder": (Stage.PHASE2, Stage.DENOISING),
+    Role.ENCODER: (Stage.QUEUED,),
+    Role.TRANSFORMER: (Stage.PHASE1, Stage.ENCODING),
+    Role.DECODER: (Stage.PHASE2, Stage.DENOISING),
 }
+# The ring a task waits in, with no lease, in each waiting stage (what reconciliation checks).
+WAITING_RING = {Stage.QUEUED: "request", Stage.PHASE1: "phase1", Stage.PHASE2: "phase2"}
 
 
 def coarse_status(stage: Stage) -> str:
@@ -97,6 +114,9 @@ class Task:
     cancel_requested: bool = False
     lease_expires: float | None = None  # monotonic
     stage_times: dict[str, float] = field(default_factory=dict)
+    failures: int = 0  # attempts the task itself failed (counted against max_task_failures)
+    killers: list[str] = field(default_factory=list)  # workers lost in a row holding it
+    producer_id: int | None = None  # worker that staged this attempt's inputs of its stage
 
     @property
     def status(self) -> str:
@@ -129,6 +149,7 @@ class Task:
             "updated_at": self.updated_at,
             "error": self.error,
             "error_type": self.error_type,
+            "failures": self.failures,
             "save_result_path": self.save_result_path,
             "stage_times": self.stage_times,
         }
@@ -139,47 +160,104 @@ class DuplicateTask(Exception):
 
 
 class TaskTable:
-    """All tasks of one controller, in acceptance order.
+    """All tasks of one controller: the unfinished ones (and the last few finished) in
+    memory, in acceptance order; every task in the store (:mod:`controller.store`).
 
-    Journal: with a journal folder, every accepted task is appended to ``tasks.jsonl`` (its
-    input image kept beside it) before it is queued, and every terminal state after it is
-    reached; :meth:`replay` rebuilds the table after a restart, so no accepted task is lost.
+    With a journal folder, every state change is written to the store: an accepted task
+    (its input image with it) before it is acknowledged, every stage change after it, and a
+    finished task until the retention window ends; :meth:`replay` rebuilds the table after
+    a restart, so no accepted task is lost.
     """
 
-    def __init__(self, journal: Path | None = None) -> None:
-        self.tasks: OrderedDict[str, Task] = OrderedDict()
+    def __init__(
+        self,
+        journal: Path | None = None,
+        *,
+        retention_s: float = 86400.0,
+        delete_results: bool = False,
+    ) -> None:
+        self.tasks: OrderedDict[str, Task] = OrderedDict()  # unfinished, acceptance order
+        self.recent: OrderedDict[str, Task] = OrderedDict()  # the last finished ones
+        self.finished_counts = {s: 0 for s in ("completed", "failed", "cancelled")}
         self.journal = journal
+        self.store: TaskStore | None = None
         if journal is not None:
-            (journal / "images").mkdir(parents=True, exist_ok=True)
+            self.store = TaskStore(journal, retention_s=retention_s,
+                                   delete_results=delete_results)
+            self.store.open()
+        self._durable: dict[str, concurrent.futures.Future[None]] = {}
         self.completed_times: list[tuple[float, float]] = []  # (finished, e2e seconds)
+
+    def close(self) -> None:
+        """Commit every queued change and close the store."""
+        if self.store is not None:
+            self.store.close()
 
     # -- bookkeeping ------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.tasks)
 
     def __iter__(self) -> Iterator[Task]:
-        return iter(self.tasks.values())
+        """The unfinished tasks, in acceptance order."""
+        return iter(list(self.tasks.values()))
 
     def get(self, task_id: str) -> Task | None:
-        return self.tasks.get(task_id)
+        """A task in memory: unfinished, or among the last finished ones."""
+        return self.tasks.get(task_id) or self.recent.get(task_id)
+
+    def lookup(self, task_id: str) -> Task | None:
+        """A task in memory or, failing that, in the store (blocking read: call it off the
+        event loop, e.g. on ``store.reads``)."""
+        task = self.get(task_id)
+        if task is None and self.store is not None:
+            rec = self.store.get(task_id)
+            task = None if rec is None else task_from_record(rec)
+        return task
+
+    def page(self, status: str | None, offset: int, limit: int) -> tuple[int, list[Task]]:
+        """(total, one page) of the stored tasks in acceptance order, the live ones as they
+        are in memory (blocking read, like :meth:`lookup`)."""
+        if self.store is None:
+            tasks = [t for t in (*self.recent.values(), *self.tasks.values())
+                     if status is None or t.status == status]
+            tasks.sort(key=lambda t: t.created_at)
+            return len(tasks), tasks[offset : offset + limit]
+        total, records = self.store.page(status, offset, limit)
+        return total, [self.get(r["task_id"]) or task_from_record(r) for r in records]
 
     def add(self, task: Task) -> None:
-        if task.task_id in self.tasks:
+        if self.get(task.task_id) is not None:
             raise DuplicateTask(task.task_id)
         self.tasks[task.task_id] = task
-        self._journal("accepted", task)
+        fut = self._journal("accepted", task)
+        if fut is not None:
+            self._durable[task.task_id] = fut
+
+    def durable(self, task_id: str) -> concurrent.futures.Future[None] | None:
+        """The future of an accepted task's first write (None without a store): resolves
+        when the task is durable, raises ``StoreError`` / ``StoreConflict`` if it cannot be."""
+        return self._durable.pop(task_id, None)
+
+    def flush(self, durable: bool = True) -> concurrent.futures.Future[None] | None:
+        """Resolves once every change made so far is committed — and durable, unless
+        ``durable`` is False (enough to read them back); None without a store."""
+        return None if self.store is None else self.store.barrier(durable)
 
     def forget(self, task: Task) -> None:
         """Drop a task that was refused right after being added (e.g. the ring was full)."""
         self.tasks.pop(task.task_id, None)
+        self._durable.pop(task.task_id, None)
         self._journal("rejected", task)
 
     def in_flight(self) -> int:
-        return sum(1 for t in self.tasks.values() if t.stage not in TERMINAL)
+        return len(self.tasks)  # only unfinished tasks are in it (_finished moves them out)
 
     def counts(self) -> dict[str, int]:
-        out = {s: 0 for s in ("pending", "processing", "completed", "failed", "cancelled")}
-        for t in self.tasks.values():
+        """Tasks by status: the unfinished in memory, the finished ones still stored."""
+        out = {s: 0 for s in ("pending", "processing")}
+        out.update(self.finished_counts)
+        # list(): the metrics thread calls this while the loop may change the dict.
+        for t in list(self.tasks.values()):
             out[t.status] += 1
         return out
 
@@ -207,29 +285,91 @@ class TaskTable:
             if stage == Stage.COMPLETED:
                 self.completed_times.append((now, now - task.created_at))
                 del self.completed_times[:-256]
-            self._journal(stage.value, task)
+            self._finished(task)
+        # "accepted" is the event that inserts a task; a retry back to that stage updates it.
+        self._journal("requeued" if stage == Stage.ACCEPTED else stage.value, task)
 
-    def _journal(self, event: str, task: Task) -> None:
-        if self.journal is None:
+    def _finished(self, task: Task) -> None:
+        """A task reached a terminal stage: out of the live table, into the recent ones."""
+        self._durable.pop(task.task_id, None)
+        if self.tasks.pop(task.task_id, None) is None:
             return
-        image = self.journal / "images" / task.task_id
-        if event == "accepted" and task.image_bytes is not None:
-            image.write_bytes(task.image_bytes)
-        rec = {"event": event, "at": time.time(), "task": _task_record(task)}
-        with (self.journal / "tasks.jsonl").open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if event != "accepted":
-            image.unlink(missing_ok=True)
+        self.finished_counts[task.status] += 1
+        self.recent[task.task_id] = task
+        while len(self.recent) > RECENT_FINISHED:
+            self.recent.popitem(last=False)
+
+    def _journal(self, event: str, task: Task) -> concurrent.futures.Future[None] | None:
+        if self.store is None:
+            return None
+        rec = _task_record(task)
+        fixed = {k: rec.pop(k) for k in _FIXED_FIELDS} if event == "accepted" else None
+        return self.store.put(
+            event,
+            task.task_id,
+            status=task.status,
+            stage=task.stage.value,
+            attempt=task.attempt,
+            finished_at=task.finished_at if task.stage in TERMINAL else None,
+            result_path=task.result_path,
+            state=rec,
+            fixed=fixed,
+            image=task.image_bytes if event == "accepted" else None,
+        )
+
+    def prune(self) -> concurrent.futures.Future[dict[str, int]] | None:
+        """Drop finished tasks past the retention window from the store (None without one);
+        hand the result to :meth:`pruned` on the loop."""
+        return None if self.store is None else self.store.prune()
+
+    def pruned(self, gone: dict[str, int]) -> None:
+        """Account for what a prune removed; recent tasks past the window leave memory too,
+        so status, list and counts agree on what is forgotten."""
+        for status, n in gone.items():
+            if status in self.finished_counts:
+                self.finished_counts[status] = max(0, self.finished_counts[status] - n)
+        if self.store is not None:
+            cutoff = time.time() - self.store.retention_s
+            for tid in [t.task_id for t in self.recent.values()
+                        if t.finished_at is not None and t.finished_at < cutoff]:
+                del self.recent[tid]
 
     def replay(self) -> list[Task]:
-        """Rebuild the table from the journal; returns the unfinished tasks, each moved to a
-        new attempt (whatever a worker was doing with them died with the old controller)."""
-        if self.journal is None or not (self.journal / "tasks.jsonl").exists():
+        """Rebuild the table from the store; returns the unfinished tasks, each moved to a
+        new attempt (whatever a worker was doing with them died with the old controller).
+        Finished tasks stay in the store (status and result still served from there)."""
+        if self.store is None or self.journal is None:
             return []
+        self._import_jsonl(self.journal)
+        restored = self.store.load()
+        self.finished_counts = {s: restored.counts.get(s, 0) for s in self.finished_counts}
+        unfinished = []
+        for data in restored.unfinished:
+            task = task_from_record(data)
+            task.image_bytes = restored.images.get(task.task_id)
+            task.image = None
+            task.attempt += 1
+            task.stage = Stage.ACCEPTED
+            task.worker = task.worker_id = None
+            task.error = "controller restarted; task put back in play"
+            unfinished.append(task)
+            self.tasks[task.task_id] = task
+            self._journal("restored", task)
+        log.info(
+            "task store: %d unfinished task(s) back in play, %d finished kept (%s)",
+            len(unfinished),
+            sum(self.finished_counts.values()),
+            ", ".join(f"{k} {v}" for k, v in self.finished_counts.items()),
+        )
+        return unfinished
+
+    def _import_jsonl(self, journal: Path) -> None:
+        """Move the JSON-lines journal of an older controller into the store, once."""
+        path = journal / "tasks.jsonl"
+        if self.store is None or not path.exists():
+            return
         last: dict[str, dict[str, Any]] = {}
-        with (self.journal / "tasks.jsonl").open() as f:
+        with path.open() as f:
             for line in f:
                 try:
                     rec = json.loads(line)
@@ -240,45 +380,34 @@ class TaskTable:
                     last.pop(rec["task"]["task_id"], None)
                 else:
                     last[rec["task"]["task_id"]] = rec["task"]
-        unfinished = []
+        futures = []
         for data in last.values():
-            fields = {k: v for k, v in data.items() if k in _TASK_FIELDS}
-            task = Task(**fields)
-            task.stage = Stage(data["stage"])
+            task = task_from_record(data)
+            if self.store.get(task.task_id) is not None:
+                continue  # imported already (a restart interrupted the import)
             if task.stage not in TERMINAL:
-                image = self.journal / "images" / task.task_id
+                image = journal / "images" / task.task_id
                 task.image_bytes = image.read_bytes() if image.exists() else None
-                task.image = None
-                task.attempt += 1
-                task.stage = Stage.ACCEPTED
-                task.worker = task.worker_id = None
-                task.error = "controller restarted; task put back in play"
-                unfinished.append(task)
-            self.tasks[task.task_id] = task
-        # Compact: one line per task, so the journal does not grow across restarts.
-        path = self.journal / "tasks.jsonl"
-        tmp = path.with_suffix(".compact")
-        with tmp.open("w") as f:
-            for task in self.tasks.values():
-                f.write(
-                    json.dumps({"event": "restored", "at": time.time(), "task": _task_record(task)})
-                    + "\n"
-                )
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-        log.info("journal: %d task(s) restored, %d back in play", len(last), len(unfinished))
-        return unfinished
+            futures.append(self._journal("accepted", task))
+            if task.stage == Stage.COMPLETED:
+                futures.append(self._journal("completed", task))
+        for fut in futures:
+            if fut is not None:
+                fut.result()
+        path.rename(path.with_name("tasks.jsonl.imported"))
+        for image in (journal / "images").glob("*"):
+            image.unlink(missing_ok=True)
+        log.info("journal: imported %d task(s) from %s into the task store", len(last), path)
 
     # -- lifecycle --------------------------------------------------------------------------
     def queued(self, task: Task) -> None:
         self._set(task, Stage.QUEUED)
 
     def claim(
-        self, task_id: str, attempt: int, role: str, worker: str, worker_id: int, lease_s: float
+        self, task_id: str, attempt: int, role: Role, worker: str, worker_id: int, lease_s: float
     ) -> tuple[bool, str]:
         """A worker claimed this task from its ring: may it go on?"""
-        task = self.tasks.get(task_id)
+        task = self.get(task_id)
         if task is None:
             return False, "unknown task"
         if task.stage in TERMINAL:
@@ -291,7 +420,10 @@ class TaskTable:
         if task.stage not in CLAIMABLE_FROM[role]:
             return False, f"task is {task.stage.value}, not waiting for a {role}"
         waiting = CLAIMABLE_FROM[role][0]
-        if task.stage != waiting:  # the handoff message is still on its way
+        if role == Role.ENCODER:
+            task.producer_id = None  # a new attempt starts from the request
+        elif task.stage != waiting:  # the handoff message is still on its way
+            task.producer_id = task.worker_id
             self._set(task, waiting)
         task.worker, task.worker_id = worker, worker_id
         task.lease_expires = time.monotonic() + lease_s
@@ -309,7 +441,8 @@ class TaskTable:
         task.step, task.steps = step, steps
         task.updated_at = time.time()
 
-    def handoff(self, task: Task, role: str) -> None:
+    def handoff(self, task: Task, role: Role) -> None:
+        task.producer_id = task.worker_id
         task.worker_id = None
         task.lease_expires = None
         self._set(task, HANDOFF_STAGE[role])
@@ -334,16 +467,12 @@ class TaskTable:
         self._set(task, Stage.CANCELLED)
 
     def retry(self, task: Task, reason: str) -> bool:
-        """Put a task back in play (new attempt); False when it has no attempts left."""
+        """Put a task back in play (new attempt); False when it is over (or was cancelled).
+        Whether it may be retried at all is the coordinator's call (the retry budget)."""
         if task.stage in TERMINAL:
             return False
         if task.cancel_requested:
             self.cancelled(task, "cancelled")
-            return False
-        if task.attempt >= MAX_ATTEMPTS:
-            self.failed(
-                task, f"{reason}; gave up after {task.attempt} attempts", "retries_exhausted"
-            )
             return False
         log.warning("task %s attempt %d: %s; retrying", task.task_id, task.attempt, reason)
         task.attempt += 1
@@ -363,7 +492,7 @@ class TaskTable:
     def expired(self, now: float) -> list[Task]:
         return [
             t
-            for t in self.tasks.values()
+            for t in list(self.tasks.values())
             if t.lease_expires is not None and t.lease_expires < now and t.stage not in TERMINAL
         ]
 
@@ -383,11 +512,21 @@ class TaskTable:
 
 
 _TASK_FIELDS = {f.name for f in fields(Task)} - {"stage", "image_bytes", "lease_expires"}
+# Written once, when the task is accepted; the rest is rewritten at every state change.
+_FIXED_FIELDS = ("kind", "pipeline", "request", "save_result_path", "created_at")
+_RECORD_FIELDS = tuple(sorted(_TASK_FIELDS - {"image"}))
 
 
 def _task_record(task: Task) -> dict[str, Any]:
-    rec = asdict(task)
+    """A task as the store keeps it (serialised at once by the store, so no copy is needed).
+    The staged image descriptor is left out: it means nothing to a restarted controller."""
+    rec = {name: getattr(task, name) for name in _RECORD_FIELDS}
     rec["stage"] = task.stage.value
-    rec.pop("lease_expires", None)
-    rec.pop("image_bytes", None)
     return rec
+
+
+def task_from_record(data: dict[str, Any]) -> Task:
+    """A task rebuilt from its stored record (the store, or an old JSON-lines journal)."""
+    task = Task(**{k: v for k, v in data.items() if k in _TASK_FIELDS})
+    task.stage = Stage(data["stage"])
+    return task

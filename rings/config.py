@@ -1,4 +1,9 @@
-"""Configuration shared by every role: where the rings are and how peers reach them.
+"""Metadata-plane configuration: where the controller's rings and control channel are and
+how peers reach them (``disagg_config`` of a service's file), plus the strict JSON-object to
+frozen-dataclass reader every configuration section uses.
+
+The rest of a service's file (model, device, Mooncake, front door) is
+:class:`contracts.config.ServiceConfig`; it embeds :class:`DisaggConfig`.
 
 Field names follow LightX2V's ``disagg_config`` so existing config files keep working; the
 keys LightX2V needs for its static rooms and ranks are accepted and ignored with a warning,
@@ -9,6 +14,7 @@ that names it.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import types
 import typing
@@ -70,9 +76,11 @@ def from_mapping(
 
     ``ignored``: keys accepted for compatibility and dropped, with the reason to log.
     """
-    data = dict(data or {})
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected an object")
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected an object, got {data!r}")
+    data = dict(data)
     assert dataclasses.is_dataclass(cls)
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -214,113 +222,33 @@ class DisaggConfig:
         return DEFAULT_TOKEN
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """The controller's HTTP front door and every service's metrics endpoint."""
-
-    host: str = "127.0.0.1"
-    """Address the front door binds to (never silently 0.0.0.0)."""
-    port: int = 8000
-    """Front-door port."""
-    metric_port: int | None = None
-    """Prometheus metrics port of this service; None disables the metrics endpoint."""
-
-    def __post_init__(self) -> None:
-        for p in (self.port, self.metric_port):
-            if p is not None and not 0 <= p <= 65535:
-                raise ConfigError(f"port {p} is out of range")
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1); every other
+    name counts as reachable from elsewhere (nothing is resolved here)."""
+    h = host.strip().lower().strip("[]")
+    if h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
-    """One service's whole configuration file (controller, a worker, or ``all``)."""
+def require_token(token: str, addresses: Mapping[str, str], service: str) -> None:
+    """Refuse the development token on a service reachable from other machines.
 
-    disagg_mode: str | None = None
-    """Role this file is for (LightX2V naming); --service on the command line wins."""
-    model_cls: str = "wan2.1"
-    """Model family: 'wan2.1' or 'qwen_image'."""
-    task: str = "t2v"
-    """Task: 't2v' / 'i2v' for wan2.1, 't2i' / 'i2i' for qwen_image."""
-    model_path: str | None = None
-    """Local diffusers-format model folder (workers and ``all``)."""
-    device: str = "cpu"
-    """Torch device of a worker's model stage: 'cpu' or 'cuda:N'."""
-    dtype: str = "float32"
-    """Model dtype: 'float32' or 'bfloat16'."""
-    attention_backend: str = "sdpa"
-    """DiT attention backend: 'sdpa', 'flash_attn' or 'sage_attn'."""
-    torch_threads: int | None = None
-    """CPU threads torch may use in this process (None: torch's default). Many CPU workers
-    sharing few cores want 1."""
-    output_dir: str = "out/results"
-    """Folder results are written to (decoder, ``all``); the controller serves them."""
-    mooncake_config_path: str | None = None
-    """Mooncake config JSON (MOONCAKE_CONFIG_PATH from the environment otherwise)."""
-    staging_pool_mb: int = 512
-    """Size of a worker's registered staging pool in MiB (bounded: full means backpressure)."""
-    heartbeat_interval_s: float = 1.0
-    """How often a worker renews its leases with the controller."""
-    lease_timeout_s: float = 15.0
-    """A task whose worker missed heartbeats this long goes back in play."""
-    reconnect_timeout_s: float = 300.0
-    """How long a worker waits for its controller to come (back) up before giving up."""
-    max_pending_tasks: int = 256
-    """Front door: tasks accepted but not finished before new ones get 429."""
-    disagg_config: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)
-    """Rings and control channel (LightX2V's field names)."""
-    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
-    """HTTP front door and metrics."""
-
-    def __post_init__(self) -> None:
-        tasks = {"wan2.1": ("t2v", "i2v"), "qwen_image": ("t2i", "i2i")}
-        if self.model_cls not in tasks:
-            raise ConfigError(f"model_cls must be one of {sorted(tasks)}, got {self.model_cls!r}")
-        if self.task not in tasks[self.model_cls]:
-            raise ConfigError(
-                f"task {self.task!r} is not served by model_cls {self.model_cls!r} "
-                f"(choose {' or '.join(tasks[self.model_cls])})"
-            )
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.attention_backend not in ("sdpa", "flash_attn", "sage_attn"):
-            raise ConfigError(
-                f"attention_backend must be sdpa, flash_attn or sage_attn, "
-                f"got {self.attention_backend!r}"
-            )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
-        if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
-            raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
-
-    @property
-    def pipeline(self) -> str:
-        """Short pipeline name: wan_t2v, wan_i2v, qwen_t2i or qwen_i2i."""
-        return ("wan_" if self.model_cls == "wan2.1" else "qwen_") + self.task
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ServiceConfig:
-        data = dict(data)
-        disagg = DisaggConfig.from_dict(data.pop("disagg_config", None))
-        server = from_mapping(ServerConfig, data.pop("server", None), "server")
-        base = from_mapping(cls, data, "config")
-        return dataclasses.replace(base, disagg_config=disagg, server=server)
-
-    @classmethod
-    def load(cls, path: str | None) -> ServiceConfig:
-        """Read a JSON config file (None: all defaults)."""
-        if path is None:
-            return cls()
-        import json
-
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a JSON object")
-        return cls.from_dict(data)
+    ``addresses``: config key -> address the service binds, advertises or joins. The
+    default token is public (it is in this file), so with it anyone who reaches a ring or
+    the control channel could join as a peer.
+    """
+    if token != DEFAULT_TOKEN:
+        return
+    exposed = {k: v for k, v in addresses.items() if not is_loopback(v)}
+    if exposed:
+        where = ", ".join(f"{k}={v!r}" for k, v in exposed.items())
+        raise ConfigError(
+            f"{service}: {where} is not a loopback address, and the cluster token is the "
+            "public development default. Give every service of the group the same secret "
+            "token: export DIFFRING_CLUSTER_TOKEN=$(python -c 'import secrets; "
+            "print(secrets.token_hex(32))') (or set disagg_config.cluster_token)"
+        )

@@ -1,27 +1,16 @@
-"""The project's exception tree, in one place.
+"""The root of the project's exception tree and its metadata-plane branch.
 
-Every error diffring raises on purpose derives from :class:`DiffringError`. Backend errors
-(socket errors, pyverbs errors, Mooncake return codes) are translated into these at the
-boundary where they happen, so callers never see ``-1`` or a bare ``OSError``.
+``rings`` is the bottom layer: it imports nothing else of diffring, so the root
+:class:`DiffringError` and the errors of verbs and rings are defined here. The whole tree,
+task-level errors included, is documented and completed in :mod:`contracts.errors`, which
+re-exports these; code above ``rings`` imports errors from there. Backend errors (socket
+errors, pyverbs errors) are translated into these at the boundary where they happen, so
+callers never see ``-1`` or a bare ``OSError``.
 
-    DiffringError
-    ├── ConfigError                 bad or unknown configuration
-    ├── VerbsError                  a one-sided verb could not be executed
-    │   ├── VerbRangeError          out-of-region offset/length (peer asked for it)
-    │   ├── VerbAlignmentError      atomic on an address that is not 8-byte aligned
-    │   ├── TransportUnavailable    the transport cannot run here (no RDMA device, ...)
-    │   ├── ConnectionLost          the peer or server went away mid-request
-    │   └── HandshakeError          refused at handshake (token, ring or layout mismatch)
-    ├── RingError                   ring-level failures
-    │   ├── PayloadTooLarge         a payload does not fit its slot (size and limit named)
-    │   ├── PayloadCorrupt          checksum/version/length check failed on a slot payload
-    │   ├── RingFull / RingEmpty    timeouts of the blocking push/pop layer
-    │   └── LayoutMismatch          a region header does not describe the expected layout
-    └── TaskError                   a task-level failure (carries the task id)
-        ├── TransferError           moving a tensor between stages failed
-        └── StageError              a model stage failed to load or run
-
-Workers and the controller add their own subclasses of these; they do not invent new roots.
+    DiffringError, ConfigError; VerbsError (VerbRangeError, VerbAlignmentError,
+    TransportUnavailable, ConnectionLost, HandshakeError); RingError (PayloadTooLarge,
+    PayloadCorrupt, RingFull, RingEmpty, LayoutMismatch). The tree is drawn, with what each
+    one means, in :mod:`contracts.errors`.
 """
 
 from __future__ import annotations
@@ -99,19 +88,3 @@ class RingEmpty(RingError):
 
 class LayoutMismatch(RingError):
     """A region header does not match the layout the caller expects."""
-
-
-class TaskError(DiffringError):
-    """A failure that concerns one task."""
-
-    def __init__(self, message: str, *, task_id: str | None = None) -> None:
-        super().__init__(message)
-        self.task_id = task_id
-
-
-class TransferError(TaskError):
-    """Moving a tensor between stages failed (transfer error, checksum mismatch, ...)."""
-
-
-class StageError(TaskError):
-    """A model stage failed to load or to run."""

@@ -17,7 +17,13 @@ from typing import Any
 from rings import wire
 from rings.errors import ConnectionLost, HandshakeError, VerbsError
 from rings.layout import RingLayout
-from rings.verbs import Op, Verbs
+from rings.verbs import (
+    RDMA_ONLY_OPTIONS,
+    Op,
+    Verbs,
+    refuse_unknown_options,
+    transport_options,
+)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -141,9 +147,17 @@ def connect(
     peer_name: str | None = None,
     timeout: float = 10.0,
     verb_timeout: float = 30.0,
-    **_: Any,  # options of other transports (device_name, ib_port, ...) under "auto"
+    **rdma_options: Any,
 ) -> TcpVerbs:
-    """Connect to the ring ``ring`` served at host:port and complete the handshake."""
+    """Connect to the ring ``ring`` served at host:port and complete the handshake.
+
+    ``rdma_options``: the rdma transport's own options (:data:`rings.verbs.RDMA_ONLY_OPTIONS`),
+    accepted and ignored, since callers pass them to every transport; any other option is a
+    ConfigError naming it.
+    """
+    refuse_unknown_options(
+        "tcp", rdma_options, transport_options(connect), ignored=RDMA_ONLY_OPTIONS
+    )
     sock = open_socket(host, port, timeout)
     try:
         welcome = handshake(

@@ -12,11 +12,12 @@ pulls in pyverbs (or anything heavy).
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rings.errors import (
@@ -208,11 +209,46 @@ class LocalVerbs(Verbs):
         self._closed = True
 
 
-# name -> "module:factory". Factories take (host, port, layout, token, **options).
+# name -> "module:factory". Factories take (host, port, *, layout, ring, token, **options)
+# and refuse options they do not know (refuse_unknown_options).
 TRANSPORTS: dict[str, str] = {
     "tcp": "rings.tcp:connect",
     "rdma": "rings.rdma:connect",
 }
+
+RDMA_ONLY_OPTIONS = ("device_name", "ib_port", "gid_index", "self_test")
+"""Options only the rdma transport uses. Callers pass them to whichever transport they get
+(``DisaggConfig.rdma_options()``; ``auto`` falls back to tcp with the same options), so the
+tcp transport accepts and ignores them."""
+
+
+def transport_options(factory: Callable[..., Any]) -> tuple[str, ...]:
+    """The options a transport's ``connect`` takes: its keyword-only parameters with defaults
+    (``layout``, ``ring`` and ``token`` have none: they are required, not options)."""
+    return tuple(
+        p.name
+        for p in inspect.signature(factory).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.default is not p.empty
+    )
+
+
+def refuse_unknown_options(
+    transport: str,
+    given: Iterable[str],
+    accepted: Sequence[str],
+    ignored: Sequence[str] = (),
+) -> None:
+    """Raise ConfigError naming each option in ``given`` that is neither ``accepted`` nor
+    ``ignored`` (a misspelt option must not silently fall back to its default)."""
+    unknown = [k for k in given if k not in accepted and k not in ignored]
+    if not unknown:
+        return
+    also = f" (and {', '.join(ignored)}, which only rdma uses)" if ignored else ""
+    raise ConfigError(
+        f"unknown {transport} transport option{'s' if len(unknown) > 1 else ''} "
+        f"{', '.join(map(repr, unknown))}: check the spelling; the {transport} transport "
+        f"accepts {', '.join(accepted)}{also}"
+    )
 
 
 def connect(
@@ -229,6 +265,8 @@ def connect(
 
     ``transport`` is ``tcp``, ``rdma`` or ``auto`` (rdma where a device exists, else tcp).
     ``layout`` is what the caller expects; None (inspection only) accepts the server's.
+    ``options`` go to the backend's ``connect`` as they are; an option it does not take is
+    a ConfigError naming it (tcp takes and ignores :data:`RDMA_ONLY_OPTIONS`).
     """
     if transport == "auto":
         from rings.rdma import rdma_available

@@ -32,15 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from workers.staging import checksum  # noqa: E402
-from workers.transfer import (  # noqa: E402
-    MooncakeSettings,
-    StagingPool,
-    TensorDescriptor,
-    TransferEngine,
-    pull_tensors,
-    stage_tensors,
-)
+from tensorplane.descriptor import TensorDescriptor, checksum  # noqa: E402
+from tensorplane.engine import MooncakeSettings, TransferEngine  # noqa: E402
+from tensorplane.handoff import pull_tensors, stage_tensors  # noqa: E402
+from tensorplane.pool import StagingPool  # noqa: E402
 
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 REPS = {"4 KiB": 500, "1 MiB": 100, "64 MiB": 8}

@@ -15,6 +15,9 @@ dpkg -s python3-pyverbs >/dev/null 2>&1 || need_apt+=(python3-pyverbs)
 # preprocessing and for compiling the verifier it generates.
 dpkg -s spin >/dev/null 2>&1 || need_apt+=(spin)
 dpkg -s gcc >/dev/null 2>&1 || need_apt+=(gcc)
+# The status page is tested in a real browser: Debian's chromium, driven by playwright
+# (playwright's own browser download cannot work here).
+dpkg -s chromium >/dev/null 2>&1 || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   export DEBIAN_FRONTEND=noninteractive

@@ -96,7 +96,7 @@ if _TRACE_DIR:
         return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                 "device": str(t.device), "nbytes": t.numel() * t.element_size()}
 
-    def _patch_staging(m):
+    def _patch_pool(m):
         orig_start = m.StagingPool.start
         def start(self, engine):
             orig_start(self, engine)
@@ -106,6 +106,7 @@ if _TRACE_DIR:
                   capacity=self.capacity, base_addr=hex(buf.data_ptr()))
         m.StagingPool.start = start
 
+    def _patch_handoff(m):
         orig_stage = m.stage_tensors
         @functools.wraps(orig_stage)
         def stage_tensors(pool, engine, tensors, **kw):
@@ -147,17 +148,17 @@ if _TRACE_DIR:
         m.TransferEngine.read = read
 
     def _patch_stages(m):
-        orig_encode = m.EncoderStage.encode
+        orig_encode = m.WanEncoder.encode
         def encode(self, req, image_bytes=None):
             _sync(); t0 = time.perf_counter()
             out = orig_encode(self, req, image_bytes)
             _sync(); dt = time.perf_counter() - t0
-            _emit("encode", seconds=round(dt, 6), device=self.device, dtype=self.dtype,
+            _emit("encode", seconds=round(dt, 6), device=self.device_name, dtype=self.dtype_name,
                   peak_gib=_peak_gib(), tensors={k: _tinfo(v) for k, v in out.items()})
             return out
-        m.EncoderStage.encode = encode
+        m.WanEncoder.encode = encode
 
-        orig_denoise = m.TransformerStage.denoise
+        orig_denoise = m.WanTransformer.denoise
         def denoise(self, req, tensors, on_step=None, should_stop=None):
             steps = []
             _sync(); t0 = time.perf_counter()
@@ -169,33 +170,34 @@ if _TRACE_DIR:
                     on_step(k, n)
             out = orig_denoise(self, req, tensors, on_step=wrapped, should_stop=should_stop)
             _sync(); dt = time.perf_counter() - t0
-            _emit("denoise", seconds=round(dt, 6), step_seconds=steps, device=self.device,
-                  dtype=self.dtype, attention=self.attention, peak_gib=_peak_gib(),
+            _emit("denoise", seconds=round(dt, 6), step_seconds=steps, device=self.device_name,
+                  dtype=self.dtype_name, attention=self.attention, peak_gib=_peak_gib(),
                   guidance_scale=req.guidance_scale,
                   tensors={k: _tinfo(v) for k, v in out.items()})
             return out
-        m.TransformerStage.denoise = denoise
+        m.WanTransformer.denoise = denoise
 
-        orig_decode = m.DecoderStage.decode
-        def decode(self, req, tensors):
+    def _patch_base(m):
+        orig_decode = m.DecoderAdapter.decode_pixels
+        def decode_pixels(self, req, tensors):
             _sync(); t0 = time.perf_counter()
-            art = orig_decode(self, req, tensors)
+            px = orig_decode(self, req, tensors)
             dt = time.perf_counter() - t0
-            _emit("decode", seconds=round(dt, 6), device=self.device, dtype=self.dtype,
-                  peak_gib=_peak_gib(), result_bytes=len(art.data), media_type=art.media_type)
-            return art
-        m.DecoderStage.decode = decode
+            _emit("decode", seconds=round(dt, 6), device=self.device_name, dtype=self.dtype_name,
+                  peak_gib=_peak_gib(), result_bytes=int(px.nbytes), media_type="pixels")
+            return px
+        m.DecoderAdapter.decode_pixels = decode_pixels
 
     def _patch_wan(m):
-        orig = m.WanDecoder.decode_float
-        def decode_float(self, req, tensors):
+        orig = m.WanDecoder.decode_tensor
+        def decode_tensor(self, req, tensors):
             _sync(); t0 = time.perf_counter()
             out = orig(self, req, tensors)
             _sync()
             _emit("vae_decode", seconds=round(time.perf_counter() - t0, 6),
                   frames_shape=list(out.shape))
             return out
-        m.WanDecoder.decode_float = decode_float
+        m.WanDecoder.decode_tensor = decode_tensor
 
     def _patch_media(m):
         orig = m.encode_mp4
@@ -208,9 +210,13 @@ if _TRACE_DIR:
             return data
         m.encode_mp4 = encode_mp4
 
-    _PATCHES = {"workers.staging": _patch_staging, "workers.transfer": _patch_transfer,
-                "workers.models.stages": _patch_stages, "workers.models.wan": _patch_wan,
-                "workers.models.media": _patch_media}
+    def _patch_wan_module(m):
+        _patch_stages(m)
+        _patch_wan(m)
+
+    _PATCHES = {"tensorplane.pool": _patch_pool, "tensorplane.handoff": _patch_handoff,
+                "tensorplane.engine": _patch_transfer, "workers.models.base": _patch_base,
+                "workers.models.wan": _patch_wan_module, "workers.models.media": _patch_media}
 
     class _Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
@@ -254,79 +260,13 @@ def build_tiny(models: Path) -> Path:
 
 
 def build_real(dest: Path, device: str, dtype: str, layers: int, te_layers: int) -> None:
-    """Wan2.1-1.3B-architecture DiT + real Wan VAE config + small 4096-dim UMT5, random."""
-    import diffusers
-    import torch
-    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
+    """Wan2.1-1.3B-architecture DiT + real Wan VAE config + small 4096-dim UMT5, random
+    (``scripts/real_models.py``)."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import make_tiny_models as mtm
+    import real_models
 
-    tdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    tokenizer = mtm.build_t5_tokenizer()
-    with torch.no_grad(), torch.device(device):
-        text_encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=mtm._round_up(len(tokenizer), 64),
-                d_model=4096,  # UMT5-XXL width: what the DiT's text_dim expects
-                d_kv=64,
-                d_ff=2048,  # real: 10240
-                num_layers=te_layers,  # real: 24
-                num_heads=16,  # real: 64
-                relative_attention_num_buckets=32,
-                relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu",
-                dropout_rate=0.0,
-                pad_token_id=0,
-                eos_token_id=1,
-                decoder_start_token_id=0,
-            )
-        ).eval()
-        # Wan2.1-T2V-1.3B's transformer/config.json
-        transformer: Any = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=12,
-            attention_head_dim=128,
-            in_channels=16,
-            out_channels=16,
-            text_dim=4096,
-            freq_dim=256,
-            ffn_dim=8960,
-            num_layers=layers,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            image_dim=None,
-            added_kv_proj_dim=None,
-            rope_max_seq_len=1024,
-        )
-        vae: Any = AutoencoderKLWan()  # the defaults are Wan2.1's published VAE config
-        transformer.eval()
-        vae.eval()
-    pipe: Any = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder.to(tdtype),
-        vae=vae,  # the published VAE is stored in float32; workers cast it to --dtype
-        scheduler=mtm._wan_scheduler(),
-        transformer=transformer.to(tdtype),
-    )
-    tmp = dest.with_name(dest.name + ".tmp")
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    n_dit = sum(p.numel() for p in transformer.parameters())
-    n_te = sum(p.numel() for p in text_encoder.parameters())
-    n_vae = sum(p.numel() for p in vae.parameters())
-    info = {
-        "dit_params": n_dit,
-        "text_encoder_params": n_te,
-        "vae_params": n_vae,
-        "build_s": round(time.perf_counter() - t0, 2),
-        "diffusers": diffusers.__version__,
-    }
-    (tmp / "gpu_smoke_build.json").write_text(json.dumps(info))
-    tmp.rename(dest)
+    info = real_models.build("wan-1.3b", dest, device, dtype, layers, te_layers)
+    (dest / "gpu_smoke_build.json").write_text(json.dumps(info))
     print(json.dumps(info), flush=True)
 
 
@@ -344,10 +284,9 @@ def read_traces(trace_dir: Path) -> list[dict[str, Any]]:
 
 def check_video(data: bytes, frames: int, height: int, width: int) -> dict[str, Any]:
     try:
-        import imageio.v3 as iio
-        import numpy as np
+        from workers.models.media import read_mp4
 
-        px = np.asarray(iio.imread(data, extension=".mp4"))
+        px = read_mp4(data)
         return {
             "decoded_shape": list(px.shape),
             "shape_ok": tuple(px.shape) == (frames, height, width, 3),
@@ -640,8 +579,7 @@ def environment() -> dict[str, Any]:
         "uvicorn",
         "pydantic",
         "httpx",
-        "imageio",
-        "imageio_ffmpeg",
+        "av",
         "mooncake",
     ):
         try:
@@ -650,10 +588,9 @@ def environment() -> dict[str, Any]:
         except Exception as exc:
             info[mod] = f"import failed: {exc!r}"
     try:
-        import imageio_ffmpeg
+        import av
 
-        info["ffmpeg_exe"] = imageio_ffmpeg.get_ffmpeg_exe()
-        info["ffmpeg_version"] = imageio_ffmpeg.get_ffmpeg_version()
+        info["ffmpeg_libs"] = {k: ".".join(map(str, v)) for k, v in av.library_versions.items()}
     except Exception as exc:
         info["ffmpeg_error"] = repr(exc)
     return info

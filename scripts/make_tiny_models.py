@@ -15,6 +15,8 @@ pipelines and our stage adapters load with ``from_pretrained``:
   QwenImageTransformer2DModel, AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler.
 * ``qwen_i2i`` - Qwen-Image-Edit: the above + a ``processor`` folder (image processor +
   tokenizer) for the vision-language prompt.
+* ``synthetic`` - no model: ``synthetic.json`` with the synthetic pipeline's default stage
+  times and tensor shapes (``workers/models/synthetic.py``); needs no torch.
 
 Nothing is downloaded: the tokenizers are built here from a few sentences, the weights are
 random (seeded, so a build is reproducible with the same torch version). The sizes are chosen
@@ -45,8 +47,9 @@ from typing import Any, cast
 # Bump whenever a config, a tokenizer rule or an initialisation below changes, so that old
 # folders are rebuilt instead of silently reused.
 RECIPE_VERSION = 2
+ROOT = Path(__file__).resolve().parent.parent
 MARKER_NAME = "diffring_tiny.json"
-TASKS = ("wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i")
+TASKS = ("wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i", "synthetic")
 
 # ---------------------------------------------------------------------------------------------
 # Text used to build the tokenizers. Qwen's pipelines wrap every prompt in a chat template with
@@ -599,6 +602,8 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
     if not force and _marker_matches(dest, task, seed):
         _log(f"{dest}: up to date, skipped")
         return dest
+    if task == "synthetic":
+        return _build_synthetic(dest, task, seed)
 
     import diffusers
     import torch
@@ -633,6 +638,27 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _log(f"{dest}: built in {time.monotonic() - started:.1f} s")
+    return dest
+
+
+def _build_synthetic(dest: Path, task: str, seed: int) -> Path:
+    """The synthetic pipeline's folder: its default config and the marker (no weights)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from workers.models.synthetic import write_config
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{task}.", dir=dest.parent))
+    try:
+        write_config(tmp)
+        (tmp / MARKER_NAME).write_text(json.dumps(_marker(task, seed), indent=2) + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(f"{dest}: written")
     return dest
 
 

@@ -7,4 +7,5 @@ bash scripts/bootstrap.sh
 PY=.venv/bin/python
 $PY -m ruff check .
 $PY -m mypy
+.venv/bin/lint-imports
 $PY -m pytest -q -p no:cacheprovider "$@"

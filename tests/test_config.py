@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rings.config import DEFAULT_TOKEN, DisaggConfig, ServiceConfig
-from rings.errors import ConfigError, DiffringError
+from contracts.config import DEFAULT_TOKEN, DisaggConfig, ServiceConfig
+from contracts.errors import ConfigError, DiffringError
 from run_service import _parse, build_config
 
 
@@ -60,11 +60,29 @@ def test_defaults() -> None:
         ({"dtype": "float16"}, "dtype"),
         ({"device": "tpu"}, "device"),
         ({"disagg_config": {"rdma_buffer_slots": "many"}}, "expected int"),
+        ({"compile": True}, "compile needs warmup_shapes"),
+        ({"warmup_shapes": ["480by832"]}, "not HxW or HxWxF"),
+        ({"video_codec": "h265"}, "video_codec must be one of auto, libx264, h264_nvenc"),
+        ({"video_preset": "quick"}, "video_preset must be one of ultrafast"),
+        ({"video_crf": 60}, "video_crf must be within 0..51"),
+        ({"encode_queue": -1}, "encode_queue must be >= 0"),
     ],
 )
 def test_bad_config_is_named(tmp_path: Path, cfg: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         ServiceConfig.load(write(tmp_path, cfg))
+
+
+def test_gpu_options_load(tmp_path: Path) -> None:
+    cfg = ServiceConfig.load(write(tmp_path, {
+        "compile": True, "cfg_batch": True, "warmup_shapes": ["480x832x81", "1024x1024"],
+        "video_codec": "libx264", "video_preset": "medium", "video_crf": 23,
+        "video_threads": 4, "encode_queue": 0}))
+    assert cfg.compile and cfg.cfg_batch and cfg.warmup_shapes == ("480x832x81", "1024x1024")
+    assert (cfg.video_codec, cfg.video_preset, cfg.video_crf, cfg.video_threads,
+            cfg.encode_queue) == ("libx264", "medium", 23, 4, 0)
+    defaults = ServiceConfig()
+    assert not defaults.compile and not defaults.cfg_batch and defaults.encode_queue == 2
 
 
 def test_missing_service_is_explained(tmp_path: Path) -> None:

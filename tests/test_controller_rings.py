@@ -152,3 +152,43 @@ def test_port_in_use_fails_fast(tmp_path: Path) -> None:
         f"cannot listen on 127.0.0.1:{cfg['disagg_config']['rdma_phase1_handshake_port']}"
         in out.stderr
     )
+
+
+def test_controller_rings_use_the_verbs_the_hosts_start_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On rdma, ``RingHost.start()`` swaps its local verbs for the NIC loopback; the
+    controller's own rings must be built on what the hosts hold after starting."""
+    import asyncio
+
+    from controller.rings_host import ControllerRings
+    from rings.config import DisaggConfig
+    from rings.host import RingHost
+    from rings.layout import HOLDER_LOCAL
+    from rings.verbs import LocalVerbs
+
+    original = RingHost.start
+
+    async def start(self: RingHost) -> None:
+        await original(self)
+        self.local = LocalVerbs(self.region, HOLDER_LOCAL)  # stands in for the NIC loopback
+
+    monkeypatch.setattr(RingHost, "start", start)
+    disagg = DisaggConfig(
+        ring_transport="tcp",
+        control_port=0,
+        rdma_request_handshake_port=0,
+        rdma_phase1_handshake_port=0,
+        rdma_phase2_handshake_port=0,
+    )
+
+    async def run() -> None:
+        rings = ControllerRings(disagg, TOKEN)
+        await rings.start()
+        try:
+            for name, host in rings.hosts.items():
+                assert rings.local[name].verbs is host.local
+        finally:
+            await rings.close()
+
+    asyncio.run(run())

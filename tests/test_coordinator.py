@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from controller.app import LocalQueue
 from controller.coordinator import Coordinator, QueueFull, WorkerInfo
-from controller.tasks import MAX_ATTEMPTS, Stage, Task
+from controller.tasks import Stage, Task
 
 REQ = {"task": "qwen_t2i", "prompt": "x"}
 
 
+_made: list[Coordinator] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores() -> Iterator[None]:
+    """Every coordinator a test made is closed after it (its store has a writer thread)."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0) -> Coordinator:
-    return Coordinator(
+    co = Coordinator(
         pipeline="qwen_t2i",
         request_ring=LocalQueue(slots, 1024),  # type: ignore[arg-type]
         output_dir=tmp_path or Path("/nonexistent"),
@@ -24,6 +37,12 @@ def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0) -> C
         max_pending=16,
         journal=(tmp_path / ".journal") if tmp_path else None,
     )
+    _made.append(co)
+    return co
+
+
+def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
+    return asyncio.run(co.on_complete(w, tid, attempt, "png", "image/png", data))
 
 
 def task(tid: str) -> Task:
@@ -50,9 +69,10 @@ def test_full_lifecycle_and_idempotent_completion(tmp_path: Path) -> None:
     assert co.on_progress(dit, "a", 1, 3, 10) is False and (t.step, t.steps) == (3, 10)
     co.on_handoff(dit, "a", 1)
     assert co.on_claim(dec, "a", 1)[0]
-    assert co.on_complete(dec, "a", 1, "png", "image/png", b"PNG") is True
-    assert co.on_complete(dec, "a", 1, "png", "image/png", b"again") is False
+    assert complete(co, dec, "a", 1, b"PNG") is True
+    assert complete(co, dec, "a", 1, b"again") is False
     assert t.stage == Stage.COMPLETED and (tmp_path / "a.png").read_bytes() == b"PNG"
+    co.close()
 
 
 def test_next_stage_may_claim_before_the_handoff_message(tmp_path: Path) -> None:
@@ -103,17 +123,19 @@ def test_running_task_cancel_reaches_the_worker(tmp_path: Path) -> None:
     assert t.stage == Stage.CANCELLED
 
 
-def test_expired_lease_requeues_and_retries_are_bounded(tmp_path: Path) -> None:
+def test_expired_leases_in_a_row_quarantine_the_task_as_poison(tmp_path: Path) -> None:
     co = make(tmp_path, lease=0.01)
     enc, _, _ = workers(co)
     t = task("l")
     co.submit(t)
-    for attempt in range(1, MAX_ATTEMPTS + 1):
+    for attempt in range(1, 4):
         assert co.on_claim(enc, "l", attempt)[0]
         time.sleep(0.02)
         co.sweep()
-    assert t.stage == Stage.FAILED and t.error_type == "retries_exhausted"
+    assert t.stage == Stage.FAILED and t.error_type == "poison", t.error
+    assert "quarantined as poison: its last 3 attempts each lost the worker" in (t.error or "")
     assert "lease of worker e expired while encoding" in (t.error or "")
+    assert t.failures == 0
 
 
 def test_heartbeat_frees_outputs_nobody_will_pull(tmp_path: Path) -> None:
@@ -135,9 +157,11 @@ def test_full_ring_refuses_without_keeping_anything(tmp_path: Path) -> None:
     with pytest.raises(QueueFull):
         co.submit(task("3"))
     assert [t.task_id for t in co.table] == ["1", "2"]
+    co.close()
     # ... and the journal does not resurrect it after a restart.
     again = make(tmp_path, slots=8)
     assert again.restore() == 2 and sorted(t.task_id for t in again.table) == ["1", "2"]
+    again.close()
 
 
 def test_journal_restores_finished_and_requeues_unfinished(tmp_path: Path) -> None:
@@ -150,17 +174,50 @@ def test_journal_restores_finished_and_requeues_unfinished(tmp_path: Path) -> No
         co.on_claim(w, "done", 1)
         if w is not dec:
             co.on_handoff(w, "done", 1)
-    co.on_complete(dec, "done", 1, "png", "image/png", b"x")
+    complete(co, dec, "done", 1, b"x")
     co.on_claim(enc, "running", 1)
     # The controller dies here. A new one reads the journal:
+    co.close()
     co2 = make(tmp_path)
     assert co2.restore() == 1
     r = co2.table.get("running")
-    d = co2.table.get("done")
     assert r is not None and r.stage == Stage.QUEUED and r.attempt == 2
+    # A finished task stays in the store (not in memory) and is still found there.
+    assert co2.table.get("done") is None
+    d = co2.table.lookup("done")
     assert d is not None and d.stage == Stage.COMPLETED and d.result_path
-    # Restarting twice compacts the journal and still loses nothing.
+    assert co2.table.counts()["completed"] == 1
+    co2.close()
+    # Restarting twice still loses nothing, and keeps one row per task.
     co3 = make(tmp_path)
     assert co3.restore() == 1
-    lines = (tmp_path / ".journal" / "tasks.jsonl").read_text().splitlines()
-    assert len(lines) == 2
+    assert co3.table.page(None, 0, 10)[0] == 2
+    r3 = co3.table.get("running")
+    assert r3 is not None and r3.attempt == 3
+    co3.close()
+
+
+def test_work_is_announced_and_only_live_tasks_are_scanned(tmp_path: Path) -> None:
+    """Every push the controller makes or hears of is announced (the doorbell rings on it);
+    heartbeats and the in-flight count look at unfinished tasks only."""
+    co = make(tmp_path)
+    rung: list[str] = []
+    co.on_work = rung.append
+    enc, dit, dec = workers(co)
+    for i in range(3):
+        tid = f"w{i}"
+        co.submit(task(tid))
+        co.on_claim(enc, tid, 1)
+        co.on_handoff(enc, tid, 1)
+        co.on_claim(dit, tid, 1)
+        co.on_handoff(dit, tid, 1)
+        co.on_claim(dec, tid, 1)
+        if i < 2:
+            complete(co, dec, tid, 1, b"PNG")
+    assert rung == ["request", "phase1", "phase2"] * 3
+    assert co.table.in_flight() == 1 and [t.task_id for t in co.table.held_by(dec.worker_id)] \
+        == ["w2"]
+    co.on_heartbeat(dec, ["w2"], [])
+    assert co.table.get("w2").lease_expires is not None  # type: ignore[union-attr]
+    co.on_fail(dec, "w2", 1, "boom", "StageError", retryable=True)  # back in play: pushed
+    assert rung[-1] == "request" and co.table.in_flight() == 1

@@ -46,9 +46,9 @@ def pixels(data: bytes, extension: str) -> np.ndarray:
         from PIL import Image
 
         return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    import imageio.v3 as iio
+    from workers.models.media import read_mp4
 
-    return np.asarray(iio.imread(data, extension=".mp4"))
+    return read_mp4(data)
 
 
 def fetch(url: str, task_id: str) -> bytes:
@@ -106,7 +106,8 @@ def test_disaggregated_equals_baseline(pipeline: str, tiny_models: Path, input_p
 
 def test_many_to_many(tiny_models: Path, workdir: Path) -> None:
     """2 encoders, 3 transformers, 2 decoders, 12 concurrent requests: each completes once."""
-    from workers.models import GenerationRequest, LocalPipeline
+    from contracts.request import GenerationRequest
+    from workers.models import LocalPipeline
 
     pipeline, n = "qwen_t2i", 12
     ref = LocalPipeline(tiny_models / pipeline, pipeline)
@@ -261,3 +262,16 @@ def test_sigterm_during_startup_stops_the_worker(tiny_models: Path, workdir: Pat
         assert "stopped before it was ready" in svc.log()
     finally:
         group.stop()
+
+
+def test_transformer_registers_after_its_warm_up(tiny_models: Path, workdir: Path) -> None:
+    """With warmup_shapes the transformer runs them before it joins: the controller lists it
+    only once the warm-up (the compile, with compile on) is done."""
+    with start_group("wan_t2v", tiny_models, workdir, warmup_shapes=["32x32x5"]) as group:
+        group.start("controller")
+        group.wait_http()
+        dit = group.start("transformer")
+        group.wait_workers({"transformer": 1})
+        log = dit.log()
+    warm = log.index("warm-up of 32x32x5 took")
+    assert warm < log.index("ready: pipeline=wan_t2v")

@@ -21,22 +21,26 @@ import torch
 # Tiny ops on a busy 2-core machine get hundreds of times slower with extra threads.
 torch.set_num_threads(1)
 
-from workers.models import (  # noqa: E402  (after the thread setting, on purpose)
-    TASKS,
-    DecoderStage,
-    EncoderStage,
-    GenerationRequest,
+from contracts.errors import (  # noqa: E402  (after the thread setting, on purpose)
     InvalidRequestError,
     ModelLoadError,
     StageCancelled,
     StageInputError,
-    TransformerStage,
+)
+from contracts.pipelines import TASKS, task_spec  # noqa: E402
+from contracts.request import GenerationRequest  # noqa: E402
+from workers.models import (  # noqa: E402
+    DecoderAdapter,
+    EncoderAdapter,
+    TransformerAdapter,
     get_family,
     run_pipeline,
 )
 from workers.models.media import to_uint8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# The pipelines with a diffusers reference (the synthetic one has no model: test_synthetic.py).
+DIFFUSERS_TASKS = tuple(t for t in TASKS if task_spec(t).family != "synthetic")
 VIDEO_TASKS = ("wan_t2v", "wan_i2v")
 IMAGE_INPUT_TASKS = ("wan_i2v", "qwen_i2i")
 
@@ -77,14 +81,16 @@ def _load_script() -> Any:
 
 
 _STAGES: dict[tuple[str, str, str], Any] = {}
+ADAPTERS: dict[str, Any] = {
+    "encoder": EncoderAdapter, "transformer": TransformerAdapter, "decoder": DecoderAdapter
+}
 
 
 def stage(kind: str, models: Path, task: str, dtype: str = "float32") -> Any:
     """Loaded stages, cached for the session (loading is the slow part of small tests)."""
     key = (kind, task, dtype)
     if key not in _STAGES:
-        cls = {"encoder": EncoderStage, "transformer": TransformerStage, "decoder": DecoderStage}
-        obj = cls[kind](models / task, task, device="cpu", dtype=dtype)
+        obj = ADAPTERS[kind].for_task(models / task, task, device="cpu", dtype=dtype)
         obj.load()
         _STAGES[key] = obj
     return _STAGES[key]
@@ -115,7 +121,7 @@ def diffusers_reference(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     extra: dict[str, Any] = {}
     if task == "qwen_i2i":
-        from workers.models.qwen import QwenEditProcessor
+        from workers.models.qwen_text import QwenEditProcessor
 
         extra["processor"] = QwenEditProcessor.from_pretrained(models / task / "processor")
     pipeline_cls = getattr(diffusers, get_family(task).pipeline_class)
@@ -143,7 +149,7 @@ def diffusers_reference(
 # (a) three stages == diffusers' pipeline, pixel for pixel
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", DIFFUSERS_TASKS)
 def test_stages_match_diffusers_pipeline(
     tiny_models: Path, input_png: bytes, task: str, dtype: str
 ) -> None:
@@ -203,7 +209,7 @@ def test_conditioning_tensors(tiny_models: Path, input_png: bytes) -> None:
             "image_latents",
         },
     }
-    for task in TASKS:
+    for task in DIFFUSERS_TASKS:
         req = small_request(task)
         image = input_png if task in IMAGE_INPUT_TASKS else None
         out = stage("encoder", tiny_models, task).encode(req, image)
@@ -312,8 +318,7 @@ def _partial_folder(src: Path, dst: Path, parts: list[str]) -> Path:
 
 
 def _make_stage(kind: str, folder: Path, task: str) -> Any:
-    cls = {"encoder": EncoderStage, "transformer": TransformerStage, "decoder": DecoderStage}
-    return cls[kind](folder, task)
+    return ADAPTERS[kind].for_task(folder, task)
 
 
 @pytest.mark.parametrize(("kind", "task"), sorted(OWN_COMPONENTS))
@@ -334,30 +339,30 @@ def test_stage_loads_only_its_components(
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:
-    stage_ = DecoderStage(tmp_path / "nowhere", "wan_t2v")  # constructor does no I/O
+    stage_ = DecoderAdapter.for_task(tmp_path / "nowhere", "wan_t2v")  # constructor does no I/O
     with pytest.raises(ModelLoadError, match="does not exist"):
         stage_.load()
 
 
 def test_wrong_dit_for_task(tiny_models: Path) -> None:
     with pytest.raises(ModelLoadError, match="is a T2V DiT, but the task is wan_i2v"):
-        TransformerStage(tiny_models / "wan_t2v", "wan_i2v").load()
+        TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_i2v").load()
 
 
 def test_stage_settings_are_checked(tiny_models: Path) -> None:
     with pytest.raises(ModelLoadError, match="dtype must be one of float32, bfloat16"):
-        EncoderStage(tiny_models / "wan_t2v", "wan_t2v", dtype="float64")
+        EncoderAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", dtype="float64")
     with pytest.raises(ModelLoadError, match="device must be"):
-        EncoderStage(tiny_models / "wan_t2v", "wan_t2v", device="gpu0")
+        EncoderAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", device="gpu0")
     with pytest.raises(ModelLoadError, match="unknown task 'sdxl'"):
-        DecoderStage(tiny_models / "wan_t2v", "sdxl")
+        DecoderAdapter.for_task(tiny_models / "wan_t2v", "sdxl")
     with pytest.raises(ModelLoadError, match="unknown attention backend 'xformers'"):
-        TransformerStage(tiny_models / "wan_t2v", "wan_t2v", attention="xformers")
+        TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", attention="xformers")
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="CUDA is not available"):
-            DecoderStage(tiny_models / "wan_t2v", "wan_t2v", device="cuda:0").load()
+            DecoderAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", device="cuda:0").load()
     with pytest.raises(ModelLoadError, match="call load"):
-        EncoderStage(tiny_models / "wan_t2v", "wan_t2v").encode(small_request("wan_t2v"))
+        EncoderAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v").encode(small_request("wan_t2v"))
 
 
 @pytest.mark.parametrize(
@@ -369,7 +374,7 @@ def test_attention_backend_unavailable_names_the_package(
     module = package.replace("-", "_")
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{package} is installed here")
-    dit = TransformerStage(tiny_models / "qwen_t2i", "qwen_t2i", attention=backend)
+    dit = TransformerAdapter.for_task(tiny_models / "qwen_t2i", "qwen_t2i", attention=backend)
     with pytest.raises(ModelLoadError, match=f"needs the '{package}' package.*pip install"):
         dit.load()
 
@@ -511,3 +516,71 @@ def test_tiny_model_build_is_idempotent(tiny_models: Path) -> None:
 def _release_stages() -> Iterator[None]:
     yield
     _STAGES.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# DiT options: CFG batching, compile wiring, warm-up
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", ["wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i"])
+def test_cfg_batch_equals_two_forwards(tiny_models: Path, input_png: bytes, task: str) -> None:
+    """One batch-2 forward computes what two batch-1 forwards do (other kernel shapes, so
+    equal to float32 rounding, not bit for bit). Qwen's negative prompt is shorter than the
+    prompt here: the padded, masked path."""
+    req = small_request(task)
+    image = input_png if task in IMAGE_INPUT_TASKS else None
+    cond = stage("encoder", tiny_models, task).encode(req, image)
+    if task.startswith("qwen"):
+        assert cond["prompt_embeds"].shape[1] != cond["negative_prompt_embeds"].shape[1]
+    two = stage("transformer", tiny_models, task).denoise(req, wire(cond))["latents"]
+    batched = TransformerAdapter.for_task(tiny_models / task, task, cfg_batch=True)
+    batched.load()
+    one = batched.denoise(req, wire(cond))["latents"]
+    assert one.shape == two.shape
+    rel = float((one - two).norm() / two.norm())
+    assert rel < 1e-4, rel
+
+
+def test_compile_is_applied_at_load(tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers.models.modeling_utils import ModelMixin
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(ModelMixin, "compile_repeated_blocks",
+                        lambda self, *a, **kw: calls.append(kw))
+    adapter = TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", compile=True)
+    assert calls == []  # constructors do no work
+    adapter.load()
+    assert calls == [{"dynamic": None}]
+
+
+@pytest.mark.parametrize(("task", "shape"), [("wan_t2v", "32x32x5"), ("qwen_t2i", "32x48")])
+def test_warm_up_runs_the_shapes(tiny_models: Path, task: str, shape: str,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = TransformerAdapter.for_task(tiny_models / task, task)
+    adapter.load()
+    seen: list[tuple[Any, ...]] = []
+    real = adapter.denoise
+
+    def spy(req: GenerationRequest, tensors: Mapping[str, torch.Tensor], *a: Any,
+            **kw: Any) -> Any:
+        seen.append((req.height, req.width, req.num_frames,
+                     tuple(tensors["prompt_embeds"].shape)))
+        return real(req, tensors, *a, **kw)
+
+    monkeypatch.setattr(adapter, "denoise", spy)
+    assert adapter.warm_up([shape]) > 0
+    dims = tuple(int(x) for x in shape.split("x"))
+    assert [s[:2] for s in seen] == [dims[:2]] * adapter.warmup_variants
+    if task.startswith("qwen"):  # two text lengths: a compiled DiT gets it as dynamic
+        assert seen[0][3][1] != seen[1][3][1]
+    wrong = "32x32" if task == "wan_t2v" else "32x32x5"
+    with pytest.raises(ModelLoadError, match=f"{task} needs HxW"):
+        adapter.warm_up([wrong])
+    with pytest.raises(ModelLoadError, match="not HxW or HxWxF"):
+        adapter.warm_up(["big"])
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash"])
+def test_pinned_sdpa_needs_cuda(tiny_models: Path, backend: str) -> None:
+    adapter = TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_t2v", attention=backend)
+    with pytest.raises(ModelLoadError, match="runs on CUDA devices only"):
+        adapter.load()

@@ -25,13 +25,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import pytest
 
-import rings.host
 from rings import rdma
 from rings.errors import (
+    ConfigError,
     ConnectionLost,
     HandshakeError,
     TransportUnavailable,
@@ -41,11 +41,12 @@ from rings.errors import (
 )
 from rings.host import RingHost
 from rings.layout import OFF_TAIL, STAMPS_OFFSET, RingLayout, SlotState, stamp
+from rings.rdma import _pyverbs, device, qp, selftest
 from rings.ring import Ring
 from rings.soak import start_ring_host, stop_process
 from rings.tcp import TcpVerbs, handshake, open_socket
 from rings.tcp import connect as tcp_connect
-from rings.verbs import CAS, FAA, READ, WRITE
+from rings.verbs import CAS, FAA, RDMA_ONLY_OPTIONS, READ, WRITE, transport_options
 from rings.verbs import connect as verbs_connect
 from tests.conftest import TOKEN
 
@@ -94,9 +95,9 @@ def test_connect_refuses_without_device_and_names_tcp(via: str) -> None:
 
 
 def test_missing_pyverbs_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rdma, "_PV", None)
-    monkeypatch.setattr(rdma, "DEBIAN_PYVERBS_PARENTS", ("/nonexistent/dist-packages",))
-    for name in ["pyverbs", *(f"pyverbs.{m}" for m in rdma._PYVERBS_MODULES)]:
+    monkeypatch.setattr(_pyverbs, "_PV", None)
+    monkeypatch.setattr(_pyverbs, "DEBIAN_PYVERBS_PARENTS", ("/nonexistent/dist-packages",))
+    for name in ["pyverbs", *(f"pyverbs.{m}" for m in _pyverbs._PYVERBS_MODULES)]:
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules blocks an import
     with pytest.raises(TransportUnavailable) as info:
         rdma.connect("127.0.0.1", 1, layout=None, ring=RING, token=TOKEN)
@@ -104,6 +105,30 @@ def test_missing_pyverbs_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "pyverbs" in msg and "python3-pyverbs" in msg and "'tcp'" in msg
     assert rdma.rdma_available() is False
     assert rdma.make_rdma_join() is None
+
+
+@pytest.mark.parametrize("via", ["rdma.connect", "verbs.connect"])
+def test_misspelt_option_refused_before_looking_for_a_device(
+    via: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_pyverbs() -> Any:
+        raise AssertionError("looked for pyverbs before checking the options")
+
+    monkeypatch.setattr(_pyverbs, "load_pyverbs", no_pyverbs)
+    with pytest.raises(ConfigError) as info:
+        if via == "rdma.connect":
+            rdma.connect("127.0.0.1", 1, layout=None, ring=RING, token=TOKEN, gid_idx=1)
+        else:
+            verbs_connect("rdma", "127.0.0.1", 1, layout=None, ring=RING, token=TOKEN, gid_idx=1)
+    msg = str(info.value)
+    assert "unknown rdma transport option 'gid_idx'" in msg
+    for name in transport_options(rdma.connect):
+        assert name in msg
+
+
+def test_tcp_ignores_exactly_the_options_only_rdma_takes() -> None:
+    rdma_only = set(transport_options(rdma.connect)) - set(transport_options(tcp_connect))
+    assert set(RDMA_ONLY_OPTIONS) == rdma_only
 
 
 @no_device_only
@@ -250,7 +275,7 @@ class FakeFabric:
         self.next_key += 1
         return self.next_key
 
-    def _pyverbs(self) -> rdma._Pyverbs:
+    def _pyverbs(self) -> _pyverbs.Pyverbs:
         fab = self
 
         def get_device_list() -> list[Any]:
@@ -290,7 +315,7 @@ class FakeFabric:
             def close(self) -> None:
                 pass
 
-        return rdma._Pyverbs(
+        return _pyverbs.Pyverbs(
             device=SimpleNamespace(get_device_list=get_device_list, Context=Context),
             pd=SimpleNamespace(PD=PD),
             cq=SimpleNamespace(CQ=FakeCQ),
@@ -568,14 +593,12 @@ class HostThread:
 @pytest.fixture
 def fabric(monkeypatch: pytest.MonkeyPatch) -> FakeFabric:
     fab = FakeFabric()
-    monkeypatch.setattr(rdma, "_load_pyverbs", lambda: fab.pv)
-    monkeypatch.setattr(rdma, "_ATOMICS_CHECKED", set())
+    monkeypatch.setattr(_pyverbs, "load_pyverbs", lambda: fab.pv)
+    monkeypatch.setattr(selftest, "_ATOMICS_CHECKED", set())
     return fab
 
 
 LAYOUT = RingLayout(RING, SLOTS, SLOT_SIZE)
-# Whether rings.host builds the rdma loopback itself (RdmaJoin protocol with ``loopback``).
-LOOPBACK_WIRED = hasattr(rings.host.RdmaJoin, "loopback")
 
 
 @pytest.fixture
@@ -585,13 +608,7 @@ def rdma_host(fabric: FakeFabric) -> Iterator[HostThread]:
     host = RingHost(
         LAYOUT, host="127.0.0.1", port=0, token=TOKEN, rdma_join=join, scan_interval_s=0.05
     )
-    ht = HostThread(host)
-    if not LOOPBACK_WIRED:  # what RingHost.start should do itself (see rings.rdma)
-
-        def swap() -> None:
-            cast(Any, host).local = join.loopback(host)  # RingHost types it LocalVerbs
-
-        ht.call(swap)
+    ht = HostThread(host)  # its start() installs join.loopback(host) as host.local
     try:
         yield ht
     finally:
@@ -741,8 +758,6 @@ def test_tcp_and_rdma_peers_share_a_host(fabric: FakeFabric, rdma_host: HostThre
         assert Ring(r).pop(timeout=5) == {"id": 1}
         Ring(r).push({"id": 2}, timeout=5)
         assert Ring(t).pop(timeout=5) == {"id": 2}
-    if not LOOPBACK_WIRED:
-        pytest.xfail("RingHost still serves tcp verbs under region.lock next to NIC atomics")
     assert len(fabric.posted_by(loop_qpn)) > n  # the tcp peer's verbs went through the NIC
 
 
@@ -760,25 +775,19 @@ def test_verb_timeout_is_connection_lost(fabric: FakeFabric, rdma_host: HostThre
 
 def test_big_endian_atomics_are_refused(fabric: FakeFabric, rdma_host: HostThread) -> None:
     fabric.big_endian = True
-    rdma._ATOMICS_CHECKED.clear()
+    selftest._ATOMICS_CHECKED.clear()
     with pytest.raises(TransportUnavailable) as info:
         peer(rdma_host)
     assert "little-endian" in str(info.value) and "'tcp'" in str(info.value)
-    # A host whose device fails the test does not serve rdma: it refuses rdma joins with
-    # the same reason, or (once it builds its loopback at start) does not start at all.
+    # A host whose device fails the test does not serve rdma: RingHost.start builds its
+    # loopback, which runs the test, so the host does not start at all.
     join = rdma.RdmaJoin(fabric.pv)
     host = RingHost(LAYOUT, host="127.0.0.1", port=0, token=TOKEN, rdma_join=join)
     try:
-        ht = HostThread(host)
-    except TransportUnavailable as exc:
-        assert LOOPBACK_WIRED and "little-endian" in str(exc)
-    else:
-        try:
-            with pytest.raises(HandshakeError, match="little-endian"):
-                peer(ht, self_test=False)
-        finally:
-            ht.stop()
-    join.close()
+        with pytest.raises(TransportUnavailable, match="little-endian"):
+            HostThread(host)
+    finally:
+        join.close()
 
 
 def test_device_problems_are_transport_unavailable(fabric: FakeFabric) -> None:
@@ -803,9 +812,9 @@ def test_unreachable_host_is_connection_lost(fabric: FakeFabric) -> None:
 # ==========================================================================================
 # 3. The real pyverbs 44 classes accept what rings.rdma builds
 # ==========================================================================================
-def _real_pyverbs() -> rdma._Pyverbs:
+def _real_pyverbs() -> _pyverbs.Pyverbs:
     try:
-        return rdma._load_pyverbs()
+        return _pyverbs.load_pyverbs()
     except TransportUnavailable as exc:
         pytest.skip(f"pyverbs is not importable here: {exc}")
 
@@ -813,12 +822,12 @@ def _real_pyverbs() -> rdma._Pyverbs:
 def test_real_pyverbs_accepts_our_attributes_and_work_requests() -> None:
     pv = _real_pyverbs()
     e = pv.enums
-    remote = rdma._QpPeer(0x1234, 9, "fe80:0000:0000:0000:0002:c903:0000:0009", 77)
-    rdma._qp_init_attr(pv, None, rdma.MAX_BATCH_WR)
-    attr, mask = rdma._init_attr(pv, 1, e.IBV_ACCESS_REMOTE_READ)
+    remote = qp.QpPeer(0x1234, 9, "fe80:0000:0000:0000:0002:c903:0000:0009", 77)
+    qp.qp_init_attr(pv, None, device.MAX_BATCH_WR)
+    attr, mask = qp.init_attr(pv, 1, e.IBV_ACCESS_REMOTE_READ)
     assert attr.qp_access_flags == e.IBV_ACCESS_REMOTE_READ and mask & e.IBV_QP_PORT
     for grh in (True, False):
-        attr, mask = rdma._rtr_attr(
+        attr, mask = qp.rtr_attr(
             pv, remote, port=1, gid_index=3, use_grh=grh, mtu=e.IBV_MTU_4096, max_dest_rd_atomic=8
         )
         assert (attr.dest_qp_num, attr.rq_psn, attr.path_mtu) == (0x1234, 77, e.IBV_MTU_4096)
@@ -826,11 +835,11 @@ def test_real_pyverbs_accepts_our_attributes_and_work_requests() -> None:
         if grh:
             assert attr.ah_attr.dgid == remote.gid and attr.ah_attr.sgid_index == 3
         assert mask & e.IBV_QP_DEST_QPN and mask & e.IBV_QP_AV
-    attr, mask = rdma._rts_attr(pv, local_psn=5, max_rd_atomic=4)
+    attr, mask = qp.rts_attr(pv, local_psn=5, max_rd_atomic=4)
     assert (attr.sq_psn, attr.max_rd_atomic) == (5, 4) and mask & e.IBV_QP_SQ_PSN
-    target = rdma._Target(0x10000, 11, 12, 4096)
+    target = qp.Target(0x10000, 11, 12, 4096)
     ops = [(READ, 128, 64), (WRITE, 192, b"x" * 8), (CAS, 64, 1, (1 << 64) - 1), (FAA, 72, -1)]
-    wrs = [rdma._build_wr(pv, i, op, 0x2000, 8, 5, target, i > 0) for i, op in enumerate(ops)]
+    wrs = [qp.build_wr(pv, i, op, 0x2000, 8, 5, target, i > 0) for i, op in enumerate(ops)]
     for a, b in itertools.pairwise(wrs):
         a.next_wr = b
     assert [w.opcode for w in wrs] == [
@@ -841,5 +850,5 @@ def test_real_pyverbs_accepts_our_attributes_and_work_requests() -> None:
     ]
     assert wrs[0].send_flags == e.IBV_SEND_SIGNALED
     assert wrs[1].send_flags == e.IBV_SEND_SIGNALED | e.IBV_SEND_FENCE
-    assert rdma._wc_status_name(pv, e.IBV_WC_RETRY_EXC_ERR) == "IBV_WC_RETRY_EXC_ERR"
-    assert "retry" in rdma._wc_status_text(pv, e.IBV_WC_RETRY_EXC_ERR)
+    assert qp.wc_status_name(pv, e.IBV_WC_RETRY_EXC_ERR) == "IBV_WC_RETRY_EXC_ERR"
+    assert "retry" in qp.wc_status_text(pv, e.IBV_WC_RETRY_EXC_ERR)

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from rings.config import ServiceConfig
+from contracts.config import ServiceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs" / "disagg"
@@ -132,17 +132,22 @@ def test_inconsistent_group_is_refused(tmp_path: Path) -> None:
 
 
 def test_mooncake_config_file() -> None:
-    from workers.transfer import MooncakeSettings
+    from tensorplane.engine import MooncakeSettings
 
     path = ROOT / "configs" / "mooncake_config.json"
+    # No local_hostname: each service advertises its own address unless told otherwise
+    # (a shared file saying 127.0.0.1 would break every group spanning hosts).
     assert json.loads(path.read_text()) == {
-        "local_hostname": "127.0.0.1",
         "metadata_server": "P2PHANDSHAKE",
         "protocol": "tcp",
         "device_name": "",
     }
-    settings = MooncakeSettings.resolve(str(path), {})
+    settings = MooncakeSettings.resolve(str(path), {}, defaults={"local_hostname": "10.0.0.7"})
     assert (settings.protocol, settings.metadata_server) == ("tcp", "P2PHANDSHAKE")
+    assert settings.local_hostname == "10.0.0.7"  # the service's own address
+    env = {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.8"}
+    assert MooncakeSettings.resolve(str(path), env, defaults={"local_hostname": "10.0.0.7"}
+                                    ).local_hostname == "10.0.0.8"  # environment wins
     override = MooncakeSettings.resolve(str(path), {"MOONCAKE_PROTOCOL": "rdma"})
     assert override.protocol == "rdma"  # environment over file
 
@@ -150,7 +155,7 @@ def test_mooncake_config_file() -> None:
 def test_readme_documents_every_config_field() -> None:
     import dataclasses
 
-    from rings.config import DisaggConfig, ServerConfig
+    from contracts.config import DisaggConfig, ServerConfig
 
     readme = (ROOT / "README.md").read_text()
     start = readme.index("## Configuration reference")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from rings import wire
-from rings.errors import ConnectionLost, HandshakeError, VerbRangeError, VerbsError
+from rings.config import DisaggConfig
+from rings.errors import ConfigError, ConnectionLost, HandshakeError, VerbRangeError, VerbsError
 from rings.inspect import snapshot
 from rings.layout import OFF_HEAD, OFF_TAIL, RingLayout, SlotState, stamp
 from rings.ring import Ring
@@ -33,7 +34,7 @@ from rings.soak import (
     stop_process,
 )
 from rings.tcp import handshake, open_socket
-from rings.verbs import FAA, READ, WRITE, connect
+from rings.verbs import FAA, RDMA_ONLY_OPTIONS, READ, WRITE, connect
 from tests.conftest import ROOT, TOKEN
 
 SLOTS, SLOT_SIZE = 3, 512
@@ -78,6 +79,50 @@ def test_wrong_layout_refused_naming_both_sides(host: int) -> None:
 def test_wrong_ring_refused(host: int) -> None:
     with pytest.raises(HandshakeError, match="serves ring 'soak', peer asked 'phase1'"):
         connect("tcp", "127.0.0.1", host, layout=None, ring="phase1", token=TOKEN)
+
+
+# -- transport options ----------------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_rdma_options_are_accepted_and_ignored_over_tcp(transport: str, host: int) -> None:
+    """Workers pass ``DisaggConfig.rdma_options()`` to whichever transport they get."""
+    opts = {**DisaggConfig().rdma_options(), "self_test": False}
+    assert set(opts) == set(RDMA_ONLY_OPTIONS)
+    verbs = connect(
+        transport,
+        "127.0.0.1",
+        host,
+        layout=LAYOUT,
+        ring=RING,
+        token=TOKEN,
+        peer_name="options",
+        timeout=5.0,
+        verb_timeout=5.0,
+        **opts,
+    )
+    with verbs:
+        ring = Ring(verbs)
+        ring.push({"id": 1}, timeout=2)
+        assert ring.pop(timeout=2) == {"id": 1}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_misspelt_option_refused_over_tcp_naming_it(transport: str) -> None:
+    # Port 1 has no host: the options are refused before anything is connected.
+    with pytest.raises(ConfigError) as info:
+        connect(
+            transport,
+            "127.0.0.1",
+            1,
+            layout=LAYOUT,
+            ring=RING,
+            token=TOKEN,
+            devcie_name="mlx5_0",
+            verb_timout=5.0,
+        )
+    msg = str(info.value)
+    assert "'devcie_name'" in msg and "'verb_timout'" in msg
+    for name in ("role", "peer_name", "timeout", "verb_timeout", *RDMA_ONLY_OPTIONS):
+        assert name in msg
 
 
 def test_peer_refuses_host_without_token() -> None:

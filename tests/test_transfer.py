@@ -1,4 +1,4 @@
-"""Tests of workers.transfer / workers.staging.
+"""Tests of the tensor plane (tensorplane: engine, pool, descriptors, handoff).
 
 Unit tests run in-process; the integration tests start a producer process (this file run as
 ``python tests/test_transfer.py producer``) that stages tensors in its pool and prints their
@@ -30,23 +30,18 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the producer runs this file as a script
     sys.path.insert(0, str(REPO))
 
-from workers.staging import ALIGN, checksum  # noqa: E402
-from workers.transfer import (  # noqa: E402
+from tensorplane.descriptor import TensorDescriptor, checksum  # noqa: E402
+from tensorplane.engine import MooncakeSettings, TransferEngine, rdma_devices  # noqa: E402
+from tensorplane.errors import (  # noqa: E402
     ChecksumMismatch,
     DescriptorError,
     MooncakeConfigError,
-    MooncakeSettings,
     PoolExhausted,
     RequestTooLarge,
-    StagingPool,
-    TensorDescriptor,
-    TransferEngine,
     TransferFailed,
-    pull_tensors,
-    rdma_devices,
-    stage_bytes,
-    stage_tensors,
 )
+from tensorplane.handoff import pull_tensors, stage_bytes, stage_tensors  # noqa: E402
+from tensorplane.pool import ALIGN, StagingPool  # noqa: E402
 
 IMAGE_BYTES = bytes(range(256)) * 40 + b"tail"  # odd length, stands in for an encoded image
 
@@ -296,6 +291,10 @@ def test_checksums() -> None:
     assert checksum(data, "wsum64") == _wsum64_reference(bytes(data.numpy()))
     assert checksum(data[1:], "wsum64") == _wsum64_reference(bytes(data[1:].numpy()))
     assert checksum(data, "crc32") == __import__("zlib").crc32(bytes(data.numpy()))
+    # Host buffers hash to the same values without torch (numpy for wsum64, zlib for crc32).
+    for algo in ("crc32", "wsum64"):
+        assert checksum(memoryview(bytes(data.numpy())), algo) == checksum(data, algo)
+        assert checksum(bytes(data[1:].numpy()), algo) == checksum(data[1:], algo)
     flipped = data.clone()
     flipped[12345] ^= 0x10
     swapped = data.clone()
@@ -319,6 +318,71 @@ def test_wsum64_pool_stage_and_pull_in_process(engine: TransferEngine, pool: Sta
         assert gpu_like.stats().live_blocks == 0  # released through the loopback segment
     finally:
         gpu_like.close()
+
+
+def test_numpy_arrays_stage_and_pull_without_torch_tensors(
+    engine: TransferEngine, pool: StagingPool
+) -> None:
+    """numpy arrays in, numpy arrays (or torch tensors) out, through host pools; either
+    checksum. bfloat16 has no numpy dtype, so pulling it as numpy is refused by name."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    src = {
+        "f32": rng.standard_normal((17, 9), dtype=np.float32),
+        "f16": rng.standard_normal(33).astype(np.float16),
+        "i64": rng.integers(-(2**62), 2**62, 100, dtype=np.int64),
+        "u8_odd": rng.integers(0, 256, 4097, dtype=np.uint8),
+        "strided": rng.standard_normal((6, 8), dtype=np.float32).T,  # not contiguous
+        "empty": np.zeros((0, 3), dtype=np.int32),
+    }
+    wsum = StagingPool(1 << 20, checksum_algo="wsum64")
+    wsum.start(engine)
+    try:
+        for producer in (pool, wsum):
+            descs = stage_tensors(producer, engine, src, task_id="t-np")
+            assert {d.checksum_algo for d in descs} == {producer.checksum_algo}
+            got = pull_tensors(engine, pool, descs, task_id="t-np", arrays="numpy",
+                               release=False)
+            for name, want in src.items():
+                assert isinstance(got[name], np.ndarray) and got[name].dtype == want.dtype
+                assert np.array_equal(got[name], want), name
+            as_torch = pull_tensors(engine, pool, descs, task_id="t-np")
+            assert torch.equal(as_torch["i64"], torch.from_numpy(src["i64"]))
+            assert producer.stats().live_blocks == 0
+        bf16 = stage_tensors(pool, engine, {"b": torch.ones(3, dtype=torch.bfloat16)})
+        with pytest.raises(DescriptorError, match="bfloat16 has no numpy dtype"):
+            pull_tensors(engine, pool, bf16, arrays="numpy")
+        pool.free_staged(bf16)
+    finally:
+        wsum.close()
+
+
+def test_host_tensor_plane_never_imports_torch() -> None:
+    """A process that moves numpy arrays between host pools (a synthetic worker) stays
+    torch-free: importing the tensor plane, its pool, staging and pulling."""
+    code = """
+import sys
+import numpy as np
+from tensorplane.engine import MooncakeSettings, TransferEngine
+from tensorplane.handoff import pull_tensors, stage_bytes, stage_tensors
+from tensorplane.pool import StagingPool
+engine = TransferEngine(MooncakeSettings(protocol="tcp"))
+engine.start()
+a, b = StagingPool(1 << 20), StagingPool(1 << 20)
+a.start(engine)
+b.start(engine)
+x = np.arange(1000, dtype=np.float32)
+descs = stage_tensors(a, engine, {"x": x}) + [stage_bytes(a, engine, "img", b"png!")]
+got = pull_tensors(engine, b, descs, arrays="numpy")
+assert np.array_equal(got["x"], x) and got["img"].tobytes() == b"png!"
+assert a.stats().live_blocks == 0
+assert "torch" not in sys.modules, "torch was imported"
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=str(REPO), timeout=120)
+    assert out.stdout.strip().endswith("OK"), out.stderr[-3000:]
 
 
 # -------------------------------------------------------------------- two-process pulls

@@ -1,25 +1,30 @@
-"""The worker's end of the control channel (message layouts: :mod:`rings.messages`).
+"""The worker's end of the control channel (message layouts: :mod:`contracts.messages`).
 
 One TCP connection per worker, authenticated like the ring ports. Calls are synchronous
-request/reply and thread-safe (the pull loop and the heartbeat thread share it).
+request/reply and thread-safe (the pull loop and the heartbeat thread share it). A second
+connection, the doorbell (:class:`DoorbellClient`), is where the idle pull loop waits for
+work without polling its ring.
 """
 
 from __future__ import annotations
 
 import logging
+import select
+import socket
 import threading
 from typing import Any
 
+from contracts import faults
+from contracts.errors import ConnectionLost, ControlRefused
+from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from rings import wire
-from rings.errors import ConnectionLost, DiffringError
-from rings.messages import CONTROL_RING, Op
 from rings.tcp import handshake, open_socket, recv_frame
 
 log = logging.getLogger("diffring.worker.control")
 
-
-class ControlRefused(DiffringError):
-    """The controller answered a control request with an error."""
+REPLY_SLACK_S = 2.0
+"""How long past its timeout a doorbell wait may stay unanswered before the worker polls its
+ring anyway (and keeps waiting for the answer)."""
 
 
 class ControlClient:
@@ -48,6 +53,11 @@ class ControlClient:
                 role="peer",
                 extras={"worker_role": role},
             )
+        except OSError as exc:  # reset mid-handshake: a controller dying or starting
+            sock.close()
+            raise ConnectionLost(
+                f"control channel to {self.where} lost during the handshake: {exc}"
+            ) from exc
         except BaseException:
             sock.close()
             raise
@@ -58,6 +68,14 @@ class ControlClient:
         with self._lock:
             if self._sock is None:
                 raise ConnectionLost(f"control channel to {self.where} is closed")
+            if faults.ON:
+                try:
+                    faults.hit("control.drop", ConnectionLost)
+                except ConnectionLost as exc:
+                    self._close_locked()  # a real drop: the controller sees the connection go
+                    raise ConnectionLost(
+                        f"control channel to the controller at {self.where} lost: {exc}"
+                    ) from exc
             self._seq += 1
             msg = {"op": op.value, "seq": self._seq, **fields}
             try:
@@ -82,3 +100,94 @@ class ControlClient:
     def close(self) -> None:
         with self._lock:
             self._close_locked()
+
+
+class DoorbellClient:
+    """The worker's doorbell: a second connection to the control port on which the idle
+    loop long-polls (``wait``) until its input ring has work (see
+    :mod:`controller.doorbell`). Used by the pull loop's thread only; :meth:`interrupt` may
+    be called from any thread (or a signal handler) to end a wait at once."""
+
+    def __init__(self, host: str, port: int, token: str, *, timeout: float = 60.0) -> None:
+        self.host = host
+        self.port = port
+        self.token = token
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._seq = 0
+        self._owed = False  # a wait was sent and its answer has not arrived yet
+        # Self-pipe: a signal handler cannot set a threading.Event safely mid-select, but it
+        # can write a byte that select() sees.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    def connect(self, role: str) -> None:
+        sock = open_socket(self.host, self.port, self.timeout)
+        try:
+            handshake(sock, ring=CONTROL_RING, layout=None, token=self.token,
+                      transport="control", role="peer",
+                      extras={"worker_role": role, "channel": DOORBELL_CHANNEL})
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def wait(self, ring: str, timeout_s: float) -> bool | None:
+        """Block until the controller says ``ring`` has work (True), ``timeout_s`` passes
+        (False), or :meth:`interrupt` (None: the connection is closed; the worker is
+        stopping).
+
+        The controller answers every wait by ``timeout_s``; one that has not answered
+        ``REPLY_SLACK_S`` later is busy, not gone (its connections tell that): this returns
+        False, so the worker polls its ring once, and the next call goes on waiting for the
+        answer still owed instead of asking again. At most one wait is outstanding."""
+        sock = self._sock
+        if sock is None:
+            raise ConnectionLost(f"doorbell to {self.host}:{self.port} is closed")
+        try:
+            if not self._owed:
+                self._seq += 1
+                sock.settimeout(self.timeout)
+                sock.sendall(wire.pack_msg({"op": Op.WAIT.value, "seq": self._seq,
+                                            "ring": ring, "timeout_s": timeout_s}))
+                self._owed = True
+            ready, _, _ = select.select([sock, self._wake_r], [], [],
+                                        timeout_s + REPLY_SLACK_S)
+            if self._wake_r in ready:
+                self._drain_wake()
+                self.close()  # a reply is still owed on this connection: drop it
+                return None
+            if sock not in ready:
+                return False
+            reply = wire.unpack_msg(recv_frame(sock))
+            self._owed = False
+        except (OSError, ConnectionLost, ValueError) as exc:
+            self.close()
+            raise ConnectionLost(f"doorbell to the controller at {self.host}:{self.port} "
+                                 f"lost: {exc}") from exc
+        if not reply.get("ok"):
+            raise ControlRefused(f"controller refused wait: {reply.get('error')}")
+        return bool(reply.get("wake"))
+
+    def interrupt(self) -> None:
+        """End a wait in progress (or the next one) at once. Safe from a signal handler."""
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # the pipe is full: a wake-up is already pending
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._owed = False
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None

@@ -6,9 +6,14 @@ import logging
 import signal
 from collections.abc import Mapping
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from rings.config import ServiceConfig
-from rings.errors import DiffringError, StageError
+from contracts.config import ServiceConfig
+from contracts.errors import DiffringError, StageError
+from contracts.roles import Role
+
+if TYPE_CHECKING:
+    from workers.worker import StageWorker
 
 log = logging.getLogger("diffring.worker")
 
@@ -17,23 +22,26 @@ class StartupAborted(Exception):
     """SIGTERM / SIGINT arrived before the worker was ready."""
 
 
-def run_worker(role: str, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
-    from workers.worker import WORKERS
-
-    worker = WORKERS[role](cfg, token, env)
+def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
+    worker: StageWorker | None = None
     starting = True
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        if starting:
-            # Still loading the model or connecting: nothing claimed, nothing to drain.
+        if starting or worker is None:
+            # Still importing, loading the model or connecting: nothing claimed, nothing
+            # to drain.
             raise StartupAborted(f"signal {signum} during start-up")
         # Only flip the state: the loop finishes the claimed task and exits.
         log.info("worker %s: signal %d, draining", worker.name, signum)
         worker.drain()
 
+    # Installed before the model stack is imported, which alone takes seconds.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        from workers.roles import WORKERS
+
+        worker = WORKERS[Role(role)](cfg, token, env)
         try:
             worker.start()
         except (DiffringError, StartupAborted):
@@ -43,12 +51,14 @@ def run_worker(role: str, cfg: ServiceConfig, token: str, env: Mapping[str, str]
         starting = False
         worker.run()
     except StartupAborted as exc:
-        log.info("worker %s stopped before it was ready (%s)", worker.name, exc)
+        log.info("%s worker stopped before it was ready (%s)", role, exc)
         return 0
     except DiffringError as exc:
-        worker.report_fatal(str(exc))
+        if worker is not None:
+            worker.report_fatal(str(exc))
         raise
     finally:
-        worker.close()
-        log.info("worker %s stopped after %d task(s)", worker.name, worker.tasks_done)
+        if worker is not None:
+            worker.close()
+            log.info("worker %s stopped after %d task(s)", worker.name, worker.tasks_done)
     return 0

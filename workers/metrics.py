@@ -1,53 +1,17 @@
-"""Prometheus metrics of a worker process, and the metrics endpoint every service uses.
-
-Each service exposes its own registry on its own port (``server.metric_port`` /
-``--metric_port``), so co-located services never share one.
-"""
+"""Prometheus metrics of a worker process (the endpoint: :mod:`contracts.metrics`)."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rings.ports import bind_error
-
-log = logging.getLogger("diffring.metrics")
-
-DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
-CLAIM_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1, 1)
-
-
-def serve_metrics(registry: CollectorRegistry, host: str, port: int, what: str) -> Any:
-    """Start the /metrics endpoint, or fail fast naming the port and what holds it."""
-    try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        raise bind_error(f"{what} metrics endpoint", host, port, exc) from exc
-    log.info("%s metrics on http://%s:%d/metrics", what, host, port)
-    return server
-
-
-class CallbackCollector(Collector):
-    """Gauges read at scrape time from a callback returning (name, help, labels, value)."""
-
-    def __init__(
-        self, fn: Callable[[], Iterable[tuple[str, str, dict[str, str], float]]]
-    ) -> None:
-        self.fn = fn
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        families: dict[str, GaugeMetricFamily] = {}
-        for name, doc, labels, value in self.fn():
-            fam = families.get(name)
-            if fam is None:
-                fam = families[name] = GaugeMetricFamily(name, doc, labels=sorted(labels))
-            fam.add_metric([labels[k] for k in sorted(labels)], value)
-        return list(families.values())
+from contracts.metrics import CLAIM_BUCKETS, DURATION_BUCKETS, CallbackCollector, Sample
 
 
 class WorkerMetrics:
@@ -76,8 +40,17 @@ class WorkerMetrics:
             "diffring_worker_heartbeats", "Heartbeats sent to the controller", ["role"],
             registry=r)
 
+    @contextlib.contextmanager
+    def timed(self, role: str, step: str) -> Iterator[None]:
+        """Observe the duration of the block in ``diffring_stage_seconds{role, step}``."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.stage_seconds.labels(role, step).observe(time.monotonic() - t0)
+
     def watch_pool(self, pool_stats: Callable[[], Any]) -> None:
-        def read() -> Iterable[tuple[str, str, dict[str, str], float]]:
+        def read() -> Iterable[Sample]:
             st = pool_stats()
             labels = {"role": self.role}
             yield ("diffring_staging_pool_used_bytes", "Bytes allocated in the staging pool",
@@ -88,3 +61,39 @@ class WorkerMetrics:
                    float(st.live_blocks))
 
         self.registry.register(CallbackCollector(read))
+
+    def watch_prompt_cache(self, cache_stats: Callable[[], Any]) -> None:
+        """Hits, misses and evictions (counters), entries and bytes (gauges) of the
+        encoder's prompt-embedding cache, read at scrape time."""
+        self.registry.register(_PromptCacheCollector(cache_stats, self.role))
+
+
+class _PromptCacheCollector(Collector):
+    def __init__(self, stats: Callable[[], Any], role: str) -> None:
+        self.stats = stats
+        self.role = role
+
+    def collect(self) -> Iterable[Metric]:
+        st = self.stats()
+        out: list[Metric] = []
+        for name, doc, value in (
+            ("diffring_prompt_cache_hits", "Requests whose text embeddings came from the "
+             "prompt cache", st.hits),
+            ("diffring_prompt_cache_misses", "Requests that ran the text encoder", st.misses),
+            ("diffring_prompt_cache_evictions", "Entries dropped to stay within the byte "
+             "bound", st.evictions),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["role"])
+            counter.add_metric([self.role], float(value))
+            out.append(counter)
+        for name, doc, value in (
+            ("diffring_prompt_cache_bytes", "Bytes of tensors held by the prompt cache",
+             st.bytes),
+            ("diffring_prompt_cache_capacity_bytes", "Byte bound of the prompt cache",
+             st.capacity),
+            ("diffring_prompt_cache_entries", "Entries in the prompt cache", st.entries),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["role"])
+            gauge.add_metric([self.role], float(value))
+            out.append(gauge)
+        return out

@@ -1,15 +1,21 @@
-"""Pull workers: one class per role over one shared loop.
+"""The pull loop every worker runs, one task at a time (:meth:`StageWorker.step`):
 
-The loop, for one task (``StageWorker.step``):
-  1. claim    pop a slot from the role's input ring; tell the controller (lease starts);
-              a refused claim (cancelled, stale attempt) releases the inputs and moves on
+  1. claim    pop a slot from the role's input ring; tell the controller (its lease on the
+              task starts); a refused claim releases the inputs and moves on
   2. fetch    pull the input tensors from the producer's pool with Mooncake, verify them,
-              release the producer's buffers
-  3. compute  the role's model stage
+              release the producer's buffers                    (role: ``fetch_inputs``)
+  3. compute  the role's model stage                            (role: ``compute``)
   4. publish  stage the outputs in this worker's pool and push their descriptors to the
               next ring (blocking while it is full: backpressure), or, for the decoder,
-              write the result and send it to the controller
-  5. release  report the handoff (lease ends); forget the task
+              write the result file                             (role: ``publish``)
+  5. release  tell the controller the task left this worker (handoff, or the completed
+              result): the lease ends                           (role: ``release``)
+
+The role classes (:mod:`workers.roles`) fill in steps 2-5; the claim, the failure path and
+the lifecycle are shared. An item this worker cannot run (corrupt, wrong kind, malformed) is
+reported to the controller (``dropped``), which puts its task back in play; a worker whose
+control channel is down takes nothing from its ring until it has reconnected. The named
+fault points of :mod:`contracts.faults` sit between the steps.
 
 Lifecycle: RUNNING -> DRAINING (SIGTERM/SIGINT: finish the claimed task, claim nothing new)
 -> STOPPED. A fatal error (lost ring or control connection, model failure at start) is
@@ -25,28 +31,64 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from rings.config import ServiceConfig
-from rings.errors import ConnectionLost, DiffringError, PayloadCorrupt, RingFull, StageError
-from rings.messages import STAGE_INPUT_KIND, STAGE_RINGS, Op, Stage
+from contracts import faults
+from contracts.addresses import default_advertised_host
+from contracts.config import ServiceConfig
+from contracts.errors import (
+    ConnectionLost,
+    ControlRefused,
+    DiffringError,
+    HandshakeError,
+    PayloadCorrupt,
+    StageError,
+)
+from contracts.messages import Fault, Op
+from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
+from contracts.roles import ROLE_RINGS, Role
 from rings.ring import Ring
 from rings.verbs import connect
-from workers.control import ControlClient, ControlRefused
-from workers.metrics import WorkerMetrics, serve_metrics
+from tensorplane.descriptor import TensorDescriptor
+from tensorplane.engine import MooncakeSettings, TransferEngine
+from tensorplane.handoff import pull_tensors
+from tensorplane.pool import StagingPool
+from workers import preflight
+from workers.control import ControlClient, DoorbellClient
+from workers.metrics import WorkerMetrics
+from workers.models.base import StageAdapter
+from workers.models.components import check_stage_folder
+from workers.progress import ProgressReporter
+from workers.triage import check_item, describe_failure
 
 log = logging.getLogger("diffring.worker")
 
 IDLE_BACKOFF_MAX_S = 0.05
+"""Longest pause after a wake-up that found nothing to claim (see :meth:`StageWorker.idle`)."""
+IDLE_HEARTBEAT_MAX_S = 5.0
+"""Heartbeat period of a worker that holds no task and no staged outputs (at most a third of
+the lease timeout, and never more often than the configured interval)."""
+IDLE_WAIT_S = 5.0
+"""Longest doorbell wait: an idle worker polls its ring at least this often, so a wake-up
+that never came (the controller rings within its sweep interval anyway) costs at most this."""
 
 
 class State(enum.Enum):
     RUNNING = "running"
     DRAINING = "draining"
     STOPPED = "stopped"
+
+
+class Idle(enum.Enum):
+    """What :meth:`StageWorker.claim` returns when there is no task to run."""
+
+    EMPTY = "empty"
+    """The input ring had nothing."""
+    SKIPPED = "skipped"
+    """An item was taken from the ring but is not this worker's to run."""
 
 
 class TaskDropped(Exception):
@@ -61,12 +103,21 @@ class Job:
     attempt: int
     item: dict[str, Any]
     cancel: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    """What the publish step leaves for the release step (the decoder's result)."""
+    published: bool = False
+    """The outputs are in the next ring: from now on the controller decides when the staged
+    copies may go (a consumer may be pulling them)."""
 
 
 class StageWorker:
-    """Shared pull loop. Subclasses set ``role`` and implement ``load_model`` / ``process``."""
+    """The shared pull loop. A role class sets ``role`` and ``adapter`` and fills in the
+    steps ``fetch_inputs``, ``compute``, ``publish``, ``release``."""
 
-    role: Stage
+    role: ClassVar[Role]
+    adapter: ClassVar[type[StageAdapter]]
+    """The stage adapter interface of this role; the task picks the family's class."""
+    stage: Any
 
     def __init__(self, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> None:
         self.cfg = cfg
@@ -75,13 +126,24 @@ class StageWorker:
         self.name = f"{self.role.value}-{socket.gethostname()}-{os.getpid()}"
         self.state = State.STOPPED
         self._wake = threading.Event()
+        """Wakes the pull loop (drain, close, lost control channel)."""
+        self._hb_stop = threading.Event()
+        """Stops the heartbeat thread of the current connection."""
+        self._control_lost = threading.Event()
+        """The heartbeat failed: reconnect before taking anything from a ring."""
         self.current: Job | None = None
         # (task_id, attempt) -> descriptors of outputs staged for the next stage.
-        self.staged: dict[tuple[str, int], list[Any]] = {}
+        self.staged: dict[tuple[str, int], list[TensorDescriptor]] = {}
         self._staged_lock = threading.Lock()
         self.control = ControlClient(
             cfg.disagg_config.bootstrap_addr, cfg.disagg_config.control_port, token
         )
+        self.doorbell = DoorbellClient(
+            cfg.disagg_config.bootstrap_addr, cfg.disagg_config.control_port, token
+        )
+        self._false_wakes = 0
+        self._no_doorbell = False
+        self.progress = ProgressReporter(self.control, self.name)
         self.engine: Any = None
         self.pool: Any = None
         self.in_ring: Ring | None = None
@@ -90,6 +152,7 @@ class StageWorker:
         self.tasks_done = 0
         self.metrics = WorkerMetrics(self.role.value)
         self._metrics_server: Any = None
+        self.registered = False  # over the current control connection (readiness)
 
     @contextlib.contextmanager
     def timed(self, step: str) -> Iterator[None]:
@@ -99,36 +162,51 @@ class StageWorker:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Load the model, start Mooncake, join the rings and register with the controller."""
-        from workers.staging import StagingPool
-        from workers.transfer import MooncakeSettings, TransferEngine
-
+        """Cheap checks (advertised address, model folder); Mooncake and pool; transport
+        preflight (:mod:`workers.preflight`), all before the model load, which takes minutes
+        for a real checkpoint; model; rings and register."""
         srv = self.cfg.server
         if srv.metric_port is not None:
             self._metrics_server = serve_metrics(
-                self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker"
+                self.metrics.registry, srv.host, srv.metric_port, f"{self.role.value} worker",
+                probes={READY_PATH: self._ready, LIVE_PATH: lambda: (True, self._probe_info())},
             )
-        if self.cfg.torch_threads is not None:
-            import torch
-
-            torch.set_num_threads(self.cfg.torch_threads)
-        self.load_model()
-        settings = MooncakeSettings.resolve(self.cfg.mooncake_config_path, self.env)
+        self.progress.start()
+        own = default_advertised_host(self.cfg, controller=False)
+        check_stage_folder(Path(self.model_path()), self.cfg.pipeline, self.role.value)
+        settings = MooncakeSettings.resolve(
+            self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own}
+        )
         self.engine = TransferEngine(settings)
         self.engine.start()
         self.pool = StagingPool(self.cfg.staging_pool_mb << 20, device=self.pool_device())
         self.pool.start(self.engine)
         self.metrics.watch_pool(self.pool.stats)
+        preflight.check_on_paper(self.engine, self.cfg.disagg_config.bootstrap_addr, self.name)
         self.state = State.RUNNING
+        self._connect_retrying(  # the controller connects back, before the model load
+            lambda: preflight.connect_back(self.control, self.engine, self.role, self.name, True)
+        )
+        preflight.loopback_read(self.engine, self.pool, self.name)
+        self.load_model()
         self._connect_retrying()
+
+    def _probe_info(self) -> dict[str, Any]:
+        return {"name": self.name, "state": self.state.value, "registered": self.registered}
+
+    def _ready(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: registered and pulling (not starting, reconnecting or draining)."""
+        return self.registered and self.state == State.RUNNING, self._probe_info()
 
     def _connect(self) -> None:
         """Join the rings and register with the controller; start heartbeating."""
-        in_name, out_name = STAGE_RINGS[self.role]
+        in_name, out_name = ROLE_RINGS[self.role]
         self.in_ring = self._join(in_name)
         if out_name is not None:
             self.out_ring = self._join(out_name)
         self.control.connect(self.role.value)
+        preflight.connect_back(self.control, self.engine, self.role, self.name)
+        self.doorbell.connect(self.role.value)
         reply = self.control.call(
             Op.REGISTER,
             role=self.role.value,
@@ -138,8 +216,14 @@ class StageWorker:
             segment=self.engine.session_id,
         )
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
-        self._hb = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
-        self._hb.start()
+        # A worker holding nothing renews no lease: it heartbeats less often (its liveness
+        # is its connection), but well within a lease of the task it may claim next.
+        self.idle_heartbeat_s = max(
+            self.heartbeat_interval_s,
+            min(IDLE_HEARTBEAT_MAX_S, float(reply["lease_timeout_s"]) / 3),
+        )
+        self.registered = True
+        self.start_heartbeats()
         log.info(
             "worker %s ready: pipeline=%s in=%s out=%s segment=%s transport=%s",
             self.name,
@@ -151,7 +235,10 @@ class StageWorker:
         )
 
     def _disconnect(self) -> None:
+        self.registered = False
+        self._hb_stop.set()
         self.control.close()
+        self.doorbell.close()
         for ring in (self.in_ring, self.out_ring):
             if ring is not None:
                 ring.verbs.close()
@@ -159,8 +246,9 @@ class StageWorker:
         if self._hb is not None:
             self._hb.join(timeout=5)
 
-    def _connect_retrying(self) -> None:
-        """Connect, waiting up to ``reconnect_timeout_s`` for the controller to (re)appear.
+    def _connect_retrying(self, connect: Callable[[], None] | None = None) -> None:
+        """Connect (``connect``, default: join and register), waiting up to
+        ``reconnect_timeout_s`` for the controller to (re)appear.
 
         A controller restart drops every ring and control connection; the worker keeps its
         model and Mooncake state, reconnects, registers again and goes on pulling.
@@ -169,9 +257,14 @@ class StageWorker:
         delay = 0.2
         while True:
             try:
-                self._connect()
+                (connect or self._connect)()
                 return
-            except ConnectionLost as exc:
+            except (ConnectionLost, HandshakeError) as exc:
+                if isinstance(exc, HandshakeError) and not isinstance(
+                    exc.__cause__, OSError | ConnectionLost
+                ):
+                    raise  # refused (token, layout): waiting will not change that
+                # Reset or closed mid-handshake: a controller that is just dying or starting.
                 self._disconnect()
                 if self.state != State.RUNNING:
                     return  # asked to stop while waiting: nothing left to drain
@@ -204,11 +297,19 @@ class StageWorker:
         """Finish the claimed task, claim nothing new, then stop (signal handlers call this)."""
         if self.state == State.RUNNING:
             self.state = State.DRAINING
+        # Wakes the pull loop only: the heartbeats go on at their pace while the claimed
+        # task finishes (they wait on their own event).
         self._wake.set()
+        self.doorbell.interrupt()
 
     def close(self) -> None:
         self.state = State.STOPPED
+        self.registered = False
+        self.progress.close()
         self._wake.set()
+        self._hb_stop.set()
+        self.doorbell.interrupt()
+        self.doorbell.close()
         try:
             self.control.call(Op.BYE)
         except DiffringError:
@@ -232,23 +333,20 @@ class StageWorker:
 
     def run(self) -> None:
         """Pull until drained. Raises on a fatal error (after reporting it)."""
-        idle = 0.001
         try:
             while self.state == State.RUNNING:
                 try:
-                    busy = self.step()
+                    if self.step():
+                        self._false_wakes = 0
+                    else:
+                        self.idle()
                 except ConnectionLost as exc:
                     # The controller went away (restart, network): whatever this worker held
                     # is back in play on the controller's side; reconnect and go on.
                     log.warning("worker %s: lost the controller: %s", self.name, exc)
                     self._disconnect()
                     self._connect_retrying()
-                    continue
-                if busy:
-                    idle = 0.001
-                else:
-                    self._wake.wait(idle)
-                    idle = min(idle * 2, IDLE_BACKOFF_MAX_S)
+            self._wait_staged_pulled()
         except DiffringError as exc:
             log.error("worker %s: fatal: %s", self.name, exc)
             self.report_fatal(str(exc))
@@ -256,9 +354,59 @@ class StageWorker:
         finally:
             self.state = State.STOPPED
 
+    def idle(self) -> None:
+        """The input ring was empty: wait on the doorbell until the controller says it has
+        work (or ``IDLE_WAIT_S`` passes), instead of polling the ring: an idle worker costs
+        the controller one wait per ``IDLE_WAIT_S``, and wakes within a round trip of a push.
+
+        A wake-up is a hint: the next step claims through the ring and may find nothing
+        (another worker was faster, or the published item sits behind one still being
+        written). After such a false wake-up the worker pauses, doubling up to
+        ``IDLE_BACKOFF_MAX_S``, so a ring that keeps reporting work it cannot hand out is
+        not hammered.
+        """
+        assert self.in_ring is not None
+        if self._false_wakes:
+            self._wake.wait(min(0.001 * 2 ** (self._false_wakes - 1), IDLE_BACKOFF_MAX_S))
+            if self.state != State.RUNNING:
+                return
+        if self._no_doorbell:
+            # Polling, backing off up to IDLE_BACKOFF_MAX_S: the controller has no doorbell.
+            self._false_wakes = min(self._false_wakes + 1, 16)
+            return
+        try:
+            woke = self.doorbell.wait(self.in_ring.name, IDLE_WAIT_S)
+        except ControlRefused as exc:
+            log.warning("worker %s: no doorbell (%s); polling the ring instead", self.name, exc)
+            self._no_doorbell = True
+            return
+        if woke is None:  # interrupted: draining or stopping
+            return
+        self._false_wakes = min(self._false_wakes + 1, 16) if woke else 0
+
+    def _wait_staged_pulled(self) -> None:
+        """Draining: the outputs this worker staged live only in its pool until the next
+        stage pulls them, so stay (heartbeating, claiming nothing) until the controller says
+        they are no longer needed, or ``drain_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.staged and time.monotonic() < deadline and self._hb and self._hb.is_alive():
+            time.sleep(0.05)
+        if self.staged:
+            log.warning("worker %s: exiting with %d task(s) not pulled yet: %s", self.name,
+                        len(self.staged), sorted(t for t, _a in self.staged))
+
     # -- heartbeats ----------------------------------------------------------------------------
-    def _heartbeats(self) -> None:
-        while self.state != State.STOPPED:
+    def start_heartbeats(self) -> None:
+        """Heartbeat the current control connection from a thread of its own."""
+        self._hb_stop = threading.Event()
+        self._control_lost.clear()
+        self._hb = threading.Thread(
+            target=self._heartbeats, args=(self._hb_stop,), name="heartbeat", daemon=True
+        )
+        self._hb.start()
+
+    def _heartbeats(self, stop: threading.Event) -> None:
+        while self.state != State.STOPPED and not stop.is_set():
             job = self.current
             with self._staged_lock:
                 staged = [[t, a] for t, a in self.staged]
@@ -267,8 +415,9 @@ class StageWorker:
                     Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged
                 )
             except DiffringError as exc:
-                if self.state != State.STOPPED:
+                if self.state != State.STOPPED and not stop.is_set():
                     log.error("worker %s: heartbeat failed: %s", self.name, exc)
+                    self._control_lost.set()  # the pull loop sees it within its idle backoff
                 return
             self.metrics.heartbeats.labels(self.role.value).inc()
             if job is not None and job.task_id in reply.get("cancel", []):
@@ -276,7 +425,8 @@ class StageWorker:
             drop = set(reply.get("drop", []))
             if drop:
                 self._free_staged(lambda key, drop=drop: key[0] in drop)
-            self._wake.wait(self.heartbeat_interval_s)
+            holding = job is not None or bool(staged)
+            stop.wait(self.heartbeat_interval_s if holding else self.idle_heartbeat_s)
 
     def _free_staged(self, pred: Any) -> None:
         with self._staged_lock:
@@ -288,27 +438,68 @@ class StageWorker:
     # -- one task --------------------------------------------------------------------------------
     def step(self) -> bool:
         """Claim and process at most one task; False when the input ring was empty."""
+        job = self.claim()  # 1. claim
+        if isinstance(job, Idle):
+            return job is Idle.SKIPPED
+        self.current = job
+        t0 = time.monotonic()
+        try:
+            faults.hit("worker.after_claim")
+            with self.timed("fetch"):
+                inputs = self.fetch_inputs(job)  # 2. fetch
+            self.check_cancel(job)
+            faults.hit("worker.stage", StageError)
+            with self.timed("compute"):
+                outputs = self.compute(job, inputs)  # 3. compute
+            self.check_cancel(job)
+            faults.hit("worker.before_publish")
+            self.publish(job, outputs)  # 4. publish
+            job.published = True
+            faults.hit("worker.after_publish")
+            self.release(job)  # 5. release
+        except TaskDropped as exc:
+            self.metrics.tasks.labels(self.role.value, "cancelled").inc()
+            self._fail(job, str(exc), "cancelled", Fault.CANCELLED)
+        except Exception as exc:
+            self.metrics.tasks.labels(self.role.value, "failed").inc()
+            self._fail(job, *describe_failure(exc))
+        else:
+            self.tasks_done += 1
+            self.metrics.tasks.labels(self.role.value, "done").inc()
+            log.info(
+                "task %s stage=%s worker=%s done in %.2f s",
+                job.task_id,
+                self.role.value,
+                self.name,
+                time.monotonic() - t0,
+            )
+        finally:
+            self.progress.forget(job)
+            self.current = None
+        return True
+
+    def claim(self) -> Job | Idle:
+        """Step 1: pop one item from the input ring and claim its task at the controller."""
         assert self.in_ring is not None
-        # 1. claim
+        if self._control_lost.is_set():
+            # An item popped now could not be claimed: it would sit unowned until the
+            # controller's reconciliation noticed. Reconnect first (the loop does).
+            raise ConnectionLost(f"control channel to {self.control.where} lost")
+        ring = self.in_ring.name
         try:
             item = self.in_ring.try_pop()
         except PayloadCorrupt as exc:
-            log.error("worker %s: dropped a corrupt %s slot: %s", self.name, self.in_ring.name, exc)
-            return True
+            self._report_drop(ring, exc.slot, f"corrupt payload: {exc}", None)
+            return Idle.SKIPPED
         if item is None:
-            return False
-        self.metrics.claim_seconds.labels(self.in_ring.name, "pop").observe(
-            self.in_ring.stats.last_claim_s
-        )
-        if item.get("kind") != STAGE_INPUT_KIND[self.role]:
-            log.error(
-                "worker %s: unexpected %r item in ring %s",
-                self.name,
-                item.get("kind"),
-                self.in_ring.name,
-            )
-            return True
-        job = Job(str(item["task_id"]), int(item["attempt"]), item)
+            return Idle.EMPTY
+        self.metrics.claim_seconds.labels(ring, "pop").observe(self.in_ring.stats.last_claim_s)
+        faults.hit("worker.after_pop", ConnectionLost)
+        problem = check_item(item, self.role, self.cfg.pipeline)
+        if problem is not None:
+            self._report_drop(ring, None, problem, item)
+            return Idle.SKIPPED
+        job = Job(item["task_id"], item["attempt"], item)
         reply = self.control.call(
             Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
         )
@@ -321,46 +512,69 @@ class StageWorker:
                 reply.get("reason"),
             )
             self.release_inputs(job)
-            return True
-        self.current = job
-        t0 = time.monotonic()
+            return Idle.SKIPPED
+        return job
+
+    def _report_drop(
+        self, ring: str, slot: int | None, reason: str, item: dict[str, Any] | None
+    ) -> None:
+        """Tell the controller about an item taken from ``ring`` that will not be run."""
+        tid = item.get("task_id") if item is not None else None
+        attempt = item.get("attempt") if item is not None else None
+        log.error("worker %s: dropped an item of ring %s (task %r): %s", self.name, ring, tid,
+                  reason)
         try:
-            self.process(job)
-        except TaskDropped as exc:
-            self.metrics.tasks.labels(self.role.value, "cancelled").inc()
-            self._fail(job, str(exc), "cancelled", retryable=False)
-        except Exception as exc:
-            self.metrics.tasks.labels(self.role.value, "failed").inc()
-            self._fail(job, *self.describe_failure(exc))
-        else:
-            self.tasks_done += 1
-            self.metrics.tasks.labels(self.role.value, "done").inc()
-            log.info(
-                "task %s stage=%s worker=%s done in %.2f s",
-                job.task_id,
-                self.role.value,
-                self.name,
-                time.monotonic() - t0,
+            self.control.call(
+                Op.DROPPED,
+                ring=ring,
+                slot=slot,
+                reason=reason,
+                task_id=tid if isinstance(tid, str) else None,
+                attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool)
+                else None,
             )
-        finally:
-            self.current = None
-        return True
+        except ControlRefused as exc:
+            log.error("controller refused the drop report: %s", exc)
 
-    def describe_failure(self, exc: Exception) -> tuple[str, str, bool]:
-        """(message, error_type, retryable) of a task failure."""
-        from workers.models import ModelError, StageCancelled
-        from workers.transfer import TransferError
+    # -- steps 2-5: the role classes fill these in ---------------------------------------------
+    def fetch_inputs(self, job: Job) -> Any:
+        """Step 2: the inputs of ``compute``, pulled from the producer."""
+        raise NotImplementedError
 
-        if isinstance(exc, StageCancelled):
-            return str(exc), "cancelled", False
-        if isinstance(exc, TransferError | ConnectionLost | RingFull):
-            return str(exc), type(exc).__name__, True
-        if isinstance(exc, ModelError | StageError):
-            return str(exc), type(exc).__name__, False
-        log.exception("task failed with an unexpected error")
-        return f"{type(exc).__name__}: {exc}", type(exc).__name__, False
+    def compute(self, job: Job, inputs: Any) -> Any:
+        """Step 3: run the role's model stage."""
+        raise NotImplementedError
 
-    def _fail(self, job: Job, error: str, error_type: str, retryable: bool) -> None:
+    def publish(self, job: Job, outputs: Any) -> None:
+        """Step 4: hand the outputs on (next ring, or the result file)."""
+        raise NotImplementedError
+
+    def release(self, job: Job) -> None:
+        """Step 5: tell the controller the task has left this worker; the lease ends."""
+        raise NotImplementedError
+
+    def load_model(self) -> None:
+        """Construct and load this role's model stage (before joining the rings)."""
+        self.stage = self.adapter.for_task(
+            self.model_path(),
+            self.cfg.pipeline,
+            self.cfg.device,
+            self.cfg.dtype,
+            **self.adapter_options(),
+        )
+        if self.cfg.torch_threads is not None and self.stage.torch_model:
+            # Only a torch model pays for importing torch here (a synthetic stage has none).
+            import torch
+
+            torch.set_num_threads(self.cfg.torch_threads)
+        self.stage.load()
+
+    def adapter_options(self) -> dict[str, Any]:
+        """Role-specific settings of the stage adapter."""
+        return {}
+
+    # -- failure path ------------------------------------------------------------------------------
+    def _fail(self, job: Job, error: str, error_type: str, fault: Fault) -> None:
         log.warning(
             "task %s stage=%s worker=%s failed (%s): %s",
             job.task_id,
@@ -369,7 +583,8 @@ class StageWorker:
             error_type,
             error,
         )
-        self._free_staged(lambda key: key == (job.task_id, job.attempt))
+        if not job.published:
+            self._free_staged(lambda key: key == (job.task_id, job.attempt))
         try:
             self.control.call(
                 Op.FAIL,
@@ -378,15 +593,14 @@ class StageWorker:
                 stage=self.role.value,
                 error=error,
                 error_type=error_type,
-                retryable=retryable,
+                retryable=fault in (Fault.SYSTEM, Fault.TRANSFER, Fault.TASK),
+                fault=fault.value,
             )
         except ControlRefused as exc:
             log.error("controller refused the failure report of %s: %s", job.task_id, exc)
 
     # -- helpers for the roles ---------------------------------------------------------------------
-    def descriptors(self, job: Job) -> list[Any]:
-        from workers.staging import TensorDescriptor
-
+    def descriptors(self, job: Job) -> list[TensorDescriptor]:
         return [TensorDescriptor.from_dict(d) for d in job.item.get("tensors", [])]
 
     def release_inputs(self, job: Job) -> None:
@@ -396,14 +610,13 @@ class StageWorker:
             self.pool.release_producers(self.engine, descs, task_id=job.task_id)
 
     def pull(self, job: Job) -> dict[str, Any]:
-        from workers.staging import pull_tensors
-
+        """Pull the job's input tensors onto this worker's device (and release them)."""
         descs = self.descriptors(job)
         t0 = time.monotonic()
-        with self.timed("fetch"):
-            out = pull_tensors(
-                self.engine, self.pool, descs, device=self.cfg.device, task_id=job.task_id
-            )
+        out = pull_tensors(
+            self.engine, self.pool, descs, device=self.cfg.device, task_id=job.task_id,
+            arrays=self.stage.tensor_kind,
+        )
         self.metrics.transfer_seconds.labels("pull").observe(time.monotonic() - t0)
         self.metrics.transfer_bytes.labels("pull").inc(sum(d.nbytes for d in descs))
         return out
@@ -412,40 +625,6 @@ class StageWorker:
         if job.cancel.is_set():
             raise TaskDropped(f"task {job.task_id} cancelled")
 
-    def publish(self, job: Job, kind: str, tensors: Mapping[str, Any]) -> None:
-        """Stage ``tensors`` and push their descriptors to the next ring (backpressure)."""
-        from workers.staging import stage_tensors
-
-        assert self.out_ring is not None
-        with self.timed("stage"):
-            descs = stage_tensors(self.pool, self.engine, dict(tensors), task_id=job.task_id)
-        key = (job.task_id, job.attempt)
-        with self._staged_lock:
-            self.staged[key] = descs
-        payload = {
-            "kind": kind,
-            "task_id": job.task_id,
-            "attempt": job.attempt,
-            "pipeline": job.item["pipeline"],
-            "request": job.item["request"],
-            "tensors": [d.to_dict() for d in descs],
-            "producer": self.name,
-        }
-        body = self.out_ring.encode(payload)
-        delay = 0.001
-        with self.timed("publish"):
-            while not self.out_ring.try_push_body(body):
-                self.check_cancel(job)  # a cancelled task gives its place up
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-        self.metrics.claim_seconds.labels(self.out_ring.name, "push").observe(
-            self.out_ring.stats.last_claim_s
-        )
-        self.control.call(
-            Op.HANDOFF, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
-        )
-
-    # -- role hooks --------------------------------------------------------------------------------
     def model_path(self) -> str:
         if not self.cfg.model_path:
             raise StageError(f"{self.role.value} worker needs model_path (config or --model_path)")
@@ -453,126 +632,3 @@ class StageWorker:
 
     def pool_device(self) -> str:
         return self.cfg.device
-
-    def load_model(self) -> None:
-        raise NotImplementedError
-
-    def process(self, job: Job) -> None:
-        raise NotImplementedError
-
-
-class EncoderWorker(StageWorker):
-    role = Stage.ENCODER
-
-    def load_model(self) -> None:
-        from workers.models import EncoderStage
-
-        self.stage = EncoderStage(
-            self.model_path(), self.cfg.pipeline, self.cfg.device, self.cfg.dtype
-        )
-        self.stage.load()
-
-    def process(self, job: Job) -> None:
-        from workers.models import GenerationRequest
-        from workers.staging import TensorDescriptor, pull_tensors
-
-        req = GenerationRequest.from_dict(job.item["request"])
-        image = None
-        if job.item.get("image"):
-            # The controller owns the staged image until the task ends (a retry needs it).
-            desc = TensorDescriptor.from_dict(job.item["image"])
-            out = pull_tensors(
-                self.engine, self.pool, [desc], device="cpu", task_id=job.task_id, release=False
-            )
-            image = out[desc.name].numpy().tobytes()
-        self.check_cancel(job)
-        with self.timed("compute"):
-            tensors = self.stage.encode(req, image)
-        self.check_cancel(job)
-        self.publish(job, "phase1", tensors)
-
-
-class TransformerWorker(StageWorker):
-    role = Stage.TRANSFORMER
-
-    def load_model(self) -> None:
-        from workers.models import TransformerStage
-
-        self.stage = TransformerStage(
-            self.model_path(),
-            self.cfg.pipeline,
-            self.cfg.device,
-            self.cfg.dtype,
-            self.cfg.attention_backend,
-        )
-        self.stage.load()
-
-    def process(self, job: Job) -> None:
-        from workers.models import GenerationRequest
-
-        req = GenerationRequest.from_dict(job.item["request"])
-        inputs = self.pull(job)
-        self.check_cancel(job)
-
-        def on_step(k: int, n: int) -> None:
-            reply = self.control.call(
-                Op.PROGRESS, task_id=job.task_id, attempt=job.attempt, step=k, steps=n
-            )
-            if reply.get("cancel"):
-                job.cancel.set()
-
-        with self.timed("compute"):
-            latents = self.stage.denoise(
-                req, inputs, on_step=on_step, should_stop=job.cancel.is_set
-            )
-        self.check_cancel(job)
-        self.publish(job, "phase2", latents)
-
-
-class DecoderWorker(StageWorker):
-    role = Stage.DECODER
-
-    def load_model(self) -> None:
-        from workers.models import DecoderStage
-
-        self.stage = DecoderStage(
-            self.model_path(), self.cfg.pipeline, self.cfg.device, self.cfg.dtype
-        )
-        self.stage.load()
-
-    def process(self, job: Job) -> None:
-        from workers.models import GenerationRequest
-
-        req = GenerationRequest.from_dict(job.item["request"])
-        latents = self.pull(job)
-        self.check_cancel(job)
-        with self.timed("compute"):
-            art = self.stage.decode(req, latents)
-        out_dir = Path(self.cfg.output_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        local = out_dir / f"{job.task_id}.{art.extension}"
-        tmp = local.with_name(local.name + ".part")
-        tmp.write_bytes(art.data)
-        tmp.replace(local)
-        reply = self.control.call(
-            Op.COMPLETE,
-            task_id=job.task_id,
-            attempt=job.attempt,
-            extension=art.extension,
-            media_type=art.media_type,
-            data=art.data,
-            worker_path=str(local.resolve()),
-        )
-        if not reply.get("accepted"):
-            log.info(
-                "task %s: result of attempt %d not needed (already completed)",
-                job.task_id,
-                job.attempt,
-            )
-
-
-WORKERS: dict[str, type[StageWorker]] = {
-    "encoder": EncoderWorker,
-    "transformer": TransformerWorker,
-    "decoder": DecoderWorker,
-}

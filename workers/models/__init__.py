@@ -3,58 +3,34 @@
 Tasks: ``wan_t2v`` and ``wan_i2v`` (Wan2.1), ``qwen_t2i`` (Qwen-Image) and ``qwen_i2i``
 (Qwen-Image-Edit). Each request is split into three stages that can run in three processes:
 
-    EncoderStage.encode(req, image_bytes)  -> tensors   # text / image conditioning
-    TransformerStage.denoise(req, tensors)  -> tensors  # DiT loop, scheduler, noise
-    DecoderStage.decode(req, tensors)       -> Artifact # VAE decode, PNG / MP4
+    EncoderAdapter.for_task(folder, task).encode(req, image_bytes)   -> tensors
+    TransformerAdapter.for_task(folder, task).denoise(req, tensors)  -> tensors
+    DecoderAdapter.for_task(folder, task).decode(req, tensors)       -> Artifact
 
-Only the :class:`GenerationRequest` and the tensor dictionaries travel between stages.
-Importing this package is cheap; torch, diffusers and transformers are imported by ``load()``.
+Only the :class:`~contracts.request.GenerationRequest` and the tensor dictionaries travel
+between stages. Importing this package is cheap; torch, diffusers and transformers are
+imported when a family's adapter is first asked for.
 """
 
 from .base import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    TASK_SPECS,
-    TASKS,
     Artifact,
     DecoderAdapter,
     EncoderAdapter,
-    GenerationRequest,
-    InvalidRequestError,
-    ModelError,
     ModelFamily,
-    ModelLoadError,
-    StageCancelled,
-    StageInputError,
-    TaskSpec,
+    StageAdapter,
     TransformerAdapter,
-    task_spec,
+    get_family,
 )
-from .registry import get_family
-from .stages import DecoderStage, EncoderStage, LocalPipeline, TransformerStage, run_pipeline
+from .pipeline import LocalPipeline, run_pipeline
 
 __all__ = [
-    "ATTENTION_BACKENDS",
-    "DTYPES",
-    "TASKS",
-    "TASK_SPECS",
     "Artifact",
     "DecoderAdapter",
-    "DecoderStage",
     "EncoderAdapter",
-    "EncoderStage",
-    "GenerationRequest",
-    "InvalidRequestError",
     "LocalPipeline",
-    "ModelError",
     "ModelFamily",
-    "ModelLoadError",
-    "StageCancelled",
-    "StageInputError",
-    "TaskSpec",
+    "StageAdapter",
     "TransformerAdapter",
-    "TransformerStage",
     "get_family",
     "run_pipeline",
-    "task_spec",
 ]

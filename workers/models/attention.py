@@ -1,7 +1,10 @@
-"""Attention backends of the DiT stage: ``sdpa`` (default), ``flash_attn``, ``sage_attn``.
+"""Attention backends of the DiT stage: ``sdpa`` (default), ``sdpa_cudnn``, ``sdpa_flash``,
+``flash_attn``, ``sage_attn``.
 
-* ``sdpa`` and ``flash_attn`` go through diffusers' own attention dispatch
-  (``ModelMixin.set_attention_backend``: "native" is torch SDPA, "flash" is flash-attn 2).
+* ``sdpa``, ``sdpa_cudnn``, ``sdpa_flash`` and ``flash_attn`` go through diffusers' own
+  attention dispatch (``ModelMixin.set_attention_backend``): "native" is torch SDPA with
+  torch's choice of kernel, "_native_cudnn" / "_native_flash" pin SDPA to its cuDNN /
+  FlashAttention-2 kernel (CUDA, bf16 only), "flash" is the flash-attn 2 package.
 * ``sage_attn`` uses diffusers' "sage" backend when sageattention >= 2.1.1 is installed. PyPI
   only has 1.0.6 (Triton kernels, INT8 QK / FP16 PV), which diffusers refuses; for it this
   module installs its own attention processors for the two DiTs we serve. They compute
@@ -23,7 +26,10 @@ from typing import Any
 
 import torch
 
-from .base import ATTENTION_BACKENDS, ModelLoadError, check_backend_name
+from contracts.errors import ModelLoadError
+from contracts.pipelines import ATTENTION_BACKENDS
+
+from .components import check_backend_name
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,8 @@ __all__ = [
 # (B, S, H, D) query, key, value -> (B, S, H, D) output; no mask, default softmax scale.
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+# torch SDPA pinned to one of its kernels (diffusers' backend names).
+_PINNED_SDPA = {"sdpa_cudnn": "_native_cudnn", "sdpa_flash": "_native_flash"}
 # sageattention 1.x has Triton kernels for these head sizes only.
 _SAGE_HEAD_DIMS = (64, 96, 128)
 # Key block of sageattention 1.x's kernel, and the first release diffusers' backend accepts.
@@ -85,6 +93,10 @@ def apply_attention_backend(
     if backend == "sdpa":
         # Explicit, so a DIFFUSERS_ATTN_BACKEND in the environment cannot change the kernel.
         _quiet_set_backend(model, "native")
+        return
+    if backend in _PINNED_SDPA:
+        _require_cuda_half(device, dtype, backend)
+        _quiet_set_backend(model, _PINNED_SDPA[backend])
         return
     if backend == "flash_attn":
         _require_package("flash_attn", "flash-attn", backend)

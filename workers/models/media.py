@@ -1,24 +1,34 @@
 """Image input decoding and result encoding (PNG / MP4).
 
 The input image of I2V / I2I requests arrives as the bytes of a PNG or JPEG file; results
-leave as PNG (images) or H.264 MP4 (videos, written with the ffmpeg binary that
-``imageio-ffmpeg`` ships). Pixels are converted to uint8 the way diffusers does for PIL
-output (``round(x * 255)``), so our frames equal the pipelines' images exactly.
+leave as PNG (images) or H.264 MP4 (videos). MP4s are written in memory with PyAV (``av``),
+whose wheels bundle FFmpeg with libx264: no ffmpeg binary or subprocess. libx264 runs
+multi-threaded (``VideoSettings.threads``); ``h264_nvenc`` is used when asked for and it
+opens (the GPU driver must ship the encoder library), else libx264, logged once. Pixels are
+converted to uint8 the way diffusers does for PIL output (``round(x * 255)``), so our frames
+equal the pipelines' images exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
-import os
-import tempfile
-from typing import TYPE_CHECKING
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .base import StageInputError
+from contracts.errors import StageError, StageInputError
+from contracts.pipelines import VIDEO_CODECS, X264_PRESETS
 
 if TYPE_CHECKING:
     from PIL import Image
+
+log = logging.getLogger("diffring.media")
 
 # A decompression bomb must not take a worker down: far above any real input (~16k x 16k).
 _MAX_INPUT_PIXELS = 256 * 1024 * 1024
@@ -69,36 +79,149 @@ def encode_png(pixels: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def encode_mp4(frames: np.ndarray, fps: int, quality: float = 8.0) -> bytes:
+@dataclass(frozen=True)
+class VideoSettings:
+    """How MP4 results are encoded (the decoder's ``video_*`` config fields)."""
+
+    codec: str = "auto"
+    """``libx264``, ``h264_nvenc``, or ``auto`` (NVENC when it opens here, else libx264)."""
+    preset: str = "veryfast"
+    """libx264 preset (ultrafast .. veryslow); NVENC gets its own p1..p7 equivalent."""
+    crf: int = 18
+    """libx264 constant rate factor (0 = lossless, 51 = worst); NVENC's ``cq``."""
+    threads: int = 0
+    """libx264 threads; 0 = one per core."""
+
+    def __post_init__(self) -> None:
+        if self.codec not in VIDEO_CODECS:
+            raise ValueError(f"video codec must be one of {', '.join(VIDEO_CODECS)}, got "
+                             f"{self.codec!r}")
+        if self.preset not in X264_PRESETS:
+            raise ValueError(f"video preset must be one of {', '.join(X264_PRESETS)}, got "
+                             f"{self.preset!r}")
+        if not 0 <= self.crf <= 51:
+            raise ValueError(f"video crf must be within 0..51, got {self.crf}")
+        if self.threads < 0:
+            raise ValueError(f"video threads must be >= 0 (0: one per core), got {self.threads}")
+
+
+# libx264 preset -> the NVENC preset of similar speed rank (p1 fastest .. p7 slowest).
+_NVENC_PRESET = {"ultrafast": "p1", "superfast": "p1", "veryfast": "p2", "faster": "p3",
+                 "fast": "p4", "medium": "p4", "slow": "p5", "slower": "p6", "veryslow": "p7"}
+_nvenc_ok: bool | None = None
+_nvenc_lock = threading.Lock()
+
+
+def nvenc_available() -> bool:
+    """Whether ``h264_nvenc`` opens in this process (probed once, with a tiny clip)."""
+    global _nvenc_ok
+    with _nvenc_lock:
+        if _nvenc_ok is None:
+            try:
+                _encode_mp4_with(np.zeros((2, 256, 256, 3), np.uint8), 8, "h264_nvenc",
+                                 VideoSettings())
+                _nvenc_ok = True
+            except Exception as exc:  # no driver library, no GPU, no session: all the same
+                log.info("h264_nvenc does not open here (%s); MP4s use libx264", exc)
+                _nvenc_ok = False
+        return _nvenc_ok
+
+
+def encode_mp4(frames: np.ndarray, fps: int, settings: VideoSettings | None = None) -> bytes:
     """H.264 MP4 bytes of (F, H, W, 3) uint8 frames (yuv420p, playable everywhere).
 
-    ``quality`` is imageio-ffmpeg's 1..10 scale (8 -> x264 CRF 10). The muxer is asked for
-    bit-exact output, so the same frames give the same bytes with the same ffmpeg.
+    libx264 output is deterministic for any thread count: the same frames and settings give
+    the same bytes with the same FFmpeg build (the muxer writes no time stamps of its own).
     """
-    import imageio_ffmpeg
-
+    settings = settings or VideoSettings()
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"expected (F, H, W, 3) uint8 frames, got {frames.shape} {frames.dtype}")
     _, height, width, _ = frames.shape
     if height % 2 or width % 2:
         raise ValueError(f"H.264 yuv420p needs even sizes, got {width}x{height}")
-    with tempfile.TemporaryDirectory(prefix="diffring-mp4-") as tmp:
-        path = os.path.join(tmp, "out.mp4")
-        writer = imageio_ffmpeg.write_frames(
-            path,
-            (width, height),
-            fps=fps,
-            codec="libx264",
-            quality=quality,
-            pix_fmt_out="yuv420p",
-            # Sizes are multiples of 16 already (request validation); 1 avoids any rescale.
-            macro_block_size=1,
-            ffmpeg_log_level="error",
-            output_params=["-fflags", "+bitexact", "-flags:v", "+bitexact", "-threads", "1"],
-        )
-        writer.send(None)  # start the generator (launches ffmpeg)
-        for frame in frames:
-            writer.send(np.ascontiguousarray(frame))
-        writer.close()
-        with open(path, "rb") as f:
-            return f.read()
+    codec = settings.codec
+    if codec == "auto":
+        codec = "h264_nvenc" if nvenc_available() else "libx264"
+    elif codec == "h264_nvenc" and not nvenc_available():
+        raise StageError("video codec h264_nvenc was asked for but does not open on this "
+                         "machine; set video_codec to 'auto' or 'libx264'")
+    with _defined_heap():
+        return _encode_mp4_with(frames, fps, codec, settings)
+
+
+# glibc's mallopt(M_PERTURB, byte): fill every heap block malloc hands out with that byte.
+_M_PERTURB = -6
+_heap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _defined_heap() -> Iterator[None]:
+    """Make the encoder's uninitialised heap reads read a fixed byte.
+
+    libx264 (through FFmpeg) reads heap memory it never wrote: with the same frames and
+    settings, in a process whose heap other work (torch) has churned, the bytes and decoded
+    pixels of an MP4 differed from one encode to the next (measured: 4 different outputs in
+    6 encodes of one 32x32x5 clip, 2 in 5 at 480x832x9; with the heap filled by glibc's
+    MALLOC_PERTURB_, always one). An encoder in its own process (the old ffmpeg binary)
+    hid this. Turning glibc's perturb byte on for the encode makes those reads defined, so
+    the same frames give the same bytes again. It costs a memset per block allocated
+    meanwhile (in any thread). Not glibc: left as is.
+    """
+    mallopt = _mallopt()
+    if mallopt is None:
+        yield
+        return
+    with _heap_lock:
+        mallopt(_M_PERTURB, 0x5A)
+        try:
+            yield
+        finally:
+            mallopt(_M_PERTURB, 0)
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    import ctypes
+
+    try:
+        fn: Callable[[int, int], int] = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    return fn
+
+
+def _encode_mp4_with(frames: np.ndarray, fps: int, codec: str, settings: VideoSettings) -> bytes:
+    import av
+
+    _, height, width, _ = frames.shape
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream: Any = container.add_stream(codec, rate=fps)  # a VideoStream for these codecs
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if codec == "libx264":
+            stream.codec_context.thread_count = settings.threads
+            stream.options = {"preset": settings.preset, "crf": str(settings.crf)}
+        else:
+            stream.options = {"preset": _NVENC_PRESET.get(settings.preset, "p4"),
+                              "rc": "vbr", "cq": str(settings.crf)}
+        # No library version strings in the container: bytes depend on frames and settings.
+        bitexact: int = av.container.Flags.bitexact.value  # type: ignore[assignment]
+        container.flags |= bitexact
+        for index, frame in enumerate(frames):
+            video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+            # Explicit time stamps: without them x264's rate control sees undefined frame
+            # durations and the bytes (and pixels) of the same frames vary from run to run.
+            video_frame.pts = index
+            for packet in stream.encode(video_frame):
+                container.mux(packet)
+        for packet in stream.encode():  # flush the encoder's delayed frames
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def read_mp4(data: bytes) -> np.ndarray:
+    """(F, H, W, 3) uint8 RGB frames of MP4 bytes (tests and benchmarks read results back)."""
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])

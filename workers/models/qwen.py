@@ -28,14 +28,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from functools import cache
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from transformers import Qwen2VLProcessor
 
-from ._common import (
+from contracts.errors import (
+    InvalidRequestError,
+    StageInputError,
+)
+from contracts.request import GenerationRequest
+
+from .attention import apply_attention_backend
+from .base import (
+    DecoderAdapter,
+    EncoderAdapter,
+    StepCallback,
+    StopCheck,
+    TransformerAdapter,
+)
+from .components import (
+    check_request_task,
+    require_tensor,
+)
+from .diffusers_glue import (
     check_schedule,
     cpu_generator,
     fresh_scheduler,
@@ -44,87 +60,13 @@ from ._common import (
     load_scheduler,
     load_transformers_model,
 )
-from .attention import apply_attention_backend
-from .base import (
-    DecoderAdapter,
-    EncoderAdapter,
-    GenerationRequest,
-    InvalidRequestError,
-    StageInputError,
-    StepCallback,
-    StopCheck,
-    TransformerAdapter,
-    check_request_task,
-    require_tensor,
-)
 from .media import decode_image
+from .qwen_text import QwenEditProcessor, prompt_template
 
 logger = logging.getLogger(__name__)
 
 # Qwen-Image-Edit sizes its condition image to this many pixels (diffusers: 1024 * 1024).
 _EDIT_CONDITION_AREA = 1024 * 1024
-
-
-class QwenEditProcessor(Qwen2VLProcessor):
-    """Qwen2-VL processor made of an image processor and a tokenizer only.
-
-    transformers 5's ``Qwen2VLProcessor`` also insists on a video processor, which needs
-    torchvision; Qwen-Image-Edit never feeds video, so this subclass drops that part. It loads
-    from the ``processor`` folder of a Qwen-Image-Edit checkpoint.
-    """
-
-    def __init__(
-        self,
-        image_processor: Any = None,
-        tokenizer: Any = None,
-        chat_template: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            video_processor=None,
-            chat_template=chat_template,
-            **kwargs,
-        )
-
-
-class PromptTemplate(NamedTuple):
-    """How diffusers' Qwen pipelines wrap a prompt for the text encoder."""
-
-    template: str
-    """Chat template with ``{}`` for the prompt."""
-    drop: int
-    """Leading hidden states (the system prompt) the pipeline drops."""
-    max_length: int
-    """Token limit after the drop (the tokenizer gets ``max_length + drop``)."""
-
-
-@cache
-def prompt_template(edit: bool) -> PromptTemplate:
-    """The prompt template of diffusers' pipeline, read from the pipeline class itself so that
-    it cannot drift from the installed diffusers."""
-    from diffusers import QwenImageEditPipeline, QwenImagePipeline
-
-    bare: Any
-    if edit:
-        bare = QwenImageEditPipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=None,
-            tokenizer=None,
-            processor=None,
-            transformer=None,
-        )
-    else:
-        bare = QwenImagePipeline(
-            scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
-        )
-    return PromptTemplate(
-        bare.prompt_template_encode,
-        bare.prompt_template_encode_start_idx,
-        bare.tokenizer_max_length,
-    )
 
 
 def _vae_scale_factor(vae_config: Mapping[str, Any]) -> int:
@@ -140,6 +82,7 @@ class QwenEncoder(EncoderAdapter):
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         self.edit = self.spec.needs_image
+        self.text_sees_image = self.edit  # the VL prompt embeds the input image
         self.template, self.drop, self.max_tokens = prompt_template(self.edit)
         if self.edit:
             from diffusers import AutoencoderKLQwenImage
@@ -166,36 +109,37 @@ class QwenEncoder(EncoderAdapter):
             "text_encoder",
         )
 
-    def encode(
-        self, req: GenerationRequest, image_bytes: bytes | None = None
-    ) -> dict[str, torch.Tensor]:
-        self._require_loaded()
-        check_request_task(req, self.task, self.role)
-        assert req.true_cfg_scale is not None and req.negative_prompt is not None
-        cfg = req.true_cfg_scale > 1.0
+    def load_image(self, req: GenerationRequest, image_bytes: bytes | None) -> Any:
+        """Edit: (the condition image resized to ~1 megapixel, its VAE input pixels)."""
+        if not self.edit:
+            return super().load_image(req, image_bytes)
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        image = decode_image(image_bytes, self.task)
+        width, height = image.size
+        cond_w, cond_h, _ = calculate_dimensions(_EDIT_CONDITION_AREA, width / height)
+        image = self.image_processor.resize(image, cond_h, cond_w)
+        pixels = self.image_processor.preprocess(image, cond_h, cond_w).unsqueeze(2)
+        return image, pixels
+
+    def guidance_on(self, req: GenerationRequest) -> bool:
+        assert req.true_cfg_scale is not None
+        return req.true_cfg_scale > 1.0
+
+    def encode_text(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        assert req.negative_prompt is not None and req.max_sequence_length is not None
+        cfg = self.guidance_on(req)
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             if self.edit:
-                from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
-                    calculate_dimensions,
-                )
-
-                image = decode_image(image_bytes, self.task)
-                width, height = image.size
-                cond_w, cond_h, _ = calculate_dimensions(_EDIT_CONDITION_AREA, width / height)
-                image = self.image_processor.resize(image, cond_h, cond_w)
-                pixels = self.image_processor.preprocess(image, cond_h, cond_w).unsqueeze(2)
-                embeds, mask = self._embeds(req.prompt, image)
-                out["prompt_embeds"], out["prompt_embeds_mask"] = embeds, mask
+                cond_image = image[0]
+                out["prompt_embeds"], out["prompt_embeds_mask"] = self._embeds(
+                    req.prompt, cond_image)
                 if cfg:
-                    neg, neg_mask = self._embeds(req.negative_prompt, image)
+                    neg, neg_mask = self._embeds(req.negative_prompt, cond_image)
                     out["negative_prompt_embeds"] = neg
                     out["negative_prompt_embeds_mask"] = neg_mask
-                out["image_latents"] = self._image_latents(pixels.to(self.device, embeds.dtype))
             else:
-                if image_bytes is not None:
-                    raise StageInputError(f"{self.task} takes no input image, but one was given")
-                assert req.max_sequence_length is not None
                 limit = req.max_sequence_length
                 embeds, mask = self._embeds(req.prompt, None)
                 out["prompt_embeds"], out["prompt_embeds_mask"] = embeds[:, :limit], mask[:, :limit]
@@ -203,7 +147,15 @@ class QwenEncoder(EncoderAdapter):
                     neg, neg_mask = self._embeds(req.negative_prompt, None)
                     out["negative_prompt_embeds"] = neg[:, :limit]
                     out["negative_prompt_embeds_mask"] = neg_mask[:, :limit]
-        return {k: v.contiguous() for k, v in out.items()}
+        return out
+
+    def encode_image(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        if not self.edit:
+            return {}
+        pixels = image[1]
+        with torch.no_grad():
+            latents = self._image_latents(pixels.to(self.device, self.text_encoder.dtype))
+        return {"image_latents": latents}
 
     def _embeds(self, prompt: str, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
         text = [self.template.format(prompt)]
@@ -257,6 +209,7 @@ class QwenTransformer(TransformerAdapter):
         from diffusers import QwenImageTransformer2DModel
 
         self.edit = self.spec.needs_image
+        self.text_sees_image = self.edit  # the VL prompt embeds the input image
         self.vae_scale_factor = _vae_scale_factor(self._config("vae"))  # config only
         self.transformer: Any = self._component(
             lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.dtype, self.device),
@@ -294,17 +247,125 @@ class QwenTransformer(TransformerAdapter):
         should_stop: StopCheck | None = None,
     ) -> dict[str, torch.Tensor]:
         from diffusers import QwenImagePipeline
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
-            calculate_shift,
-            retrieve_timesteps,
-        )
         from diffusers.utils.torch_utils import randn_tensor
 
         self._require_loaded()
         check_request_task(req, self.task, self.role)
-        assert req.true_cfg_scale is not None
+        assert req.true_cfg_scale is not None and req.infer_steps is not None
         true_cfg = req.true_cfg_scale
         cfg = true_cfg > 1.0
+        inp = self._inputs(req, tensors, cfg)
+        guidance = self._guidance(req)
+        scheduler = fresh_scheduler(self.scheduler)
+        with torch.no_grad():
+            latents = randn_tensor(
+                (1, 1, inp.channels, inp.lat_h, inp.lat_w),
+                generator=cpu_generator(req.seed),
+                device=self.device,
+                dtype=inp.prompt.dtype,
+            )
+            latents = QwenImagePipeline._pack_latents(
+                latents, 1, inp.channels, inp.lat_h, inp.lat_w
+            )
+            timesteps = self._schedule(scheduler, latents.shape[1], req.infer_steps)
+            total = len(timesteps)
+            for i, t in enumerate(timesteps):
+                self._check_stop(should_stop, i, total)
+                model_input = latents
+                if inp.image_latents is not None:
+                    model_input = torch.cat([latents, inp.image_latents], dim=1)
+                timestep = t.expand(latents.shape[0]).to(latents.dtype)
+                n_tokens = latents.size(1)
+                if cfg and self.cfg_batch:
+                    noise_pred, neg_pred = self._predict_both(
+                        model_input, timestep, inp, guidance, n_tokens
+                    )
+                else:
+                    noise_pred = self._predict(
+                        model_input, timestep, inp.prompt, inp.prompt_mask, "cond", guidance,
+                        inp.img_shapes, n_tokens,
+                    )
+                if cfg:
+                    if not self.cfg_batch:
+                        assert inp.negative is not None
+                        neg_pred = self._predict(
+                            model_input, timestep, inp.negative, inp.negative_mask, "uncond",
+                            guidance, inp.img_shapes, n_tokens,
+                        )
+                    combined = neg_pred + true_cfg * (noise_pred - neg_pred)
+                    # Rescale the guided prediction back to the conditional one's norm.
+                    cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+                    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+                    noise_pred = combined * (cond_norm / combined_norm)
+                latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                if on_step is not None:
+                    on_step(i + 1, total)
+            latents = QwenImagePipeline._unpack_latents(
+                latents, inp.height, inp.width, self.vae_scale_factor
+            ).contiguous()
+        self._synchronize()
+        return {"latents": latents}
+
+    def _predict_both(
+        self,
+        model_input: torch.Tensor,
+        timestep: torch.Tensor,
+        inp: _DitInputs,
+        guidance: torch.Tensor | None,
+        n_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both CFG branches as one batch-2 forward. Prompts of different lengths are padded
+        to the longer one and masked (Qwen's text RoPE and attention honour the mask), which
+        is what diffusers does for a batch of prompts."""
+        assert inp.negative is not None
+        texts = [inp.prompt, inp.negative]
+        masks = [inp.prompt_mask, inp.negative_mask]
+        length = max(t.shape[1] for t in texts)
+        if all(m is None for m in masks) and all(t.shape[1] == length for t in texts):
+            embeds, mask = torch.cat(texts), None
+        else:
+            padded, valid = [], []
+            for text, m in zip(texts, masks, strict=True):
+                pad = length - text.shape[1]
+                padded.append(torch.nn.functional.pad(text, (0, 0, 0, pad)))
+                m = m if m is not None else torch.ones(text.shape[:2], device=text.device,
+                                                       dtype=torch.long)
+                valid.append(torch.nn.functional.pad(m, (0, pad)))
+            embeds, mask = torch.cat(padded), torch.cat(valid)
+        pred = self._predict(
+            torch.cat([model_input, model_input]), timestep.expand(2), embeds, mask, "cond",
+            None if guidance is None else guidance.expand(2), inp.img_shapes * 2, n_tokens,
+        )
+        cond, uncond = pred.chunk(2)
+        return cond, uncond
+
+    def warmup_inputs(self, req: GenerationRequest, variant: int) -> dict[str, torch.Tensor]:
+        """Random encoder outputs for ``req``; variant 1 has a longer text than variant 0, so
+        that a compiled DiT also gets the text length as a dynamic dimension."""
+        dim = self.transformer.config.joint_attention_dim
+        dtype = self.transformer.dtype
+        gen = torch.Generator("cpu").manual_seed(variant)
+        out: dict[str, torch.Tensor] = {}
+        for name, length in (("prompt_embeds", 12 + 7 * variant),
+                             ("negative_prompt_embeds", 5 + 3 * variant)):
+            out[name] = torch.randn((1, length, dim), generator=gen).to(self.device, dtype)
+            out[f"{name}_mask"] = torch.ones((1, length), dtype=torch.long, device=self.device)
+        if self.edit:
+            assert req.height is not None and req.width is not None
+            channels = self.transformer.config.in_channels // 4
+            lat = (1, channels, 1, req.height // self.vae_scale_factor,
+                   req.width // self.vae_scale_factor)
+            out["image_latents"] = torch.randn(lat, generator=gen).to(self.device, dtype)
+        return out
+
+    warmup_variants = 2
+
+    def _inputs(
+        self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor], cfg: bool
+    ) -> _DitInputs:
+        """The stage's inputs on this device, checked, with the output geometry."""
+        from diffusers import QwenImagePipeline
+
         dtype = self.transformer.dtype
 
         def text(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -324,7 +385,6 @@ class QwenTransformer(TransformerAdapter):
 
         vsf = self.vae_scale_factor
         channels = self.transformer.config.in_channels // 4
-        lat_h, lat_w = 2 * (height // (vsf * 2)), 2 * (width // (vsf * 2))
         shapes: list[tuple[int, int, int]] = [(1, height // vsf // 2, width // vsf // 2)]
         if image_latents is not None:
             if image_latents.shape[1] != channels:
@@ -337,93 +397,101 @@ class QwenTransformer(TransformerAdapter):
                 image_latents, 1, channels, cond_h, cond_w
             )
             shapes.append((1, cond_h // 2, cond_w // 2))
-        img_shapes = [shapes]  # one list of (frames, rows, cols) token grids per batch item
+        return _DitInputs(
+            prompt=prompt_embeds,
+            prompt_mask=prompt_mask,
+            negative=negative_embeds,
+            negative_mask=negative_mask,
+            image_latents=image_latents,
+            img_shapes=[shapes],  # one list of (frames, rows, cols) token grids per item
+            height=height,
+            width=width,
+            lat_h=2 * (height // (vsf * 2)),
+            lat_w=2 * (width // (vsf * 2)),
+            channels=channels,
+        )
 
-        guidance = None
+    def _guidance(self, req: GenerationRequest) -> torch.Tensor | None:
+        """The embedded guidance of guidance-distilled checkpoints (None for the others)."""
         if self.transformer.config.guidance_embeds:
             if req.guidance_scale is None:
                 raise InvalidRequestError(
                     f"{self.task}: this checkpoint is guidance-distilled; set guidance_scale"
                 )
             guidance = torch.full([1], req.guidance_scale, device=self.device, dtype=torch.float32)
-            guidance = guidance.expand(1)
-        elif req.guidance_scale is not None:
+            return guidance.expand(1)
+        if req.guidance_scale is not None:
             logger.warning("guidance_scale ignored: this checkpoint is not guidance-distilled")
+        return None
 
-        scheduler = fresh_scheduler(self.scheduler)
-        with torch.no_grad():
-            latents = randn_tensor(
-                (1, 1, channels, lat_h, lat_w),
-                generator=cpu_generator(req.seed),
-                device=self.device,
-                dtype=prompt_embeds.dtype,
+    def _schedule(self, scheduler: Any, seq_len: int, steps: int) -> Any:
+        """The timesteps of a request, with the resolution-dependent shift of the pipeline."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        mu = calculate_shift(
+            seq_len,
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        with np.errstate(divide="ignore", invalid="ignore"):  # checked just below
+            timesteps, _ = retrieve_timesteps(
+                scheduler,
+                steps,
+                self.device,
+                sigmas=sigmas,  # type: ignore[arg-type]  # an ndarray, as the pipeline's
+                mu=mu,
             )
-            latents = QwenImagePipeline._pack_latents(latents, 1, channels, lat_h, lat_w)
-            steps = req.infer_steps
-            assert steps is not None
-            sigmas = np.linspace(1.0, 1 / steps, steps)
-            mu = calculate_shift(
-                latents.shape[1],
-                scheduler.config.get("base_image_seq_len", 256),
-                scheduler.config.get("max_image_seq_len", 4096),
-                scheduler.config.get("base_shift", 0.5),
-                scheduler.config.get("max_shift", 1.15),
-            )
-            with np.errstate(divide="ignore", invalid="ignore"):  # checked just below
-                timesteps, _ = retrieve_timesteps(
-                    scheduler,
-                    steps,
-                    self.device,
-                    sigmas=sigmas,  # type: ignore[arg-type]  # an ndarray, as the pipeline's
-                    mu=mu,
-                )
-            check_schedule(scheduler, steps, self.task)
-            scheduler.set_begin_index(0)
-            total = len(timesteps)
+        check_schedule(scheduler, steps, self.task)
+        scheduler.set_begin_index(0)
+        return timesteps
 
-            def predict(
-                model_input: torch.Tensor,
-                timestep: torch.Tensor,
-                embeds: torch.Tensor,
-                mask: torch.Tensor | None,
-                branch: str,
-            ) -> torch.Tensor:
-                with self.transformer.cache_context(branch):
-                    pred = self.transformer(
-                        hidden_states=model_input,
-                        timestep=timestep / 1000,
-                        guidance=guidance,
-                        encoder_hidden_states_mask=mask,
-                        encoder_hidden_states=embeds,
-                        img_shapes=img_shapes,
-                        attention_kwargs={},
-                        return_dict=False,
-                    )[0]
-                # Edit: the DiT also returns the condition image's tokens; keep the target's.
-                return pred[:, : latents.size(1)] if self.edit else pred
+    def _predict(
+        self,
+        model_input: torch.Tensor,
+        timestep: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        branch: str,
+        guidance: torch.Tensor | None,
+        img_shapes: list[list[tuple[int, int, int]]],
+        n_tokens: int,
+    ) -> torch.Tensor:
+        """One DiT forward of one CFG branch."""
+        with self.transformer.cache_context(branch):
+            pred = self.transformer(
+                hidden_states=model_input,
+                timestep=timestep / 1000,
+                guidance=guidance,
+                encoder_hidden_states_mask=mask,
+                encoder_hidden_states=embeds,
+                img_shapes=img_shapes,
+                attention_kwargs={},
+                return_dict=False,
+            )[0]
+        # Edit: the DiT also returns the condition image's tokens; keep the target's.
+        out: torch.Tensor = pred[:, :n_tokens] if self.edit else pred
+        return out
 
-            for i, t in enumerate(timesteps):
-                self._check_stop(should_stop, i, total)
-                model_input = latents
-                if image_latents is not None:
-                    model_input = torch.cat([latents, image_latents], dim=1)
-                timestep = t.expand(latents.shape[0]).to(latents.dtype)
-                noise_pred = predict(model_input, timestep, prompt_embeds, prompt_mask, "cond")
-                if cfg:
-                    assert negative_embeds is not None
-                    neg_pred = predict(
-                        model_input, timestep, negative_embeds, negative_mask, "uncond"
-                    )
-                    combined = neg_pred + true_cfg * (noise_pred - neg_pred)
-                    # Rescale the guided prediction back to the conditional one's norm.
-                    cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
-                    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
-                    noise_pred = combined * (cond_norm / combined_norm)
-                latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-                if on_step is not None:
-                    on_step(i + 1, total)
-            latents = QwenImagePipeline._unpack_latents(latents, height, width, vsf)
-        return {"latents": latents.contiguous()}
+
+class _DitInputs(NamedTuple):
+    prompt: torch.Tensor
+    prompt_mask: torch.Tensor | None
+    negative: torch.Tensor | None
+    negative_mask: torch.Tensor | None
+    image_latents: torch.Tensor | None
+    """Packed condition-image latents (edit), else None."""
+    img_shapes: list[list[tuple[int, int, int]]]
+    height: int
+    width: int
+    lat_h: int
+    lat_w: int
+    channels: int
 
 
 class QwenDecoder(DecoderAdapter):
@@ -441,9 +509,9 @@ class QwenDecoder(DecoderAdapter):
             vae_scale_factor=2 ** len(self.vae.temperal_downsample) * 2
         )
 
-    def decode_float(
+    def decode_tensor(
         self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
-    ) -> np.ndarray:
+    ) -> torch.Tensor:
         self._require_loaded()
         check_request_task(req, self.task, self.role)
         latents = require_tensor(tensors, "latents", self.role, ndim=5)
@@ -457,15 +525,10 @@ class QwenDecoder(DecoderAdapter):
             mean, std = latent_stats(self.vae.config, latents)
             latents = latents / (1.0 / std) + mean
             image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-            pixels = self.image_processor.postprocess(image, output_type="np")
-        return np.asarray(pixels[0])
+            pixels = self.image_processor.postprocess(image, output_type="pt")
+        # (1, C, H, W) -> (H, W, C), what the "np" output type's conversion does.
+        out: torch.Tensor = pixels[0].permute(1, 2, 0)
+        return out
 
 
-__all__ = [
-    "PromptTemplate",
-    "QwenDecoder",
-    "QwenEditProcessor",
-    "QwenEncoder",
-    "QwenTransformer",
-    "prompt_template",
-]
+__all__ = ["QwenDecoder", "QwenEncoder", "QwenTransformer"]

@@ -25,10 +25,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
-from ._common import (
+from contracts.errors import (
+    InvalidRequestError,
+    ModelLoadError,
+    StageInputError,
+)
+from contracts.request import GenerationRequest
+
+from .attention import apply_attention_backend
+from .base import (
+    DecoderAdapter,
+    EncoderAdapter,
+    StepCallback,
+    StopCheck,
+    TransformerAdapter,
+)
+from .components import (
+    check_request_task,
+    read_model_index,
+    require_tensor,
+)
+from .diffusers_glue import (
     check_schedule,
     cpu_generator,
     fresh_scheduler,
@@ -36,21 +55,6 @@ from ._common import (
     load_diffusers_model,
     load_scheduler,
     load_transformers_model,
-)
-from .attention import apply_attention_backend
-from .base import (
-    DecoderAdapter,
-    EncoderAdapter,
-    GenerationRequest,
-    InvalidRequestError,
-    ModelLoadError,
-    StageInputError,
-    StepCallback,
-    StopCheck,
-    TransformerAdapter,
-    check_request_task,
-    read_model_index,
-    require_tensor,
 )
 from .media import decode_image
 
@@ -94,28 +98,32 @@ class WanEncoder(EncoderAdapter):
                 vae_scale_factor=self.vae.config.scale_factor_spatial
             )
 
-    def encode(
-        self, req: GenerationRequest, image_bytes: bytes | None = None
-    ) -> dict[str, torch.Tensor]:
-        self._require_loaded()
-        check_request_task(req, self.task, self.role)
+    def load_image(self, req: GenerationRequest, image_bytes: bytes | None) -> Any:
         if self.spec.needs_image:
-            image = decode_image(image_bytes, self.task)
-        elif image_bytes is not None:
-            raise StageInputError(f"{self.task} takes no input image, but one was given")
+            return decode_image(image_bytes, self.task)
+        return super().load_image(req, image_bytes)
 
+    def guidance_on(self, req: GenerationRequest) -> bool:
+        assert req.guidance_scale is not None
+        return req.guidance_scale > 1.0
+
+    def encode_text(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
+        assert req.max_sequence_length is not None
         with torch.no_grad():
-            assert req.max_sequence_length is not None and req.guidance_scale is not None
             out["prompt_embeds"] = self._text_embeds(req.prompt, req.max_sequence_length)
-            if req.guidance_scale > 1.0:
+            if self.guidance_on(req):
                 out["negative_prompt_embeds"] = self._text_embeds(
                     req.negative_prompt or "", req.max_sequence_length
                 )
-            if self.spec.needs_image:
-                out["image_embeds"] = self._image_embeds(image)
-                out["condition"] = self._condition(image, req)
-        return {k: v.contiguous() for k, v in out.items()}
+        return out
+
+    def encode_image(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        if not self.spec.needs_image:
+            return {}
+        with torch.no_grad():
+            return {"image_embeds": self._image_embeds(image),
+                    "condition": self._condition(image, req)}
 
     def _text_embeds(self, text: str, max_len: int) -> torch.Tensor:
         if self.spec.needs_image:
@@ -291,32 +299,78 @@ class WanTransformer(TransformerAdapter):
                         "sigma": float(scheduler.sigmas[i]),
                         "num_inference_steps": total,
                     }
-                timestep = t.expand(latents.shape[0])
                 extra = {"encoder_hidden_states_image": image_embeds} if i2v else {}
-                with self.transformer.cache_context("cond", **cache_kwargs):
-                    noise_pred = self.transformer(
-                        hidden_states=model_input,
-                        timestep=timestep,
-                        encoder_hidden_states=prompt_embeds,
-                        attention_kwargs=None,
-                        return_dict=False,
-                        **extra,
-                    )[0]
-                if cfg:
-                    with self.transformer.cache_context("uncond", **cache_kwargs):
-                        noise_uncond = self.transformer(
-                            hidden_states=model_input,
-                            timestep=timestep,
-                            encoder_hidden_states=negative_embeds,
-                            attention_kwargs=None,
-                            return_dict=False,
-                            **extra,
-                        )[0]
+                if cfg and self.cfg_batch:
+                    assert negative_embeds is not None
+                    noise_pred, noise_uncond = self._forward(
+                        torch.cat([model_input, model_input]),
+                        t.expand(2),
+                        torch.cat([prompt_embeds, negative_embeds]),
+                        {k: torch.cat([v, v]) for k, v in extra.items() if v is not None},
+                        "cond",
+                        cache_kwargs,
+                    ).chunk(2)
                     noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
+                else:
+                    timestep = t.expand(latents.shape[0])
+                    noise_pred = self._forward(
+                        model_input, timestep, prompt_embeds, extra, "cond", cache_kwargs
+                    )
+                    if cfg:
+                        assert negative_embeds is not None
+                        noise_uncond = self._forward(
+                            model_input, timestep, negative_embeds, extra, "uncond",
+                            cache_kwargs,
+                        )
+                        noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
                 latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
                 if on_step is not None:
                     on_step(i + 1, total)
-        return {"latents": latents.contiguous()}
+            latents = latents.contiguous()
+        self._synchronize()
+        return {"latents": latents}
+
+    def _forward(
+        self,
+        model_input: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor,
+        extra: Mapping[str, torch.Tensor | None],
+        branch: str,
+        cache_kwargs: Mapping[str, Any],
+    ) -> torch.Tensor:
+        """One DiT forward (one CFG branch, or both as a batch of two)."""
+        with self.transformer.cache_context(branch, **cache_kwargs):
+            out: torch.Tensor = self.transformer(
+                hidden_states=model_input,
+                timestep=timestep,
+                encoder_hidden_states=text,
+                attention_kwargs=None,
+                return_dict=False,
+                **extra,
+            )[0]
+        return out
+
+    def warmup_inputs(self, req: GenerationRequest, variant: int) -> dict[str, torch.Tensor]:
+        """Random conditioning of the shapes the encoder produces for ``req``."""
+        config = self.transformer.config
+        dtype = self.transformer.dtype
+        assert req.max_sequence_length is not None
+        gen = torch.Generator("cpu").manual_seed(variant)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen).to(self.device, dtype)
+
+        text = (1, req.max_sequence_length, config.text_dim)
+        out = {"prompt_embeds": rand(*text), "negative_prompt_embeds": rand(*text)}
+        if self.spec.needs_image:
+            frames, lat_h, lat_w = self._check_geometry(req)
+            # CLIP ViT-H/14 at 224 px: 256 patches + the class token.
+            out["image_embeds"] = rand(1, 257, config.image_dim)
+            out["condition"] = torch.randn(
+                (1, self.temporal + self.z_dim, frames, lat_h, lat_w), generator=gen
+            ).to(self.device)
+        return out
 
 
 class WanDecoder(DecoderAdapter):
@@ -331,9 +385,9 @@ class WanDecoder(DecoderAdapter):
         )
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
 
-    def decode_float(
+    def decode_tensor(
         self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
-    ) -> np.ndarray:
+    ) -> torch.Tensor:
         self._require_loaded()
         check_request_task(req, self.task, self.role)
         latents = require_tensor(tensors, "latents", self.role, ndim=5)
@@ -347,5 +401,7 @@ class WanDecoder(DecoderAdapter):
             mean, std = latent_stats(self.vae.config, latents)
             latents = latents / (1.0 / std) + mean
             video = self.vae.decode(latents, return_dict=False)[0]
-            frames = self.video_processor.postprocess_video(video, output_type="np")
-        return np.asarray(frames[0])
+            frames = self.video_processor.postprocess_video(video, output_type="pt")
+        # (1, F, C, H, W) -> (F, H, W, C), what the "np" output type's conversion does.
+        pixels: torch.Tensor = frames[0].permute(0, 2, 3, 1)
+        return pixels

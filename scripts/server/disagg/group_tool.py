@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rings.config import DisaggConfig, ServiceConfig  # noqa: E402
-from rings.errors import ConfigError  # noqa: E402
+from contracts.config import DisaggConfig, ServiceConfig  # noqa: E402
+from contracts.errors import ConfigError  # noqa: E402
 
 ROLES = ("controller", "encoder", "transformer", "decoder")
 WORKER_ROLES = ROLES[1:]
@@ -169,7 +169,7 @@ def prepare(
 
 
 def check_group(group: str, files: dict[str, Path], loaded: dict[str, ServiceConfig]) -> None:
-    """The four files must describe one group: same pipeline, same rings, same results."""
+    """The four files must describe one group: same pipeline, same rings, no port clash."""
     ctl = loaded["controller"]
     for role, cfg in loaded.items():
         where = files[role]
@@ -184,18 +184,20 @@ def check_group(group: str, files: dict[str, Path], loaded: dict[str, ServiceCon
                 f"{where}: disagg_config differs from {files['controller']}; every service "
                 "of a group must agree on the control and ring ports, hosts and layout"
             )
-    ctl_out = Path(ctl.output_dir).resolve()
-    dec_out = Path(loaded["decoder"].output_dir).resolve()
-    if ctl_out != dec_out:
-        raise GroupError(
-            f"output_dir differs: controller {ctl_out}, decoder {dec_out}; the controller "
-            "serves the files the decoder writes, so they must be the same folder"
-        )
-    seen: dict[int, str] = {}
-    for what, _host, port in Prepared({}, loaded).ports():
-        if port in seen:
-            raise GroupError(f"port {port} is used twice: {seen[port]} and {what}")
-        seen[port] = what
+    # The controller stores what the decoder sends it over the control channel, so their
+    # output_dir may differ (they do when they run on different hosts). Two services may
+    # share a port number only on different addresses (each binds its own).
+    seen: dict[tuple[str, int], str] = {}
+    for what, host, port in Prepared({}, loaded).ports():
+        clash = [k for k in seen if k[1] == port and _overlap(k[0], host)]
+        if clash:
+            raise GroupError(f"port {port} is used twice: {seen[clash[0]]} and {what}")
+        seen[(host, port)] = what
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether binds on addresses ``a`` and ``b`` (same port) would collide."""
+    return a == b or a in ("", "0.0.0.0", "::") or b in ("", "0.0.0.0", "::")
 
 
 def shell_assignments(prep: Prepared) -> str:
@@ -277,7 +279,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
     start = time.monotonic()
     deadline = start + args.timeout
     metrics_deadline: float | None = None
-    client = httpx.Client(timeout=2.0, trust_env=False)
+    # The readiness check reads /v1/service/status, which is behind the API key if any.
+    key = os.environ.get("DIFFRING_API_KEY")
+    client = httpx.Client(timeout=2.0, trust_env=False,
+                          headers={"Authorization": f"Bearer {key}"} if key else {})
 
     def mark(key: str, msg: str) -> None:
         if key not in done:

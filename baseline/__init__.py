@@ -1,0 +1,221 @@
+"""The one-process baseline (``--service all``): the controller's coordinator and front door
+with all three model stages run in this process (no rings, no Mooncake). The reference for
+fidelity and the baseline of the benchmarks.
+
+This is the one module that imports both :mod:`controller` and :mod:`workers`: the baseline
+is composed here, at the entry point, so neither of them knows the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from contracts.config import ServiceConfig
+from contracts.errors import (
+    ConfigError,
+    DiffringError,
+    InvalidRequestError,
+    StageCancelled,
+    StageInputError,
+)
+from contracts.messages import Fault
+from contracts.request import GenerationRequest
+from contracts.roles import Role
+from controller.app import LocalQueue, retention_loop, serve_http, start_metrics
+from controller.coordinator import Coordinator, WorkerInfo
+from controller.frontdoor import FrontDoor
+from controller.main import run_async
+from rings.ports import bind_socket
+from workers.metrics import WorkerMetrics
+from workers.models import LocalPipeline
+from workers.roles import video_settings
+
+log = logging.getLogger("diffring.baseline")
+T = TypeVar("T")
+
+
+class BaselineWorker:
+    """Runs whole requests in this process, reporting the same lifecycle as the workers."""
+
+    def __init__(
+        self, cfg: ServiceConfig, co: Coordinator, jobs: LocalQueue, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        if not cfg.model_path:
+            raise ConfigError("--service all needs model_path (config) or --model_path")
+        self.cfg = cfg
+        self.pipeline = LocalPipeline(
+            cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend,
+            compile=cfg.compile, cfg_batch=cfg.cfg_batch, video=video_settings(cfg),
+            prompt_cache_bytes=cfg.prompt_cache_mb << 20,
+        )
+        # The workers' stage-time histogram, so that benchmarks read both modes alike.
+        self.metrics = WorkerMetrics(Role.DECODER.value)
+        self.co = co
+        self.jobs = jobs
+        self.loop = loop
+        self.stopping = threading.Event()
+        self.roles: dict[Role, WorkerInfo] = {}
+        self.thread = threading.Thread(target=self._run, name="baseline", daemon=True)
+
+    def on_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # hand every failure back to the worker thread
+                fut.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(call)
+        return fut.result()
+
+    def load(self) -> None:
+        if self.cfg.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.cfg.torch_threads)
+        self.pipeline.load()
+        if self.cfg.warmup_shapes:
+            seconds = self.pipeline.transformer.warm_up(self.cfg.warmup_shapes)
+            log.info("baseline: warm-up of %s took %.1f s (compile=%s)",
+                     ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
+
+    def start(self) -> None:
+        self.load()
+        for role in Role:
+            self.roles[role] = self.co.on_register(role, f"all/{role}", 0, self.co.pipeline, "")
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=600)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._one(job)
+            except Exception:
+                log.exception("baseline: task %s crashed", job.get("task_id"))
+
+    def _one(self, job: dict[str, Any]) -> None:
+        tid, attempt = str(job["task_id"]), int(job["attempt"])
+        enc, dit, dec = (self.roles[r] for r in (Role.ENCODER, Role.TRANSFORMER, Role.DECODER))
+        ok, _ = self.on_loop(self.co.on_claim, enc, tid, attempt)
+        if not ok:
+            return
+        task = self.co.table.get(tid)
+        image = task.image_bytes if task is not None else None
+        req = GenerationRequest.from_dict(job["request"])
+        stop = threading.Event()
+
+        def on_step(k: int, n: int) -> None:
+            if self.on_loop(self.co.on_progress, dit, tid, attempt, k, n):
+                stop.set()
+
+        def timed(role: Role, step: str = "compute") -> Any:
+            return self.metrics.timed(role.value, step)
+
+        try:
+            with timed(Role.ENCODER):
+                cond = self.pipeline.encoder.encode(req, image)
+            self.on_loop(self.co.on_handoff, enc, tid, attempt)
+            if not self.on_loop(self.co.on_claim, dit, tid, attempt)[0]:
+                return
+            with timed(Role.TRANSFORMER):
+                lat = self.pipeline.transformer.denoise(req, cond, on_step, stop.is_set)
+            self.on_loop(self.co.on_handoff, dit, tid, attempt)
+            if not self.on_loop(self.co.on_claim, dec, tid, attempt)[0]:
+                return
+            with timed(Role.DECODER):
+                pixels = self.pipeline.decoder.decode_pixels(req, lat)
+            with timed(Role.DECODER, "encode_media"):
+                art = self.pipeline.decoder.encode_media(req, pixels)
+            # on_complete is a coroutine (the result file is written off the loop).
+            asyncio.run_coroutine_threadsafe(
+                self.co.on_complete(dec, tid, attempt, art.extension, art.media_type, art.data),
+                self.loop,
+            ).result()
+        except StageCancelled as exc:
+            self.on_loop(self.co.on_fail, dit, tid, attempt, str(exc), "cancelled", False)
+        except Exception as exc:
+            holder = next(
+                (w for w in (enc, dit, dec) if task is not None and task.worker_id == w.worker_id),
+                dec,
+            )
+            self.on_loop(
+                self.co.on_fail,
+                holder,
+                tid,
+                attempt,
+                f"{type(exc).__name__}: {exc}",
+                type(exc).__name__,
+                False,
+                Fault.INPUT if isinstance(exc, InvalidRequestError | StageInputError)
+                else Fault.TASK,
+            )
+
+
+async def run_all_async(
+    cfg: ServiceConfig, token: str, env: Mapping[str, str], stop: asyncio.Event
+) -> None:
+    output_dir = Path(cfg.output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
+    jobs = LocalQueue(cfg.disagg_config.rdma_buffer_slots, cfg.disagg_config.rdma_buffer_slot_size)
+    co = Coordinator(
+        pipeline=cfg.pipeline,
+        request_ring=jobs,  # type: ignore[arg-type]
+        output_dir=output_dir,
+        lease_timeout_s=cfg.lease_timeout_s,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
+        max_pending=cfg.max_pending_tasks,
+        journal=output_dir / ".journal",
+        max_task_failures=cfg.max_task_failures,
+        poison_worker_deaths=cfg.poison_worker_deaths,
+        retention_s=cfg.task_retention_s,
+        delete_results=cfg.delete_results_after_retention,
+    )
+    co.restore()
+    worker = BaselineWorker(cfg, co, jobs, asyncio.get_running_loop())
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, worker.load)
+    except DiffringError:
+        http_sock.close()
+        co.close()
+        raise
+    worker.start()
+    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
+    metrics_server = start_metrics(
+        cfg, co, front, lambda: {}, None, collectors=[worker.metrics.stage_seconds]
+    )
+    retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
+    log.info(
+        "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
+    )
+    try:
+        await serve_http(front.app, http_sock, stop, on_stop=front.close)
+    finally:
+        log.info("baseline shutting down")
+        retention.cancel()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, worker.close)
+        http_sock.close()
+        front.close()
+        co.close()
+
+
+def run_all(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
+    """Entry point of ``--service all``."""
+    return run_async(lambda stop: run_all_async(cfg, token, env, stop))

@@ -1,0 +1,13 @@
+"""What both sides of the wire agree on: the controller and the workers import this, never
+each other.
+
+- :mod:`contracts.errors` — the one exception tree (root and ring part from ``rings``).
+- :mod:`contracts.pipelines` — the pipeline table and the settings lists (dtypes, backends).
+- :mod:`contracts.request` — the task schema, :class:`~contracts.request.GenerationRequest`.
+- :mod:`contracts.roles` — the :class:`~contracts.roles.Role` enum and each role's rings.
+- :mod:`contracts.messages` — ring payload kinds and control-channel operations.
+- :mod:`contracts.config` — a service's configuration file.
+- :mod:`contracts.metrics` — the metrics endpoint and gauge helpers.
+
+May import ``rings``; imports no model library (no torch, diffusers or transformers).
+"""

@@ -1,0 +1,256 @@
+"""A service's whole configuration file: role, model, device, Mooncake, front door, and the
+metadata-plane section (:class:`rings.config.DisaggConfig`, LightX2V's ``disagg_config``).
+
+Frozen dataclasses with a docstring per field, validated in ``__post_init__``; unknown keys
+are an error that names them (:func:`rings.config.from_mapping`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from contracts import faults
+from contracts.errors import ConfigError
+from contracts.pipelines import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    MODEL_TASKS,
+    VIDEO_CODECS,
+    X264_PRESETS,
+    check_device,
+    parse_shape,
+    pipeline_name,
+)
+from rings.config import DEFAULT_TOKEN, RING_NAMES, DisaggConfig, from_mapping
+
+__all__ = [
+    "DEFAULT_TOKEN",
+    "RING_NAMES",
+    "DisaggConfig",
+    "ServerConfig",
+    "ServiceConfig",
+]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The controller's HTTP front door and every service's metrics endpoint."""
+
+    host: str = "127.0.0.1"
+    """Address the front door binds to (never silently 0.0.0.0)."""
+    port: int = 8000
+    """Front-door port."""
+    metric_port: int | None = None
+    """Prometheus metrics port of this service; None disables the metrics endpoint."""
+    api_key: str | None = None
+    """Front-door API key: when set, every request but ``GET /health`` (and the API docs)
+    must carry ``Authorization: Bearer <key>`` or gets 401. ``DIFFRING_API_KEY`` wins."""
+    max_image_pixels: int = 40_000_000
+    """Largest input image (width x height) the front door accepts; larger ones get 413
+    before they are decoded (decompression-bomb guard)."""
+    max_image_bytes: int = 32 << 20
+    """Largest input image file (after base64 decoding) the front door accepts (413)."""
+
+    def __post_init__(self) -> None:
+        for p in (self.port, self.metric_port):
+            if p is not None and not 0 <= p <= 65535:
+                raise ConfigError(f"port {p} is out of range")
+        if self.api_key is not None and (
+            len(self.api_key) < 16 or not self.api_key.isascii() or not self.api_key.isprintable()
+            or " " in self.api_key
+        ):
+            raise ConfigError(
+                "server.api_key must be at least 16 printable ASCII characters without spaces "
+                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+        if self.max_image_pixels <= 0 or self.max_image_bytes <= 0:
+            raise ConfigError("server.max_image_pixels and max_image_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """One service's whole configuration file (controller, a worker, or ``all``)."""
+
+    disagg_mode: str | None = None
+    """Role this file is for (LightX2V naming); --service on the command line wins."""
+    model_cls: str = "wan2.1"
+    """Model family: 'wan2.1', 'qwen_image' or 'synthetic' (timed stages, no model)."""
+    task: str = "t2v"
+    """Task: 't2v' / 'i2v' for wan2.1, 't2i' / 'i2i' for qwen_image, 't2i' for synthetic."""
+    model_path: str | None = None
+    """Local diffusers-format model folder (workers and ``all``)."""
+    device: str = "cpu"
+    """Torch device of a worker's model stage: 'cpu' or 'cuda:N'."""
+    dtype: str = "float32"
+    """Model dtype: 'float32' or 'bfloat16'."""
+    attention_backend: str = "sdpa"
+    """DiT attention backend: 'sdpa', 'sdpa_cudnn', 'sdpa_flash', 'flash_attn' or
+    'sage_attn'."""
+    compile: bool = False
+    """Transformer stage: torch.compile the DiT's repeated blocks at start. Needs
+    ``warmup_shapes``: the worker compiles them before it registers (ready = compiled)."""
+    cfg_batch: bool = False
+    """Transformer stage: run the two classifier-free-guidance branches as one batch-2
+    forward instead of two batch-1 forwards."""
+    warmup_shapes: tuple[str, ...] = ()
+    """Transformer stage: geometries ("HxW" for images, "HxWxF" for videos) run through a
+    short denoising loop on synthetic inputs at start, before the worker registers."""
+    video_codec: str = "auto"
+    """MP4 encoder: 'libx264', 'h264_nvenc', or 'auto' (NVENC when it opens, else libx264)."""
+    video_preset: str = "veryfast"
+    """libx264 preset, 'ultrafast' .. 'veryslow' (NVENC: the preset of similar rank)."""
+    video_crf: int = 18
+    """libx264 constant rate factor, 0 (lossless) .. 51 (NVENC: its constant quality)."""
+    video_threads: int = 0
+    """libx264 threads; 0 = one per core."""
+    encode_queue: int = 2
+    """Decoder: results being encoded and written in the background at most; the decoder
+    claims its next task meanwhile and reports each completion after its file is written.
+    0 = encode in the foreground."""
+    torch_threads: int | None = None
+    """CPU threads torch may use in this process (None: torch's default). Many CPU workers
+    sharing few cores want 1."""
+    output_dir: str = "out/results"
+    """Folder results are written to (decoder, ``all``); the controller serves them."""
+    mooncake_config_path: str | None = None
+    """Mooncake config JSON (MOONCAKE_CONFIG_PATH from the environment otherwise)."""
+    staging_pool_mb: int = 512
+    """Size of a worker's registered staging pool in MiB (bounded: full means backpressure)."""
+    prompt_cache_mb: int = 256
+    """Encoder: bytes of text embeddings (MiB) kept for repeated prompts, least recently used
+    first out, on the encoder's device; 0 turns the cache off."""
+    heartbeat_interval_s: float = 1.0
+    """How often a worker renews its leases with the controller (an idle worker, holding
+    nothing, heartbeats every min(5, lease_timeout_s / 3) s, never more often than this)."""
+    lease_timeout_s: float = 15.0
+    """A task whose worker missed heartbeats this long goes back in play."""
+    reconnect_timeout_s: float = 300.0
+    """How long a worker waits for its controller to come (back) up before giving up."""
+    drain_timeout_s: float = 600.0
+    """A draining worker (SIGTERM) finishes its task, then waits up to this long for the next
+    stage to pull the outputs it staged (they live only in its pool) before it exits."""
+    max_pending_tasks: int = 256
+    """Front door: tasks accepted but not finished before new ones get 429."""
+    max_task_failures: int = 3
+    """Controller: failures a task itself causes (its stage raises, its tensors keep failing
+    their checksum, a transfer fails while its producer lives) before it is failed. Lost
+    workers, expired leases, controller restarts and dead producers never count."""
+    poison_worker_deaths: int = 3
+    """Controller: consecutive attempts of one task that each lose the worker holding it
+    before the task is quarantined as poison (failed, error_type ``poison``)."""
+    faults: str | None = None
+    """Fault points to arm in this process (tests and chaos runs only; syntax in
+    contracts/faults.py, e.g. ``worker.after_pop:exit``); DIFFRING_FAULTS wins."""
+    task_retention_s: float = 86400.0
+    """How long a finished task (completed, failed, cancelled) stays in the controller's task
+    store: its status and result are served until then, then it is forgotten."""
+    delete_results_after_retention: bool = False
+    """Also delete a forgotten task's result file (default: result files stay)."""
+    disagg_config: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)
+    """Rings and control channel (LightX2V's field names)."""
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    """HTTP front door and metrics."""
+
+    def __post_init__(self) -> None:
+        if self.model_cls not in MODEL_TASKS:
+            raise ConfigError(
+                f"model_cls must be one of {sorted(MODEL_TASKS)}, got {self.model_cls!r}"
+            )
+        if self.task not in MODEL_TASKS[self.model_cls]:
+            raise ConfigError(
+                f"task {self.task!r} is not served by model_cls {self.model_cls!r} "
+                f"(choose {' or '.join(MODEL_TASKS[self.model_cls])})"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if not check_device(self.device):
+            raise ConfigError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
+        for shape in self.warmup_shapes:
+            try:
+                parse_shape(shape)
+            except ValueError as exc:
+                raise ConfigError(f"warmup_shapes: {exc}") from None
+        if self.compile and not self.warmup_shapes:
+            raise ConfigError(
+                "compile needs warmup_shapes (the request geometries to compile for, e.g. "
+                '["480x832x81"]), or the first requests would wait for the compiler'
+            )
+        if self.video_codec not in VIDEO_CODECS:
+            raise ConfigError(
+                f"video_codec must be one of {', '.join(VIDEO_CODECS)}, got {self.video_codec!r}"
+            )
+        if self.video_preset not in X264_PRESETS:
+            raise ConfigError(
+                f"video_preset must be one of {', '.join(X264_PRESETS)}, got "
+                f"{self.video_preset!r}"
+            )
+        if not 0 <= self.video_crf <= 51:
+            raise ConfigError(f"video_crf must be within 0..51, got {self.video_crf}")
+        if self.video_threads < 0 or self.encode_queue < 0:
+            raise ConfigError("video_threads and encode_queue must be >= 0")
+        if self.drain_timeout_s < 0:
+            raise ConfigError("drain_timeout_s must not be negative")
+        if self.prompt_cache_mb < 0:
+            raise ConfigError("prompt_cache_mb must be 0 (off) or a positive number of MiB")
+        if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
+            raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
+        if self.max_task_failures < 1 or self.poison_worker_deaths < 1:
+            raise ConfigError("max_task_failures and poison_worker_deaths must be at least 1")
+        faults.parse(self.faults)  # a bad spec is a ConfigError naming the entry
+        if not self.task_retention_s > 0:
+            raise ConfigError(
+                f"task_retention_s must be positive (seconds), got {self.task_retention_s}"
+            )
+
+    def addresses(self, service: str) -> dict[str, str]:
+        """The addresses ``service`` binds, advertises or joins, by config key (what the
+        development-token check looks at; see :func:`rings.config.require_token`)."""
+        d = self.disagg_config
+        out: dict[str, str] = {}
+        if service != "all":  # the baseline has no rings and no control channel
+            out["disagg_config.bootstrap_addr"] = d.bootstrap_addr
+            for ring in RING_NAMES:
+                out[f"disagg_config.rdma_{ring}_host"] = d.ring_address(ring)[0]
+        if service in ("controller", "all") or self.server.metric_port is not None:
+            out["server.host"] = self.server.host
+        return out
+
+    @property
+    def pipeline(self) -> str:
+        """Short pipeline name: wan_t2v, wan_i2v, qwen_t2i or qwen_i2i."""
+        return pipeline_name(self.model_cls, self.task)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServiceConfig:
+        data = dict(data)
+        disagg = DisaggConfig.from_dict(data.pop("disagg_config", None))
+        server = from_mapping(ServerConfig, data.pop("server", None), "server")
+        base = from_mapping(cls, data, "config")
+        return dataclasses.replace(base, disagg_config=disagg, server=server)
+
+    @classmethod
+    def load(cls, path: str | None) -> ServiceConfig:
+        """Read a JSON config file (None: all defaults)."""
+        if path is None:
+            return cls()
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a JSON object")
+        return cls.from_dict(data)

@@ -1,0 +1,206 @@
+"""Named fault points: kill or fail a process at an exact step, on demand.
+
+A fault that cannot be reproduced is not fixed, so the code paths where a process can die or
+fail with a task in flight carry a named *fault point* (:data:`POINTS`). Each is a call
+
+    faults.hit("worker.after_pop")
+
+that costs one global bool test while no fault is armed (the default: :data:`ON` is False and
+``hit`` returns at once). A process arms faults once, at its entry point, from the
+``DIFFRING_FAULTS`` environment variable or the ``faults`` config key (``run_service.py``
+calls :func:`configure`); nothing below the entry point reads the environment.
+
+Spec: comma-separated entries ``point:action[:when]``::
+
+    DIFFRING_FAULTS=worker.after_pop:exit
+    DIFFRING_FAULTS=transfer.read:raise:every=20,control.drop:raise:nth=3
+
+actions
+    ``exit``      SIGKILL this process at once (no cleanup, no goodbye: a crash)
+    ``raise``     raise the error the call site names (the project error that step would
+                  raise for real: a failed Mooncake read raises ``TransferFailed``, a dropped
+                  control connection ``ConnectionLost``, a stage ``StageError``; elsewhere
+                  :class:`~contracts.errors.FaultInjected`)
+    ``hang``      stop at the point for good (a wedged process: heartbeats of other threads
+                  go on; SIGKILL ends it)
+    ``sleep=S``   pause S seconds, then go on
+
+when (default: every hit)
+    ``once``      the first hit only (same as ``nth=1``)
+    ``nth=K``     the K-th hit only
+    ``every=K``   every K-th hit
+    ``p=F``       each hit with probability F
+
+Every firing is logged (``fault point ... fired``) before it acts, and counted
+(:func:`fired`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from contracts.errors import ConfigError, FaultInjected
+
+log = logging.getLogger("diffring.faults")
+
+POINTS: Final[dict[str, str]] = {
+    "worker.after_pop": "a worker took an item from its input ring (the slot is freed) and has "
+    "not sent its claim yet: no lease exists",
+    "worker.after_claim": "the controller granted the claim (the lease runs); nothing fetched",
+    "worker.stage": "the role's model stage is about to run (raise: StageError, a failure the "
+    "task causes)",
+    "worker.before_publish": "the stage computed its outputs; nothing staged or published yet",
+    "worker.after_publish": "the outputs are in the next ring (decoder: the result file is "
+    "written); the handoff / completion message is not sent yet",
+    "transfer.pull": "during a Mooncake pull: a tensor arrived, the producer is not released",
+    "transfer.read": "a Mooncake read (raise: TransferFailed, as a failed read)",
+    "decoder.result_write": "the decoder wrote the result's temporary file, not yet renamed",
+    "control.drop": "a control-channel call (raise: the connection drops before the request "
+    "is sent: ConnectionLost)",
+}
+"""Every fault point compiled into the code, with where exactly it sits."""
+
+ACTIONS: Final = ("exit", "raise", "hang", "sleep")
+
+ON = False
+"""True once :func:`configure` armed at least one fault: the only cost of a disarmed point."""
+
+
+@dataclass
+class Fault:
+    """One armed fault point."""
+
+    point: str
+    action: str
+    seconds: float = 0.0
+    nth: int | None = None
+    every: int | None = None
+    probability: float | None = None
+    hits: int = 0
+    fired: int = 0
+
+    def due(self, rng: random.Random) -> bool:
+        self.hits += 1
+        if self.nth is not None:
+            return self.hits == self.nth
+        if self.every is not None:
+            return self.hits % self.every == 0
+        if self.probability is not None:
+            return rng.random() < self.probability
+        return True
+
+
+_armed: dict[str, Fault] = {}
+_lock = threading.Lock()
+_rng = random.Random()
+
+
+def parse(spec: str | None) -> dict[str, Fault]:
+    """Parse a fault spec; a ConfigError names the bad entry and what is allowed."""
+    out: dict[str, Fault] = {}
+    for entry in (spec or "").split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        parts = entry.split(":")
+        if len(parts) not in (2, 3):
+            raise ConfigError(
+                f"fault {entry!r}: expected point:action[:when], e.g. worker.after_pop:exit"
+            )
+        point, action = parts[0], parts[1]
+        if point not in POINTS:
+            raise ConfigError(
+                f"fault {entry!r}: unknown fault point {point!r} (known: {', '.join(POINTS)})"
+            )
+        fault = Fault(point, action)
+        if action.startswith("sleep="):
+            fault.action, fault.seconds = "sleep", _number(entry, action[6:], float, 0)
+        elif action not in ACTIONS or action == "sleep":
+            raise ConfigError(
+                f"fault {entry!r}: unknown action {action!r} (exit, raise, hang, sleep=S)"
+            )
+        if len(parts) == 3:
+            when = parts[2]
+            if when == "once":
+                fault.nth = 1
+            elif when.startswith("nth="):
+                fault.nth = int(_number(entry, when[4:], int, 1))
+            elif when.startswith("every="):
+                fault.every = int(_number(entry, when[6:], int, 1))
+            elif when.startswith("p="):
+                fault.probability = _number(entry, when[2:], float, 0)
+                if fault.probability > 1:
+                    raise ConfigError(f"fault {entry!r}: p must be in 0..1")
+            else:
+                raise ConfigError(
+                    f"fault {entry!r}: unknown condition {when!r} (once, nth=K, every=K, p=F)"
+                )
+        if point in out:
+            raise ConfigError(f"fault point {point!r} is armed twice")
+        out[point] = fault
+    return out
+
+
+def _number(entry: str, text: str, kind: type[int] | type[float], least: float) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(f"fault {entry!r}: {text!r} is not a number") from None
+    if value < least:
+        raise ConfigError(f"fault {entry!r}: {text!r} must be at least {least:g}")
+    return value
+
+
+def configure(spec: str | None) -> None:
+    """Arm the faults of ``spec`` in this process (replacing any armed before)."""
+    global ON
+    parsed = parse(spec)
+    with _lock:
+        _armed.clear()
+        _armed.update(parsed)
+        ON = bool(parsed)
+    for fault in parsed.values():
+        log.warning("fault point %s armed: %s", fault.point, fault.action)
+
+
+def fired() -> dict[str, int]:
+    """How often each armed point fired in this process."""
+    with _lock:
+        return {name: f.fired for name, f in _armed.items()}
+
+
+def hit(point: str, error: Callable[[str], BaseException] = FaultInjected) -> None:
+    """Pass fault point ``point``; act if it is armed and due. ``error`` builds the exception
+    that ``raise`` throws (the one the real failure at this step would be)."""
+    if not ON:
+        return
+    with _lock:
+        fault = _armed.get(point)
+        if fault is None or not fault.due(_rng):
+            return
+        fault.fired += 1
+        n = fault.hits
+    message = f"fault point {point} fired (action {fault.action}, hit {n})"
+    log.warning("%s", message)
+    if fault.action == "exit":
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # SIGKILL is delivered before this returns
+    elif fault.action == "raise":
+        raise error(message)
+    elif fault.action == "hang":
+        while True:
+            time.sleep(3600)
+    elif fault.action == "sleep":
+        time.sleep(fault.seconds)

@@ -1,0 +1,164 @@
+"""The pipeline table: every pipeline diffring serves, and the settings lists that go with it.
+
+One row per pipeline (:class:`TaskSpec`), used everywhere a pipeline is named: the service
+configuration (``model_cls`` + ``task`` -> pipeline), the request schema (defaults, sizes),
+the front door (image or video, input image or not), the group launcher and the request
+scripts. Nothing here imports a model library.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from contracts.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Static facts about a pipeline that hold for every checkpoint of its family."""
+
+    name: str
+    """Pipeline name: ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i`` or ``synthetic``."""
+    family: Literal["wan", "qwen", "synthetic"]
+    model_cls: str
+    """LightX2V's ``model_cls`` of the family (config files name pipelines this way)."""
+    task: str
+    """LightX2V's ``task`` within the family (``t2v``, ``i2v``, ``t2i``, ``i2i``)."""
+    output: Literal["video", "image"]
+    needs_image: bool
+    size_multiple: int
+    """Height and width must be multiples of this (VAE spatial factor x DiT patch size)."""
+    temporal_multiple: int
+    """Video frame counts must be ``temporal_multiple * k + 1`` (VAE temporal factor)."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Request defaults for the fields a request leaves unset."""
+
+
+# Defaults follow the published checkpoints and diffusers' own pipeline defaults; the tiny
+# test models are driven with small explicit sizes and step counts instead.
+# Wan2.1 T2V and I2V share their request defaults (I2V checkpoints are also run at 480p, 81
+# frames, 512 text tokens).
+_WAN_DEFAULTS: Mapping[str, Any] = {
+    "negative_prompt": "",
+    "infer_steps": 50,
+    "height": 480,
+    "width": 832,
+    "num_frames": 81,
+    "fps": 16,
+    "guidance_scale": 5.0,
+    "true_cfg_scale": None,
+    "max_sequence_length": 512,
+}
+_QWEN_DEFAULTS: Mapping[str, Any] = {
+    # Qwen-Image runs true CFG against a blank negative prompt by default.
+    "negative_prompt": " ",
+    "infer_steps": 50,
+    "height": 1328,
+    "width": 1328,
+    "num_frames": 1,
+    "fps": None,
+    "guidance_scale": None,
+    "true_cfg_scale": 4.0,
+    "max_sequence_length": 512,
+}
+
+
+# The synthetic pipeline has no model: each stage takes a configured time and produces tensors
+# of configured shapes (``workers/models/synthetic.py``), so the runtime's own cost can be
+# measured. Small defaults: a 64x64 PNG after 4 "denoising" steps.
+_SYNTHETIC_DEFAULTS: Mapping[str, Any] = {
+    "negative_prompt": "",
+    "infer_steps": 4,
+    "height": 64,
+    "width": 64,
+    "num_frames": 1,
+    "fps": None,
+    "guidance_scale": None,
+    "true_cfg_scale": None,
+    "max_sequence_length": 64,
+}
+
+
+def _wan(task: str, needs_image: bool) -> TaskSpec:
+    return TaskSpec(f"wan_{task}", "wan", "wan2.1", task, "video", needs_image, 16, 4,
+                    _WAN_DEFAULTS)
+
+
+def _qwen(task: str, needs_image: bool, **defaults: Any) -> TaskSpec:
+    return TaskSpec(f"qwen_{task}", "qwen", "qwen_image", task, "image", needs_image, 16, 1,
+                    {**_QWEN_DEFAULTS, **defaults})
+
+
+TASK_SPECS: Final[dict[str, TaskSpec]] = {
+    spec.name: spec
+    for spec in (
+        _wan("t2v", needs_image=False),
+        _wan("i2v", needs_image=True),
+        _qwen("t2i", needs_image=False),
+        # None: output at ~1 megapixel with the input image's aspect ratio, as diffusers.
+        _qwen("i2i", needs_image=True, height=None, width=None),
+        TaskSpec("synthetic", "synthetic", "synthetic", "t2i", "image", False, 8, 1,
+                 _SYNTHETIC_DEFAULTS),
+    )
+}
+TASKS: Final[tuple[str, ...]] = tuple(TASK_SPECS)
+MODEL_TASKS: Final[dict[str, tuple[str, ...]]] = {}
+for _spec in TASK_SPECS.values():
+    MODEL_TASKS.setdefault(_spec.model_cls, ())
+    MODEL_TASKS[_spec.model_cls] += (_spec.task,)
+
+
+def task_spec(task: str) -> TaskSpec:
+    """The :class:`TaskSpec` of pipeline ``task``; an :class:`InvalidRequestError` names the
+    known ones."""
+    try:
+        return TASK_SPECS[task]
+    except (KeyError, TypeError):
+        raise InvalidRequestError(
+            f"unknown task {task!r}; expected one of {', '.join(TASKS)}"
+        ) from None
+
+
+def pipeline_name(model_cls: str, task: str) -> str:
+    """The pipeline a config's ``model_cls`` + ``task`` name (``wan2.1`` + ``t2v`` ->
+    ``wan_t2v``); an :class:`InvalidRequestError` when the table has no such row."""
+    for spec in TASK_SPECS.values():
+        if spec.model_cls == model_cls and spec.task == task:
+            return spec.name
+    raise InvalidRequestError(f"no pipeline for model_cls {model_cls!r} and task {task!r}")
+
+
+# -- settings every stage shares -----------------------------------------------------------
+DTYPES: Final[tuple[str, ...]] = ("float32", "bfloat16")
+ATTENTION_BACKENDS: Final[tuple[str, ...]] = (
+    "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_attn", "sage_attn",
+)
+# How MP4 results are encoded: "auto" is NVENC when it opens on the machine, else libx264.
+VIDEO_CODECS: Final[tuple[str, ...]] = ("auto", "libx264", "h264_nvenc")
+X264_PRESETS: Final[tuple[str, ...]] = (
+    "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower",
+    "veryslow",
+)
+_DEVICE_RE: Final = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def check_device(device: object) -> bool:
+    """Whether ``device`` is a device setting diffring accepts: ``cpu``, ``cuda``, ``cuda:N``."""
+    return isinstance(device, str) and bool(_DEVICE_RE.match(device))
+
+
+def parse_shape(shape: object) -> tuple[int, ...]:
+    """A geometry setting: ``"480x832x81"`` -> (480, 832, 81) (H, W, frames) for videos,
+    ``"1024x1024"`` -> (1024, 1024) for images. A ``ValueError`` that shows the format."""
+    dims: tuple[int, ...] = ()
+    if isinstance(shape, str):
+        try:
+            dims = tuple(int(part) for part in shape.lower().split("x"))
+        except ValueError:
+            dims = ()
+    if len(dims) not in (2, 3) or min(dims) <= 0:
+        raise ValueError(f"shape {shape!r} is not HxW or HxWxF (e.g. '1024x1024', '480x832x81')")
+    return dims

@@ -1,0 +1,188 @@
+"""The task schema: one generation request, as every stage and the front door see it.
+
+A request travels between stages as :meth:`GenerationRequest.to_dict` (a msgpack-able map);
+the input image of I2V / I2I tasks does not: it is staged on its own and passed as encoded
+bytes. Validation happens here, once, against the pipeline table
+(:mod:`contracts.pipelines`), so the front door refuses what a worker could not serve.
+Nothing here imports a model library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from contracts.errors import InvalidRequestError
+from contracts.pipelines import TaskSpec, task_spec
+
+_MAX_SIDE = 4096
+_MAX_STEPS = 1000
+_MAX_FRAMES = 1025
+_MAX_FPS = 240
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation job. It travels between stages as ``to_dict()`` (a msgpack-able map);
+    the input image of I2V / I2I tasks does not: it is passed separately as encoded bytes.
+
+    Fields left as ``None`` take the task's default (:meth:`defaults_for`) in
+    ``__post_init__``; fields whose task default is ``None`` stay ``None``.
+    """
+
+    task: str
+    """One of ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i``, ``synthetic``."""
+    prompt: str
+    """What to generate (or, for ``qwen_i2i``, how to edit the input image). Not empty."""
+    negative_prompt: str | None = None
+    """What to steer away from; used when guidance is on. Wan: "" by default; Qwen: " "."""
+    seed: int = 0
+    """Seed of the initial noise, 0 <= seed < 2**63. The noise is drawn from a CPU generator,
+    so a seed gives the same result on any device."""
+    infer_steps: int | None = None
+    """Denoising steps, 1..1000 (real models: 50)."""
+    height: int | None = None
+    """Output height in pixels, a multiple of 16. ``qwen_i2i`` only: ``None`` together with
+    ``width`` means ~1 megapixel with the input image's aspect ratio."""
+    width: int | None = None
+    """Output width in pixels, a multiple of 16 (see ``height``)."""
+    num_frames: int | None = None
+    """Video frames, 4k+1 (Wan: 81 by default). Image tasks: 1."""
+    fps: int | None = None
+    """Frames per second of the MP4 (video tasks only; image tasks: None)."""
+    guidance_scale: float | None = None
+    """Wan: classifier-free guidance scale (> 1 enables CFG; default 5.0). Qwen: the embedded
+    guidance of guidance-distilled checkpoints only; None for the published ones."""
+    true_cfg_scale: float | None = None
+    """Qwen only: true classifier-free guidance scale (> 1 enables it; default 4.0)."""
+    max_sequence_length: int | None = None
+    """Text tokens given to the DiT. Wan: 512 (I2V checkpoints require exactly 512); Qwen:
+    1..1024 (default 512)."""
+
+    def __post_init__(self) -> None:
+        spec = task_spec(self.task)
+        for name, default in spec.defaults.items():
+            if getattr(self, name) is None and default is not None:
+                object.__setattr__(self, name, default)
+        # Accept ints where a float is meant (msgpack and JSON clients send 5 for 5.0).
+        for name in ("guidance_scale", "true_cfg_scale"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+        self._validate(spec)
+
+    # -- validation ---------------------------------------------------------------------------
+    def _validate(self, spec: TaskSpec) -> None:
+        def fail(message: str) -> NoReturn:
+            raise InvalidRequestError(f"{self.task} request: {message}")
+
+        def need_int(name: str, lo: int, hi: int) -> int:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                fail(f"{name} must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                fail(f"{name} must be between {lo} and {hi}, got {value}")
+            return int(value)
+
+        def need_float(name: str, lo: float) -> float:
+            value = getattr(self, name)
+            if not isinstance(value, float) or not math.isfinite(value):
+                fail(f"{name} must be a finite number, got {value!r}")
+            if value < lo:
+                fail(f"{name} must be >= {lo}, got {value}")
+            return float(value)
+
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            fail("prompt must be a non-empty string")
+        if not isinstance(self.negative_prompt, str):
+            fail(f"negative_prompt must be a string, got {self.negative_prompt!r}")
+        need_int("seed", 0, _MAX_SEED)
+        need_int("infer_steps", 1, _MAX_STEPS)
+
+        if self.height is None or self.width is None:
+            # Only a task without a default size (qwen_i2i) gets here: its output size may
+            # come from the input image, but then for both sides.
+            if (self.height is None) != (self.width is None):
+                fail("give both height and width, or neither (size from the input image)")
+        else:
+            for name in ("height", "width"):
+                value = need_int(name, spec.size_multiple, _MAX_SIDE)
+                if value % spec.size_multiple:
+                    fail(f"{name} must be a multiple of {spec.size_multiple}, got {value}")
+
+        if spec.output == "video":
+            frames = need_int("num_frames", 1, _MAX_FRAMES)
+            if (frames - 1) % spec.temporal_multiple:
+                fail(
+                    f"num_frames must be {spec.temporal_multiple}k+1 (1, 5, 9, ... 81), "
+                    f"got {frames}"
+                )
+            need_int("fps", 1, _MAX_FPS)
+        else:
+            if self.num_frames != 1:
+                fail(f"num_frames must be 1 for an image task, got {self.num_frames!r}")
+            if self.fps is not None:
+                fail("fps applies to video tasks only; leave it unset")
+
+        if spec.family == "wan":
+            need_float("guidance_scale", 0.0)
+            if self.true_cfg_scale is not None:
+                fail("true_cfg_scale applies to Qwen tasks only; Wan uses guidance_scale")
+            need_int("max_sequence_length", 1, 512)
+            if spec.name == "wan_i2v" and self.max_sequence_length != 512:
+                # The I2V DiT splits image from text context at a fixed 512 text tokens.
+                fail(f"max_sequence_length must be 512 for wan_i2v, got {self.max_sequence_length}")
+        elif spec.family == "qwen":
+            need_float("true_cfg_scale", 0.0)
+            if self.guidance_scale is not None:
+                need_float("guidance_scale", 0.0)
+            need_int("max_sequence_length", 1, 1024)
+        else:  # synthetic: no guidance is run, but a given scale must still be a number
+            for name in ("guidance_scale", "true_cfg_scale"):
+                if getattr(self, name) is not None:
+                    need_float(name, 0.0)
+            need_int("max_sequence_length", 1, 1024)
+
+    # -- conversions --------------------------------------------------------------------------
+    @classmethod
+    def defaults_for(cls, task: str) -> dict[str, Any]:
+        """The defaults a request of ``task`` gets for the fields it leaves unset."""
+        return dict(task_spec(task).defaults)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain ``str`` / ``int`` / ``float`` / ``None`` (msgpack-able)."""
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GenerationRequest:
+        """Build from a map such as :meth:`to_dict`'s; missing optional fields take the task's
+        defaults, unknown keys are an error that names them."""
+        if not isinstance(data, Mapping):
+            raise InvalidRequestError(f"a request must be a map, got {type(data).__name__}")
+        names = set(cls.field_names())
+        unknown = sorted(str(k) for k in data if k not in names)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown request field(s): {', '.join(unknown)}; "
+                f"known fields: {', '.join(cls.field_names())}"
+            )
+        for required in ("task", "prompt"):
+            if required not in data:
+                raise InvalidRequestError(f"request field {required!r} is required")
+        return cls(**dict(data))
+
+    def replace(self, **changes: Any) -> GenerationRequest:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def spec(self) -> TaskSpec:
+        return task_spec(self.task)

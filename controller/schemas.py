@@ -1,0 +1,201 @@
+"""The front door's request and response bodies (pydantic, at the HTTP edge only) and the
+helpers that turn their fields into task inputs, each refusing bad input with the status
+code and a message that says what to do."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import re
+from pathlib import PurePosixPath
+
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+MAX_IMAGE_BYTES = 32 << 20
+MAX_IMAGE_PIXELS = 40_000_000
+# Formats an input image may have. Pillow opens many more; some of them run external
+# programs (EPS runs Ghostscript) or are rarely fuzzed, so the front door takes these only.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+MAX_PATH_BYTES = 1024
+MAX_NAME_BYTES = 255  # one path component, as most file systems allow
+
+
+class TaskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str | None = Field(None, description="client-chosen id; a duplicate gets 409")
+    prompt: str = Field(..., min_length=1, max_length=100_000)
+    negative_prompt: str | None = Field(None, max_length=100_000)
+    image_path: str | None = Field(
+        None, description="input image for i2v / i2i: base64 or a data: URL"
+    )
+    last_frame_path: str | None = Field(None, description="not supported by diffring")
+    save_result_path: str | None = Field(
+        None, description="result file name, relative to the controller's output folder"
+    )
+    infer_steps: int | None = Field(None, ge=1, le=1000)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    target_shape: list[int] | None = Field(None, description="[height, width]")
+    height: int | None = None
+    width: int | None = None
+    guidance_scale: float | None = Field(None, ge=0)
+    true_cfg_scale: float | None = Field(None, ge=0)
+    lora_name: str | None = Field(None, description="not supported by diffring")
+    lora_strength: float | None = None
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _encodable(cls, value: object) -> object:
+        # JSON may carry lone surrogates ("\ud800"): a valid Python str, but one that
+        # msgpack and the file system fail on much later. Pydantic catches them in some
+        # fields only.
+        if isinstance(value, str) and not value.isascii():  # isascii: cheap on a 1 MB image
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid unicode text (no lone surrogates)") from None
+        return value
+
+
+class VideoTaskRequest(TaskRequest):
+    target_video_length: int | None = Field(None, ge=1, le=1025)
+    target_fps: int | None = Field(None, ge=1, le=240)
+    resize_mode: str | None = Field(None, description="not supported by diffring")
+
+
+class ImageTaskRequest(TaskRequest):
+    aspect_ratio: str | None = Field(None, description='e.g. "16:9"')
+    i2i_denoise_strength: float | None = Field(None, description="not supported by diffring")
+
+
+class SyncImageTaskRequest(ImageTaskRequest):
+    timeout_seconds: float = Field(600.0, gt=0, le=86400)
+    poll_interval_seconds: float = Field(0.5, gt=0, le=60)
+
+
+class TaskCreated(BaseModel):
+    task_id: str
+    task_status: str
+    save_result_path: str
+
+
+def http_error(status: int, message: str, headers: dict[str, str] | None = None) -> HTTPException:
+    return HTTPException(status_code=status, detail=message, headers=headers)
+
+
+def safe_relative_path(path: str) -> str:
+    """``save_result_path`` must name a file inside the output folder: relative, no ``..``,
+    no control characters, not a folder, of a length file systems take."""
+    hint = "give a relative file name such as 'cat.png' or 'cats/cat.png'"
+    bad = _CONTROL_CHARS.search(path)
+    if bad:
+        raise http_error(
+            400,
+            f"save_result_path contains the control character U+{ord(bad.group()):04X}; {hint}",
+        )
+    if path.endswith(("/", "\\")):
+        raise http_error(400, f"save_result_path {path!r} names a folder, not a file; {hint}")
+    p = PurePosixPath(path.replace("\\", "/"))
+    if not path or p.is_absolute() or ".." in p.parts or any(part == "" for part in p.parts):
+        raise http_error(
+            400,
+            f"save_result_path {path!r} would escape the output folder; {hint}",
+        )
+    if re.match(r"^[A-Za-z]:", path):
+        raise http_error(400, f"save_result_path {path!r} must be relative")
+    if p.name in ("", "."):
+        raise http_error(400, f"save_result_path {path!r} names no file; {hint}")
+    if len(path.encode()) > MAX_PATH_BYTES or any(
+        len(part.encode()) > MAX_NAME_BYTES for part in p.parts
+    ):
+        raise http_error(
+            400,
+            f"save_result_path is too long (at most {MAX_PATH_BYTES} bytes, "
+            f"{MAX_NAME_BYTES} per folder or file name)",
+        )
+    return str(p)
+
+
+def decode_image(
+    value: str, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS
+) -> bytes:
+    """Input image from base64 or a data: URL; other schemes are refused (422). The file
+    must be at most ``max_bytes`` and ``max_pixels`` (413: the size is read from the header,
+    before anything is decoded), and must decode completely (422).
+
+    Blocking (base64 and image decoding): the front door runs it on a worker thread.
+    """
+    value = value.strip()
+    if value.startswith("data:"):
+        head, _, payload = value.partition(",")
+        if ";base64" not in head:
+            raise http_error(422, "image_path data: URL must be base64-encoded")
+        value = payload
+    elif re.match(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://", value):
+        scheme = value.split("://", 1)[0]
+        raise http_error(
+            422,
+            f"image_path scheme {scheme!r} is not allowed; send the image as base64 or a data: URL",
+        )
+    elif value.startswith("/") or value.startswith("."):
+        raise http_error(
+            422,
+            "image_path looks like a file path; the controller does not read local "
+            "files — send the image as base64 or a data: URL",
+        )
+    if len(value) > (max_bytes + 2) // 3 * 4 + 4:  # refuse before decoding, too
+        raise http_error(413, f"input image exceeds {max_bytes} bytes")
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise http_error(422, "image_path is not valid base64") from None
+    if len(data) > max_bytes:
+        raise http_error(413, f"input image of {len(data)} bytes exceeds {max_bytes} bytes")
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+            width, height = im.size
+            if width * height > max_pixels:
+                raise http_error(
+                    413,
+                    f"input image of {width}x{height} = {width * height} pixels exceeds "
+                    f"{max_pixels} pixels; scale it down",
+                )
+            im.verify()
+        # verify() leaves the image unusable; decoding it in full catches truncated or
+        # corrupt pixel data here rather than in an encoder worker.
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+            im.load()
+    except HTTPException:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise http_error(413, f"input image refused as a decompression bomb: {exc}") from None
+    except MemoryError:
+        raise http_error(413, "input image too large to decode; scale it down") from None
+    except Exception as exc:  # PIL raises many types for undecodable data
+        raise http_error(
+            422,
+            f"image_path does not decode as an image ({', '.join(IMAGE_FORMATS)}): {exc}",
+        ) from None
+    return data
+
+
+def size_for_aspect(ratio: str, area: int, multiple: int) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", ratio)
+    if not m or int(m[1]) == 0 or int(m[2]) == 0:
+        raise http_error(
+            422, f"aspect_ratio {ratio!r} is not of the form 'W:H' with positive integers"
+        )
+    w_r, h_r = int(m[1]), int(m[2])
+    if max(w_r / h_r, h_r / w_r) > 8:
+        raise http_error(422, f"aspect_ratio {ratio!r} is more extreme than 8:1")
+    width = math.sqrt(area * w_r / h_r)
+    height = area / width
+    snap = lambda v: max(multiple, round(v / multiple) * multiple)  # noqa: E731
+    return snap(height), snap(width)

@@ -1,0 +1,185 @@
+"""The decoder's background media encoder: bounded, off the critical path, and the task's
+completion reported only after its file is fully written (the lease is held until then).
+
+In-process, with a fake control channel and a fake stage whose media encoding waits on an
+event, so every ordering below is forced, not timed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from contracts.config import ServiceConfig
+from contracts.errors import StageError
+from contracts.messages import Op
+from workers.encode_pool import EncodePool
+from workers.models import Artifact
+from workers.roles import DecoderWorker
+from workers.worker import Idle, Job, State
+
+REQUEST = {"task": "wan_t2v", "prompt": "x", "height": 32, "width": 32, "num_frames": 5,
+           "fps": 8}
+
+
+class FakeControl:
+    def __init__(self, out_dir: Path) -> None:
+        self.calls: list[tuple[Op, dict[str, Any]]] = []
+        self.out_dir = out_dir
+        self.files_at_complete: list[bytes] = []
+
+    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
+        if op == Op.COMPLETE:
+            # What is on disk when the controller hears of the completion.
+            self.files_at_complete.append(Path(fields["worker_path"]).read_bytes())
+        self.calls.append((op, fields))
+        return {"accepted": True}
+
+    def ops(self) -> list[Op]:
+        return [op for op, _ in self.calls]
+
+
+class FakeStage:
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.fail = False
+        self.encoded: list[str] = []
+
+    def decode_pixels(self, req: Any, inputs: Any) -> np.ndarray:
+        return np.full((5, 32, 32, 3), 7, np.uint8)
+
+    def encode_media(self, req: Any, pixels: np.ndarray) -> Artifact:
+        assert self.release.wait(30)
+        if self.fail:
+            raise StageError("encoder exploded")
+        self.encoded.append(req.prompt)
+        return Artifact(b"MP4" * 1000, "video/mp4", "mp4", pixels, fps=8)
+
+
+@pytest.fixture
+def decoder(tmp_path: Path) -> Any:
+    cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=1)
+    worker = DecoderWorker(cfg, "token", {})
+    worker.control = FakeControl(tmp_path)  # type: ignore[assignment]
+    worker.stage = FakeStage()
+    worker.encoder_pool = EncodePool(cfg.encode_queue)
+    worker.fetch_inputs = lambda job: {}  # type: ignore[method-assign]
+    yield worker
+    worker.stage.release.set()
+    worker.encoder_pool.close(timeout=30)
+
+
+def run_step(worker: DecoderWorker, task_id: str) -> Job:
+    job = Job(task_id, 1, {"request": REQUEST})
+    worker.claim = lambda: job  # type: ignore[method-assign]
+    assert worker.step()
+    return job
+
+
+def test_completion_waits_for_the_file(decoder: Any, tmp_path: Path) -> None:
+    run_step(decoder, "t1")  # returns while the MP4 is still being encoded
+    assert Op.COMPLETE not in decoder.control.ops()
+    assert not (tmp_path / "t1.mp4").exists()
+    assert decoder.encoder_pool.held == 1
+    decoder.stage.release.set()
+    assert decoder.encoder_pool.join(timeout=30)
+    assert decoder.control.ops() == [Op.COMPLETE]
+    _, fields = decoder.control.calls[0]
+    assert fields["task_id"] == "t1" and fields["data"] == b"MP4" * 1000
+    # The file was complete (and in place, not a .part) when the completion went out.
+    assert decoder.control.files_at_complete == [b"MP4" * 1000]
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_full_pool_stops_claiming(decoder: Any) -> None:
+    """While the pool is full the decoder claims nothing: it waits for room (the ring is not
+    touched: in_ring is None here, so a claim would fail), and gives up when draining."""
+    run_step(decoder, "t1")
+    assert not decoder.encoder_pool.has_room()
+    decoder.state = State.RUNNING
+    claimed: list[Any] = []
+    decoder.in_ring = None
+
+    def real_claim() -> None:
+        try:
+            claimed.append(DecoderWorker.claim(decoder))
+        except AssertionError:  # reached the ring: only after room was made
+            claimed.append("ring")
+
+    waiter = threading.Thread(target=real_claim)
+    waiter.start()
+    time.sleep(0.4)
+    assert waiter.is_alive() and claimed == []  # waiting for room
+    decoder.stage.release.set()
+    waiter.join(30)
+    assert claimed == ["ring"]
+    # Full again, and draining: the claim returns without touching the ring.
+    decoder.stage.release.clear()
+    run_step(decoder, "t2")
+    decoder.state = State.DRAINING
+    assert DecoderWorker.claim(decoder) is Idle.EMPTY
+    decoder.stage.release.set()
+    assert decoder.encoder_pool.join(timeout=30)
+
+
+def test_background_failure_is_reported(decoder: Any) -> None:
+    decoder.stage.fail = True
+    run_step(decoder, "bad")
+    decoder.stage.release.set()
+    assert decoder.encoder_pool.join(timeout=30)
+    assert decoder.control.ops() == [Op.FAIL]
+    _, fields = decoder.control.calls[0]
+    assert fields["task_id"] == "bad" and "encoder exploded" in fields["error"]
+
+
+def test_drain_reports_what_is_in_flight(decoder: Any) -> None:
+    """run() returns only after the background results were reported."""
+    run_step(decoder, "t1")
+    decoder.state = State.DRAINING
+    threading.Timer(0.3, decoder.stage.release.set).start()
+    t0 = time.monotonic()
+    decoder.run()  # the loop exits at once (draining); the pool is joined
+    assert time.monotonic() - t0 >= 0.25
+    assert decoder.control.ops() == [Op.COMPLETE]
+
+
+def test_foreground_when_disabled(tmp_path: Path) -> None:
+    cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=0)
+    worker = DecoderWorker(cfg, "token", {})
+    worker.control = FakeControl(tmp_path)  # type: ignore[assignment]
+    stage = FakeStage()
+    stage.release.set()
+
+    class Whole(FakeStage):
+        def decode(self, req: Any, inputs: Any) -> Artifact:
+            return stage.encode_media(req, stage.decode_pixels(req, inputs))
+
+    worker.stage = Whole()
+    worker.fetch_inputs = lambda job: {}  # type: ignore[method-assign]
+    run_step(worker, "t2")
+    assert worker.control.ops() == [Op.COMPLETE]  # reported by the step itself
+
+
+def test_encode_pool_is_bounded() -> None:
+    pool = EncodePool(2)
+    gate = threading.Event()
+    done: list[int] = []
+    for i in range(2):
+        pool.submit(lambda i=i: (gate.wait(30), done.append(i)))
+    assert pool.held == 2 and not pool.has_room()
+    third = threading.Thread(target=pool.submit, args=(lambda: done.append(2),))
+    third.start()
+    time.sleep(0.2)
+    assert third.is_alive()  # waits for room
+    gate.set()
+    third.join(30)
+    assert pool.join(timeout=30)
+    assert done == [0, 1, 2]  # one thread, in order
+    pool.close()
+    with pytest.raises(ValueError):
+        EncodePool(0)

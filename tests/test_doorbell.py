@@ -1,0 +1,196 @@
+"""The doorbell: idle workers wait on the control port instead of polling their ring.
+
+In-process tests of :class:`controller.doorbell.Doorbell`; a real controller process for the
+wait channel (:class:`workers.control.DoorbellClient`); a real worker for the drain path.
+Every process started here is stopped here, by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from contracts.errors import ControlRefused
+from controller.doorbell import Doorbell, published
+from controller.group import LocalGroup, group_config
+from rings.layout import HOLDER_LOCAL, RingLayout
+from rings.ring import Ring
+from rings.verbs import LocalVerbs, Region
+from tests.conftest import (
+    TOKEN,
+    Controller,
+    controller_config,
+    start_controller,
+    stop,
+)
+from tests.test_controller_rings import ring_of
+from workers.control import DoorbellClient
+from workers.models.synthetic import write_config
+
+
+def local_ring(name: str) -> Ring:
+    return Ring(LocalVerbs(Region(RingLayout(name, 4, 256)), HOLDER_LOCAL))
+
+
+def test_doorbell_wakes_one_waiter_per_item_oldest_first() -> None:
+    rings = {n: local_ring(n) for n in ("request", "phase1")}
+    bell = Doorbell({n: r.verbs for n, r in rings.items()})
+
+    async def scenario() -> None:
+        # Nothing published: a wait runs into its timeout and leaves no waiter behind.
+        t0 = time.monotonic()
+        assert await bell.wait("request", 0.1) is False
+        assert time.monotonic() - t0 >= 0.09 and bell.waiting("request") == 0
+        # Three waiters. A ring for an item already gone wakes nobody; one item announced
+        # wakes only the oldest, and its on_ring runs inside ring() itself (the control
+        # server sends the wake-up from there).
+        told: list[int] = []
+        waits = [asyncio.create_task(bell.wait("request", 5, lambda i=i: told.append(i)))
+                 for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert bell.waiting("request") == 3
+        assert bell.ring("request") == 0 and told == []
+        rings["request"].push({"id": 1})
+        assert bell.ring("request") == 1 and told == [0]
+        await asyncio.sleep(0.01)
+        assert [w.done() for w in waits] == [True, False, False] and waits[0].result()
+        assert bell.ring("phase1", 5) == 0  # nobody waits there: nothing happens
+        # A published item answers a wait at once, without any ring.
+        assert published(rings["request"].verbs) == 1
+        assert await asyncio.wait_for(bell.wait("request", 5), 1) is True
+        # The sweep rings for items nobody announced, one waiter per item.
+        bell.sweep()
+        await asyncio.sleep(0.01)
+        assert [w.done() for w in waits] == [True, True, False] and told == [0, 1]
+        rings["request"].pop()
+        bell.sweep()  # nothing published any more: the last waiter keeps waiting
+        await asyncio.sleep(0.01)
+        assert not waits[2].done()
+        waits[2].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waits[2]
+        assert bell.waiting("request") == 0
+        with pytest.raises(ValueError, match="no ring 'nope'"):
+            await bell.wait("nope", 1)
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def big_controller(tmp_path: Path) -> Iterator[Controller]:
+    # 4 KiB slots: room for a whole task descriptor posted through the front door.
+    cfg = controller_config(tmp_path, slots=4, slot_size=4096)
+    cfg["output_dir"] = str(tmp_path / "results")  # its own journal: nothing restored
+    ctl = start_controller(tmp_path, cfg)
+    try:
+        yield ctl
+    finally:
+        stop(ctl.proc)
+
+
+def _client(ctl: Controller) -> DoorbellClient:
+    bell = DoorbellClient("127.0.0.1", ctl.config["disagg_config"]["control_port"], TOKEN)
+    bell.connect("encoder")
+    return bell
+
+
+def _timed(fn: object, *args: object) -> tuple[object, float]:
+    t0 = time.monotonic()
+    out = fn(*args)  # type: ignore[operator]
+    return out, time.monotonic() - t0
+
+
+@pytest.mark.timeout(120)
+def test_wait_channel_of_a_controller(big_controller: Controller) -> None:
+    ctl = big_controller
+    url = f"http://127.0.0.1:{ctl.config['server']['port']}"
+    bell = _client(ctl)
+    try:
+        woke, took = _timed(bell.wait, "request", 0.3)
+        assert woke is False and took >= 0.25
+
+        # A task posted while the worker waits wakes it (the controller's own push).
+        body = {"prompt": "wake", "height": 32, "width": 32, "target_video_length": 5,
+                "infer_steps": 1}
+        poster = threading.Timer(0.3, lambda: httpx.post(f"{url}/v1/tasks/video/", json=body,
+                                                         timeout=30).raise_for_status())
+        poster.start()
+        woke, took = _timed(bell.wait, "request", 30)
+        poster.join()
+        assert woke is True and took < 10
+        # The item is still there: a new wait returns at once.
+        woke, took = _timed(bell.wait, "request", 30)
+        assert woke is True and took < 2
+        req = ring_of(ctl, "request")
+        assert req.pop(timeout=2)["kind"] == "task"
+
+        # An item pushed by a peer that never reports it (no handoff): the sweep rings.
+        phase1 = ring_of(ctl, "phase1")
+        threading.Timer(0.3, lambda: phase1.push({"kind": "phase1"}, timeout=2)).start()
+        woke, took = _timed(bell.wait, "phase1", 30)
+        assert woke is True and took < 10
+
+        # interrupt() ends a wait at once (a draining worker does not sit out its timeout).
+        threading.Timer(0.2, bell.interrupt).start()
+        woke, took = _timed(bell.wait, "phase2", 30)
+        assert woke is None and took < 10
+        bell.connect("encoder")
+        with pytest.raises(ControlRefused, match="no ring 'nope'"):
+            bell.wait("nope", 1)
+    finally:
+        bell.close()
+
+
+@pytest.mark.timeout(180)
+def test_idle_worker_drains_at_once(tmp_path: Path) -> None:
+    """SIGTERM reaches a worker waiting on its doorbell: it exits long before the wait's
+    timeout would have ended."""
+    model = tmp_path / "synthetic"
+    write_config(model, encoder_s=0, step_s=0, decoder_s=0)
+    cfg = group_config("synthetic", str(model), tmp_path, staging_pool_mb=4)
+    with LocalGroup(cfg, tmp_path) as group:
+        group.start("controller")
+        group.wait_http()
+        worker = group.start("transformer")
+        group.wait_workers({"transformer": 1})
+        time.sleep(1.0)  # idle: now inside a doorbell wait
+        t0 = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 4.0, "the drain waited out the doorbell"
+
+
+def test_a_slow_controller_is_waited_for_not_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer later than the wait's timeout (a starved controller) is not a lost
+    controller: the worker polls its ring once and goes on waiting for that answer, without
+    asking again."""
+    import socket
+
+    import workers.control as control
+    from rings import wire
+    from rings.tcp import recv_frame
+
+    monkeypatch.setattr(control, "REPLY_SLACK_S", 0.1)
+    bell = DoorbellClient("127.0.0.1", 9, TOKEN)
+    ours, controller = socket.socketpair()
+    bell._sock = ours  # as connect() leaves it, minus the handshake
+    try:
+        woke, took = _timed(bell.wait, "phase1", 0.1)
+        assert woke is False and took >= 0.15
+        asked = wire.unpack_msg(recv_frame(controller))
+        assert asked["op"] == "wait" and asked["ring"] == "phase1"
+        controller.sendall(wire.pack_msg({"seq": asked["seq"], "ok": True, "wake": True}))
+        assert bell.wait("phase1", 0.1) is True
+        controller.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            controller.recv(1)  # the second call asked nothing new
+    finally:
+        bell.close()
+        controller.close()

@@ -1,0 +1,93 @@
+"""Garbage, oversized, malformed and half-open connections on the control port and the three
+ring handshake ports neither crash nor stall the controller: a normal request completes while
+they are still held open, and nothing in the controller's log is an unhandled exception."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from pathlib import Path
+
+import msgpack
+
+from controller.group import LocalGroup, group_config, submit
+
+SILENT_PER_PORT = 24
+
+
+def _send(port: int, data: bytes, *, shut_wr: bool = False) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if data:
+        s.sendall(data)
+    if shut_wr:
+        s.shutdown(socket.SHUT_WR)
+    return s
+
+
+def _frame(obj: object) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack("<I", len(body)) + body
+
+
+def hostile(port: int) -> list[socket.socket]:
+    """Every kind of bad connection once, plus a crowd of silent ones; all kept open."""
+    weird_maps = [
+        {"proto": "diffring-ring", "version": 1, "ring": "request", "client_nonce": b"n",
+         "mac": 5, "layout": [1, 2], "role": {"x": 1}, "transport": ["tcp"]},
+        {"ring": "control", "client_nonce": "not-bytes", "mac": None},
+        {"ring": 7, "client_nonce": b"x" * 32, "mac": b"y" * 32},
+        {"ring": "control", "client_nonce": b"x" * 32, "mac": 5},
+        {"proto": "diffring-ring", "version": 1, "ring": "phase1", "client_nonce": b"x" * 32,
+         "mac": 5},
+        [1, 2, 3],
+        "a string",
+    ]
+    out = [
+        _send(port, os.urandom(64 << 10)),                   # garbage
+        _send(port, struct.pack("<I", 0xFFFFFFFF) + b"x" * 100),  # oversized frame
+        _send(port, struct.pack("<I", 1000) + b"y" * 10),    # half a frame, then nothing
+        _send(port, b"\x00\x00"),                            # half a length header
+        _send(port, b"", shut_wr=True),                      # half-closed at once
+        _send(port, _frame({"a": 1})[:-1] + b"\xc1"),        # invalid msgpack byte
+    ]
+    out += [_send(port, _frame(m)) for m in weird_maps]
+    # A map whose key is an array: msgpack itself refuses it (unhashable key).
+    out.append(_send(port, struct.pack("<I", 4) + b"\x81\x91\x01\x02"))
+    out += [_send(port, b"") for _ in range(SILENT_PER_PORT)]  # connect, say nothing
+    return out
+
+
+def test_hostile_connections_do_not_crash_or_stall_the_controller(
+    tiny_models: Path, tmp_path: Path
+) -> None:
+    pipeline = "qwen_t2i"
+    cfg = group_config(pipeline, str(tiny_models / pipeline), tmp_path)
+    d = cfg["disagg_config"]
+    ports = [d["control_port"], d["rdma_request_handshake_port"],
+             d["rdma_phase1_handshake_port"], d["rdma_phase2_handshake_port"]]
+    held: list[socket.socket] = []
+    with LocalGroup(cfg, tmp_path) as group:
+        group.start("controller")
+        group.wait_http()
+        group.start("encoder")
+        group.start("transformer")
+        group.wait_workers({"encoder": 1, "transformer": 1}, timeout=180)
+        try:
+            for port in ports:
+                held += hostile(port)
+            time.sleep(1.0)  # let the controller chew on all of it
+            # A worker that joins now (new connections on its ports), then a normal request.
+            group.start("decoder")
+            group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1}, timeout=180)
+            body = {"prompt": "still serving", "height": 32, "width": 32, "infer_steps": 2}
+            st = submit(group.url, "image", body, timeout=300)
+            assert st["status"] == "completed", st
+            group.check_alive()
+        finally:
+            for s in held:
+                s.close()
+        log = group.services[0].log()
+    assert "Traceback" not in log and "exception was never retrieved" not in log, log[-4000:]
+    assert "Unhandled exception" not in log

@@ -1,0 +1,67 @@
+"""Progress reports leave the denoising loop at once, in order, and carry cancels back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from contracts.messages import Op
+from workers.progress import ProgressReporter
+
+
+@dataclass
+class FakeJob:
+    task_id: str
+    attempt: int = 1
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class SlowControl:
+    """A control client whose calls block until released, recording what was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int]] = []
+        self.release = threading.Event()
+        self.cancel: set[str] = set()
+
+    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
+        assert op == Op.PROGRESS
+        self.release.wait(10)
+        self.sent.append((fields["task_id"], fields["step"]))
+        return {"ok": True, "cancel": fields["task_id"] in self.cancel}
+
+
+def test_reports_never_block_keep_their_order_flush_and_cancel() -> None:
+    ctl = SlowControl()
+    rep = ProgressReporter(ctl, "t")  # type: ignore[arg-type]
+    rep.start()
+    try:
+        job = FakeJob("a")
+        t0 = time.monotonic()
+        for k in range(1, 6):  # the first call is stuck in the "network"
+            rep.report(job, k, 5)
+        assert time.monotonic() - t0 < 0.5, "report() waited for the controller"
+        assert not rep.flush(job, timeout=0.2)  # still stuck
+        threading.Timer(0.2, ctl.release.set).start()
+        assert rep.flush(job, timeout=10)
+        assert ctl.sent == [("a", k) for k in range(1, 6)]  # every step, in order
+
+        ctl.cancel.add("b")
+        cancelled = FakeJob("b")
+        rep.report(cancelled, 1, 5)
+        assert rep.flush(cancelled) and cancelled.cancel.is_set()
+
+        ctl.release.clear()
+        busy, gone = FakeJob("x"), FakeJob("c")
+        rep.report(busy, 1, 1)  # occupies the thread
+        rep.report(gone, 1, 5)
+        rep.forget(gone)  # failed before its report left: never sent
+        ctl.release.set()
+        assert rep.flush(busy) and rep.flush(gone)
+        time.sleep(0.1)
+        assert ("x", 1) in ctl.sent and ("c", 1) not in ctl.sent
+    finally:
+        rep.close()
+        ctl.release.set()

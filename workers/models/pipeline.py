@@ -1,0 +1,79 @@
+"""All three stages in one process: the reference for fidelity and the ``--service all``
+baseline's model side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from contracts.request import GenerationRequest
+
+from .base import (
+    Artifact,
+    DecoderAdapter,
+    EncoderAdapter,
+    StepCallback,
+    StopCheck,
+    TransformerAdapter,
+)
+from .media import VideoSettings
+from .prompt_cache import PromptCache
+
+
+class LocalPipeline:
+    """Encoder, transformer and decoder of one task in this process. Load once, then
+    :meth:`run` any number of requests of its task."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        task: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention: str = "sdpa",
+        *,
+        compile: bool = False,
+        cfg_batch: bool = False,
+        video: VideoSettings | None = None,
+        prompt_cache_bytes: int = 0,
+    ) -> None:
+        self.encoder = EncoderAdapter.for_task(model_dir, task, device, dtype)
+        if prompt_cache_bytes:
+            self.encoder.cache = PromptCache(prompt_cache_bytes)
+        self.transformer = TransformerAdapter.for_task(
+            model_dir, task, device, dtype, attention=attention, compile=compile,
+            cfg_batch=cfg_batch,
+        )
+        self.decoder = DecoderAdapter.for_task(model_dir, task, device, dtype, video=video)
+        self.task = task
+
+    def load(self) -> None:
+        for stage in (self.encoder, self.transformer, self.decoder):
+            stage.load()
+
+    def run(
+        self,
+        req: GenerationRequest,
+        image_bytes: bytes | None = None,
+        on_step: StepCallback | None = None,
+        should_stop: StopCheck | None = None,
+    ) -> Artifact:
+        self.load()
+        conditioning = self.encoder.encode(req, image_bytes)
+        latents = self.transformer.denoise(req, conditioning, on_step, should_stop)
+        return self.decoder.decode(req, latents)
+
+
+def run_pipeline(
+    model_dir: str | Path,
+    task: str,
+    req: GenerationRequest,
+    image_bytes: bytes | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    attention: str = "sdpa",
+) -> Artifact:
+    """Load the three stages and run one request in this process (encode -> denoise ->
+    decode). For many requests keep a :class:`LocalPipeline` instead."""
+    pipeline = LocalPipeline(model_dir, task, device, dtype, attention)
+    pipeline.load()
+    return pipeline.run(req, image_bytes)

@@ -1,0 +1,275 @@
+"""The three worker roles: each fills in steps 2-5 of the pull loop (:mod:`workers.worker`)
+with its model stage."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from contracts import faults
+from contracts.config import ServiceConfig
+from contracts.errors import ConnectionLost
+from contracts.messages import Kind, Op
+from contracts.request import GenerationRequest
+from contracts.roles import Role
+from tensorplane.descriptor import TensorDescriptor
+from tensorplane.handoff import pull_tensors, stage_tensors
+from workers.encode_pool import EncodePool
+from workers.models import Artifact, DecoderAdapter, EncoderAdapter, TransformerAdapter
+from workers.models.media import VideoSettings
+from workers.models.prompt_cache import PromptCache
+from workers.triage import describe_failure
+from workers.worker import Idle, Job, StageWorker, State
+
+log = logging.getLogger("diffring.worker")
+
+
+def _request(job: Job) -> GenerationRequest:
+    return GenerationRequest.from_dict(job.item["request"])
+
+
+class ProducerWorker(StageWorker):
+    """A role whose outputs go to the next stage through a ring (encoder, transformer)."""
+
+    output_kind: ClassVar[Kind]
+
+    def publish(self, job: Job, outputs: Mapping[str, Any]) -> None:
+        """Stage the outputs and push their descriptors to the next ring (backpressure)."""
+        assert self.out_ring is not None
+        with self.timed("stage"):
+            descs = stage_tensors(self.pool, self.engine, dict(outputs), task_id=job.task_id)
+        key = (job.task_id, job.attempt)
+        with self._staged_lock:
+            # The same attempt again: a restarted controller numbers attempts from its
+            # journal, so it can hand out one this worker staged for its predecessor. That
+            # copy is nobody's now; keeping it unreferenced would leak it.
+            stale = self.staged.pop(key, [])
+            self.staged[key] = descs
+        if stale:
+            self.pool.free_staged(stale)
+        payload = {
+            "kind": self.output_kind.value,
+            "task_id": job.task_id,
+            "attempt": job.attempt,
+            "pipeline": job.item["pipeline"],
+            "request": job.item["request"],
+            "tensors": [d.to_dict() for d in descs],
+            "producer": self.name,
+        }
+        body = self.out_ring.encode(payload)
+        delay = 0.001
+        with self.timed("publish"):
+            while not self.out_ring.try_push_body(body):
+                self.check_cancel(job)  # a cancelled task gives its place up
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        self.metrics.claim_seconds.labels(self.out_ring.name, "push").observe(
+            self.out_ring.stats.last_claim_s
+        )
+
+    def release(self, job: Job) -> None:
+        """The next stage has the task: report the handoff (the lease ends)."""
+        self.control.call(
+            Op.HANDOFF, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
+        )
+
+
+class EncoderWorker(ProducerWorker):
+    role = Role.ENCODER
+    adapter = EncoderAdapter
+    output_kind = Kind.PHASE1
+
+    def load_model(self) -> None:
+        super().load_model()
+        if self.cfg.prompt_cache_mb:
+            self.stage.cache = PromptCache(self.cfg.prompt_cache_mb << 20)
+            self.metrics.watch_prompt_cache(self.stage.cache.stats)
+
+    def fetch_inputs(self, job: Job) -> bytes | None:
+        """The input image of I2V / I2I tasks, pulled from the controller's pool."""
+        if not job.item.get("image"):
+            return None
+        # The controller owns the staged image until the task ends (a retry needs it).
+        desc = TensorDescriptor.from_dict(job.item["image"])
+        out = pull_tensors(
+            self.engine, self.pool, [desc], device="cpu", task_id=job.task_id, release=False,
+            arrays="numpy",
+        )
+        data: bytes = out[desc.name].tobytes()
+        return data
+
+    def compute(self, job: Job, inputs: bytes | None) -> dict[str, Any]:
+        return self.stage.encode(_request(job), inputs)
+
+
+class TransformerWorker(ProducerWorker):
+    role = Role.TRANSFORMER
+    adapter = TransformerAdapter
+    output_kind = Kind.PHASE2
+
+    def adapter_options(self) -> dict[str, Any]:
+        return {
+            "attention": self.cfg.attention_backend,
+            "compile": self.cfg.compile,
+            "cfg_batch": self.cfg.cfg_batch,
+        }
+
+    def load_model(self) -> None:
+        """Load the DiT, then warm it up (compile) before the worker registers: the first
+        request must not pay for the compiler."""
+        super().load_model()
+        if self.cfg.warmup_shapes:
+            seconds = self.stage.warm_up(self.cfg.warmup_shapes)
+            self.metrics.stage_seconds.labels(self.role.value, "warmup").observe(seconds)
+            log.info("worker %s: warm-up of %s took %.1f s (compile=%s)", self.name,
+                     ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
+
+    def fetch_inputs(self, job: Job) -> dict[str, Any]:
+        return self.pull(job)
+
+    def compute(self, job: Job, inputs: dict[str, Any]) -> dict[str, Any]:
+        # Steps are reported in the background (workers.progress): no round trip between
+        # two denoising steps. A cancel in a reply sets job.cancel, checked before each;
+        # all reports are answered before the outputs are published.
+        out: dict[str, Any] = self.stage.denoise(
+            _request(job), inputs,
+            on_step=lambda k, n: self.progress.report(job, k, n),
+            should_stop=job.cancel.is_set,
+        )
+        self.progress.flush(job)
+        return out
+
+
+class DecoderWorker(StageWorker):
+    """VAE decode on the critical path; the media file (MP4 / PNG) is encoded and written by
+    a bounded background pool (:mod:`workers.encode_pool`, ``encode_queue`` > 0), so the
+    decoder claims the next Phase2 item meanwhile. The task's lease stays with this worker
+    until the background job reports the completion, after the file is fully written."""
+
+    role = Role.DECODER
+    adapter = DecoderAdapter
+    encoder_pool: EncodePool | None = None
+
+    def adapter_options(self) -> dict[str, Any]:
+        return {"video": video_settings(self.cfg)}
+
+    def start(self) -> None:
+        if self.cfg.encode_queue > 0:
+            self.encoder_pool = EncodePool(self.cfg.encode_queue, name="decoder-encode")
+        super().start()
+
+    def claim(self) -> Job | Idle:
+        # A full pool: claim nothing until a result is written, so the ring item stays
+        # there for another decoder rather than wait here (and no pixels pile up).
+        if self.encoder_pool is not None:
+            while not self.encoder_pool.wait_for_room(timeout=0.1):
+                if self.state is not State.RUNNING:
+                    return Idle.EMPTY
+        return super().claim()
+
+    def fetch_inputs(self, job: Job) -> dict[str, Any]:
+        return self.pull(job)
+
+    def compute(self, job: Job, inputs: dict[str, Any]) -> Artifact | np.ndarray:
+        if self.encoder_pool is None:
+            return self.stage.decode(_request(job), inputs)
+        pixels: np.ndarray = self.stage.decode_pixels(_request(job), inputs)
+        return pixels
+
+    def publish(self, job: Job, outputs: Artifact | np.ndarray) -> None:
+        """Write the result file (atomically), here or in the background pool."""
+        if isinstance(outputs, Artifact):
+            job.result = (outputs, self._write(job, outputs))
+            return
+        job.result = _BACKGROUND
+        assert self.encoder_pool is not None
+        with self.timed("queue"):
+            self.encoder_pool.submit(lambda: self._finish(job, outputs))
+
+    def _write(self, job: Job, art: Artifact) -> Path:
+        out_dir = Path(self.cfg.output_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        local = out_dir / f"{job.task_id}.{art.extension}"
+        tmp = local.with_name(local.name + ".part")
+        tmp.write_bytes(art.data)
+        faults.hit("decoder.result_write")
+        tmp.replace(local)
+        return local
+
+    def _finish(self, job: Job, pixels: np.ndarray) -> None:
+        """Background: encode, write, then report the completion (the lease ends here)."""
+        try:
+            with self.timed("encode_media"):
+                art = self.stage.encode_media(_request(job), pixels)
+            local = self._write(job, art)
+            self._complete(job, art, local)
+        except ConnectionLost as exc:
+            # The controller put this worker's tasks back in play when the connection went.
+            log.warning("task %s: completion not reported, control channel lost: %s",
+                        job.task_id, exc)
+        except Exception as exc:
+            self.metrics.tasks.labels(self.role.value, "failed").inc()
+            self._fail(job, *describe_failure(exc))
+
+    def release(self, job: Job) -> None:
+        """Send the result to the controller; completing the task ends the lease. A result
+        in the background pool is reported by its job instead."""
+        if job.result is _BACKGROUND:
+            return
+        art, local = job.result
+        self._complete(job, art, local)
+
+    def _complete(self, job: Job, art: Artifact, local: Path) -> None:
+        reply = self.control.call(
+            Op.COMPLETE,
+            task_id=job.task_id,
+            attempt=job.attempt,
+            extension=art.extension,
+            media_type=art.media_type,
+            data=art.data,
+            worker_path=str(local.resolve()),
+        )
+        if not reply.get("accepted"):
+            log.info(
+                "task %s: result of attempt %d not needed (already completed)",
+                job.task_id,
+                job.attempt,
+            )
+
+    def _wait_staged_pulled(self) -> None:
+        # Draining, still heartbeating (the leases stay renewed): report every result the
+        # pool is still writing before the worker stops.
+        if self.encoder_pool is not None and not self.encoder_pool.join(
+            timeout=self.cfg.drain_timeout_s
+        ):
+            log.warning("worker %s: results still being written after drain_timeout_s",
+                        self.name)
+        super()._wait_staged_pulled()
+
+    def close(self) -> None:
+        # After a fatal error the controller has put this worker's tasks back in play: a
+        # late result is refused there (the task completes once), never lost.
+        if self.encoder_pool is not None:
+            self.encoder_pool.close(timeout=self.cfg.lease_timeout_s)
+        super().close()
+
+
+_BACKGROUND = "background"
+"""``Job.result`` of a decode whose file the encode pool writes and reports."""
+
+
+def video_settings(cfg: ServiceConfig) -> VideoSettings:
+    return VideoSettings(
+        codec=cfg.video_codec, preset=cfg.video_preset, crf=cfg.video_crf,
+        threads=cfg.video_threads,
+    )
+
+
+WORKERS: dict[Role, type[StageWorker]] = {
+    cls.role: cls for cls in (EncoderWorker, TransformerWorker, DecoderWorker)
+}
