@@ -49,8 +49,11 @@ def _wait_dead(svc: Service, timeout: float) -> int:
 
 def test_kill_or_fail_at_every_point_and_each_task_completes_once(
         tiny_models: Path, tmp_path: Path) -> None:
+    # One task may meet all three faulty transformers in a row (idle workers are woken
+    # together), which the default poison_worker_deaths (3) would rightly quarantine; this
+    # test is about the points, the quarantine has its own (tests/test_recovery.py).
     cfg = group_config(PIPELINE, str(tiny_models / PIPELINE), tmp_path, lease_timeout_s=3.0,
-                       heartbeat_interval_s=0.5)
+                       heartbeat_interval_s=0.5, poison_worker_deaths=10)
     with LocalGroup(cfg, tmp_path) as group:
         group.start("controller")
         group.wait_http()
@@ -79,7 +82,7 @@ def test_kill_or_fail_at_every_point_and_each_task_completes_once(
             assert svc.proc.poll() is None, svc.log()[-3000:]
     results = tmp_path / "results"
     for tid, st in final.items():
-        assert st["status"] == "completed", st
+        assert st["status"] == "completed", (st.get("error_type"), st.get("error"), st)
         assert controller_log.count(f"task {tid} stage=completed") == 1
         assert [p.name for p in results.glob(f"{tid}.*")] == [f"{tid}.png"]
     assert not list(results.glob("*.part"))

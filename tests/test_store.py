@@ -66,6 +66,9 @@ def test_memory_keeps_only_unfinished_and_recent_finished(tmp_path: Path) -> Non
     table.add(live)
     assert len(table.tasks) == 1 and len(table.recent) == RECENT_FINISHED
     assert table.get("m0") is None  # left memory ...
+    flushed = table.flush(durable=False)  # (what the front door waits for before it reads)
+    assert flushed is not None
+    flushed.result(timeout=30)
     old = table.lookup("m0")  # ... but the store still serves it
     assert old is not None and old.stage == Stage.FAILED and old.error == "boom"
     assert old.request == {"task": "qwen_t2i", "prompt": "p m0"}

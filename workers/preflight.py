@@ -56,8 +56,9 @@ def loopback_read(engine: TransferEngine, pool: StagingPool, name: str) -> float
     t0 = time.monotonic()
     desc = stage_bytes(pool, engine, "preflight", data, alloc_timeout=LOOPBACK_TIMEOUT_S)
     try:
+        # Into numpy arrays: the probe must not import torch into a worker that has none.
         got = pull_tensors(engine, pool, [desc], device="cpu", release=False,
-                           alloc_timeout=LOOPBACK_TIMEOUT_S)
+                           alloc_timeout=LOOPBACK_TIMEOUT_S, arrays="numpy")
     except DiffringError as exc:
         raise PreflightFailed(
             f"worker {name}: a Mooncake read of its own segment {engine.session_id} "
@@ -66,7 +67,7 @@ def loopback_read(engine: TransferEngine, pool: StagingPool, name: str) -> float
         ) from exc
     finally:
         pool.free_staged([desc])
-    if got["preflight"].numpy().tobytes() != data:
+    if got["preflight"].tobytes() != data:
         raise PreflightFailed(
             f"worker {name}: a Mooncake read of its own segment {engine.session_id} returned "
             "different bytes than were staged"
