@@ -61,7 +61,8 @@ def nbytes(spec: dict[str, Any]) -> int:
 
 def measure(mode: str, cfg: dict[str, Any], workdir: Path, requests: int) -> dict[str, Any]:
     lat = []
-    with running(mode, cfg, workdir, (1, 1, 1), timeout=300) as (group, _metrics):
+    workers = [("encoder", 0), ("transformer", 0), ("decoder", 0)]
+    with running(mode, cfg, workdir, workers, [cfg["device"]], timeout=300) as group:
         body = {"prompt": "hop", "height": 64, "width": 64, "infer_steps": STEPS}
         for i in range(3):  # warm-up: first transfers, first kernels, connections
             post(group.url, "image", {**body, "seed": 10_000 + i}, 120)

@@ -6,23 +6,34 @@
     # GPU, real-size random-weight architectures built on the fly
     python scripts/bench_serving.py --arch wan-1.3b --device cuda:0 --dtype bfloat16 \\
         --steps 8 --concurrency 1,2,4,8 --out $OUT
+    # scale-out over G GPUs (BENCHMARKS.md, "Multi-GPU scale-out")
+    python scripts/bench_serving.py --arch wan-1.3b --device cuda --gpus 8 --steps 8 --out $OUT
 
 For each mode (``baseline``: ``run_service.py --service all``; ``disagg``: a controller plus
-``--encoders/--transformers/--decoders`` workers, all on this machine, started by
-``controller.group.LocalGroup``) it sends one warm-up request, then for each N in
-``--concurrency`` keeps N requests in flight (closed loop: a client posts its next request
-when its last one completed) until ``--requests`` requests of that level completed.
+its workers, all on this machine, started by ``controller.group.LocalGroup``) it sends warm-up
+requests, then for each N in ``--concurrency`` keeps N requests in flight (closed loop: a
+client posts its next request when its last one completed) until ``--requests`` requests of
+that level completed.
 
-Per level it reports requests, QPS, P50/P95/P99 latency and the busy fraction of each stage.
-Latency is the server's (``created_at`` to ``end_time`` of the task's status); QPS is
-requests over the level's wall time (first accepted to last completed). A stage's busy
-fraction is the time its workers spent inside the stage call over wall time x workers, read
-from the same Prometheus histogram in both modes (``diffring_stage_seconds{step="compute"}``:
-encode, denoise, VAE decode; ``step="encode_media"``: PNG/MP4 writing). On a GPU the stage
-calls return after the device finished, so "DiT busy" is time inside denoise.
+Scale-out (``--gpus G`` or ``--devices LIST``; devices and placements: ``bench_serving_layout``):
+the baseline is G ``--service all`` replicas, one per device, request i going to replica
+i mod G (client-side round robin); the disaggregated group places its workers by
+``--placement`` (default: the encoder, the decoder and ``--transformers`` DiT workers on the
+first device, ``--transformers`` DiT workers on every other one), each worker's ``device`` set
+in its own config file. Before its G-replica levels the baseline measures one replica alone
+(replica 0 at N = 2: one request running, one queued, so it never waits for the client;
+``--single-requests`` requests) unless ``--single-qps`` gives that figure; a row's efficiency
+is its QPS over G x that. N defaults to G, 2G, 4G.
+
+Per level: requests, QPS, P50/P95/P99 latency, the busy fraction of each stage; scale-out adds
+DiT busy per device, Mooncake bytes and milliseconds per Phase1 / Phase2 pull, their share of a
+request, and the efficiency (``bench_serving_report`` defines each). Latency is the server's
+(``created_at`` to ``end_time`` of the task's status); QPS is requests over the level's wall
+time (first accepted to last completed).
 
 Output: a markdown table on stdout and in ``OUT/bench_serving.md``, everything in
-``OUT/bench_serving.json``, and ``OUT/bench_serving.png`` (QPS and P95 against N, both modes).
+``OUT/bench_serving.json``, and ``OUT/bench_serving.png`` (QPS and P95 against N; scale-out:
+the efficiency too).
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import argparse
 import contextlib
 import json
 import os
-import platform
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -40,6 +51,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +60,10 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+import bench_serving_layout as layout  # noqa: E402
 import httpx  # noqa: E402
+from bench_serving_layout import Endpoint  # noqa: E402
+from bench_serving_report import environment, level_stats, plot, scrape, table  # noqa: E402
 
 from controller.group import LocalGroup, free_ports, group_config  # noqa: E402
 
@@ -56,54 +71,67 @@ KIND = {"wan_t2v": "video", "wan_i2v": "video", "qwen_t2i": "image", "qwen_i2i":
 # Default request geometry: tiny models on a CPU, real sizes with --arch.
 TINY_SIZE = {"wan_t2v": (32, 32, 9), "qwen_t2i": (64, 64, 1)}
 REAL_SIZE = {"wan_t2v": (480, 832, 81), "qwen_t2i": (1024, 1024, 1)}
-STAGES = (("encoder", "compute", "enc"), ("transformer", "compute", "DiT"),
-          ("decoder", "compute", "VAE"), ("decoder", "encode_media", "media"))
 
 
 # ------------------------------------------------------------------------------- groups
-def _server(cfg: Mapping[str, Any], metric_port: int) -> dict[str, Any]:
-    return {"server": {**cfg["server"], "metric_port": metric_port}}
+@dataclass
+class Deployment:
+    """A started mode: its processes, the front doors clients use, the metrics endpoints."""
+
+    group: LocalGroup
+    urls: list[str]
+    endpoints: list[Endpoint]
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+
+def wait_health(group: LocalGroup, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        group.check_alive()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"front door {url} did not answer within {timeout} s")
 
 
 @contextlib.contextmanager
-def running(mode: str, cfg: dict[str, Any], workdir: Path, counts: tuple[int, int, int],
-            timeout: float) -> Iterator[tuple[LocalGroup, list[str]]]:
-    """Start a baseline or a disaggregated group; yields it and its metrics URLs."""
+def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[str, int]],
+            devices: list[str], timeout: float) -> Iterator[Deployment]:
+    """Start a baseline (one ``--service all`` replica per device) or a disaggregated group
+    (a controller and ``workers``: (role, device index)); yields it once all of it is up."""
     group = LocalGroup(cfg, workdir)
-    metrics: list[str] = []
+    host = cfg["server"]["host"]
+    urls: list[str] = []
+    endpoints: list[Endpoint] = []
     try:
         if mode == "baseline":
-            (port,) = free_ports(1)
-            group.start("all", _server(cfg, port))
-            metrics.append(f"http://127.0.0.1:{port}/metrics")
-            group.wait_http(timeout=timeout)
+            # Replica 0 keeps the config's port (group.url); each has its own results folder
+            # (the task journal lives there).
+            ports = [cfg["server"]["port"], *free_ports(len(devices) - 1, host)]
+            for i, (dev, port) in enumerate(zip(devices, ports, strict=True)):
+                (mport,) = free_ports(1, host)
+                group.start("all", {"device": dev, "output_dir": str(workdir / f"results-{i}"),
+                                    "server": {"port": port, "metric_port": mport}})
+                urls.append(f"http://{host}:{port}")
+                endpoints.append(Endpoint(f"http://{host}:{mport}/metrics", "all", i))
+            for url in urls:
+                wait_health(group, url, timeout)
         else:
             group.start("controller")
             group.wait_http(timeout=120)
-            roles = {"encoder": counts[0], "transformer": counts[1], "decoder": counts[2]}
-            for role, n in roles.items():
-                for port in free_ports(n):
-                    group.start(role, _server(cfg, port))
-                    metrics.append(f"http://127.0.0.1:{port}/metrics")
-            group.wait_workers(roles, timeout=timeout)
-        yield group, metrics
+            urls.append(group.url)
+            for role, index in workers:
+                (mport,) = free_ports(1, host)
+                group.start(role, {"device": devices[index], "server": {"metric_port": mport}})
+                endpoints.append(Endpoint(f"http://{host}:{mport}/metrics", role, index))
+            group.wait_workers(layout.counts(workers), timeout=timeout)
+        yield Deployment(group, urls, endpoints)
     finally:
         group.stop(timeout=120)
-
-
-def scrape(urls: list[str]) -> dict[tuple[str, str], float]:
-    """Sum of ``diffring_stage_seconds`` per (role, step) over all endpoints."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[tuple[str, str], float] = {}
-    for url in urls:
-        text = httpx.get(url, timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "diffring_stage_seconds_sum":
-                    key = (s.labels["role"], s.labels["step"])
-                    out[key] = out.get(key, 0.0) + s.value
-    return out
 
 
 # ------------------------------------------------------------------------------- load
@@ -123,15 +151,9 @@ def post(url: str, kind: str, body: Mapping[str, Any], timeout: float) -> dict[s
         time.sleep(0.02)
 
 
-def percentile(values: list[float], q: float) -> float:
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values), q))
-
-
-def run_level(url: str, kind: str, body: dict[str, Any], conc: int, n: int, metrics: list[str],
-              counts: dict[str, int], timeout: float, seed0: int) -> dict[str, Any]:
-    before = scrape(metrics)
+def closed_loop(urls: list[str], kind: str, body: Mapping[str, Any], conc: int, n: int,
+                timeout: float, seed0: int, prompt: str) -> list[dict[str, Any]]:
+    """``n`` requests, ``conc`` in flight; request i goes to ``urls[i % len(urls)]``."""
     lock = threading.Lock()
     next_index = [0]
     statuses: list[dict[str, Any]] = []
@@ -143,29 +165,38 @@ def run_level(url: str, kind: str, body: dict[str, Any], conc: int, n: int, metr
                 if i >= n:
                     return
                 next_index[0] += 1
-            st = post(url, kind, {**body, "prompt": f"bench request {seed0 + i}",
-                                  "seed": seed0 + i}, timeout)
+            st = post(urls[i % len(urls)], kind,
+                      {**body, "prompt": f"{prompt} {seed0 + i}", "seed": seed0 + i}, timeout)
             with lock:
                 statuses.append(st)
 
     with ThreadPoolExecutor(conc) as pool:
         for fut in [pool.submit(client) for _ in range(conc)]:
             fut.result()
-    after = scrape(metrics)
+    return statuses
+
+
+def percentile(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values), q))
+
+
+def run_level(dep: Deployment, urls: list[str], kind: str, body: dict[str, Any], conc: int,
+              n: int, active: list[int], n_devices: int, timeout: float,
+              seed0: int) -> dict[str, Any]:
+    before = scrape(dep.endpoints)
+    statuses = closed_loop(urls, kind, body, conc, n, timeout, seed0, "bench request")
+    after = scrape(dep.endpoints)
     created = [s["created_at"] for s in statuses]
     ended = [s["end_time"] for s in statuses]
     lat = sorted(e - c for c, e in zip(created, ended, strict=True))
     wall = max(ended) - min(created)
-    busy = {}
-    for role, step, label in STAGES:
-        spent = after.get((role, step), 0.0) - before.get((role, step), 0.0)
-        busy[label] = spent / (wall * max(1, counts[role]))
     return {
         "concurrency": conc, "requests": n, "wall_s": wall, "qps": n / wall,
         "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95), "p99_s": percentile(lat, 99),
-        "busy": busy, "latencies_s": lat,
-        "stage_seconds": {f"{r}/{s}": after.get((r, s), 0.0) - before.get((r, s), 0.0)
-                          for r, s in sorted(set(after) | set(before))},
+        "mean_s": statistics.fmean(lat), "latencies_s": lat,
+        **level_stats(dep.endpoints, before, after, active, wall, n_devices),
     }
 
 
@@ -184,113 +215,65 @@ def fetch_pixels(url: str, task_id: str, kind: str) -> Any:
     return read_mp4(data)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Where a run's services go: its devices and the disaggregated workers' placement."""
+
+    devices: list[str]
+    workers: list[tuple[str, int]]
+    scale_out: bool
+
+
+def _level_log(mode: str, row: dict[str, Any]) -> None:
+    dits = " ".join("-" if b is None else f"{b:.0%}" for b in row["dit_busy_by_device"])
+    log(f"{row.get('label', mode)} N={row['concurrency']}: {row['requests']} requests, "
+        f"QPS {row['qps']:.3f}, P50 {row['p50_s']:.2f} s, DiT busy {row['busy']['DiT']:.1%} "
+        f"(by device: {dits})")
+
+
 def run_mode(mode: str, args: argparse.Namespace, cfg: dict[str, Any], body: dict[str, Any],
-             levels: list[tuple[int, int]], log_dir: Path) -> dict[str, Any]:
+             levels: list[tuple[int, int]], log_dir: Path, plan: Plan) -> dict[str, Any]:
     kind = KIND[args.pipeline]
-    counts = {"encoder": args.encoders, "transformer": args.transformers,
-              "decoder": args.decoders}
-    if mode == "baseline":
-        counts = dict.fromkeys(counts, 1)
+    g = len(plan.devices)
+    counts = dict.fromkeys(layout.ROLES, g) if mode == "baseline" else layout.counts(
+        plan.workers)
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-", dir=args.workdir))
     t0 = time.perf_counter()
     out: dict[str, Any] = {"mode": mode, "workers": counts, "levels": []}
-    with running(mode, cfg, workdir, (args.encoders, args.transformers, args.decoders),
-                 args.start_timeout) as (group, metrics):
+    probe = None
+    with running(mode, cfg, workdir, plan.workers, plan.devices,
+                 args.start_timeout) as dep:
         out["start_s"] = time.perf_counter() - t0
         log(f"{mode}: ready in {out['start_s']:.1f} s; warm-up x{args.warmup}")
-        probe = None
-        for i in range(args.warmup):
+        if args.warmup > 0:
             # The first warm-up request has a fixed seed: its output is compared across modes.
-            st = post(group.url, kind, {**body, "prompt": "bench fidelity probe", "seed": 7},
-                      args.request_timeout) if i == 0 else post(
-                group.url, kind, {**body, "prompt": f"warm-up {i}", "seed": 1000 + i},
-                args.request_timeout)
-            if i == 0:
-                probe = fetch_pixels(group.url, st["task_id"], kind)
-        for conc, n in levels:
-            group.check_alive()
-            row = run_level(group.url, kind, body, conc, n, metrics, counts,
-                            args.request_timeout, seed0=conc * 1000)
-            log(f"{mode} N={conc}: {n} requests, QPS {row['qps']:.3f}, "
-                f"P50 {row['p50_s']:.2f} s, DiT busy {row['busy']['DiT']:.1%}")
+            st = post(dep.url, kind, {**body, "prompt": "bench fidelity probe", "seed": 7},
+                      args.request_timeout)
+            probe = fetch_pixels(dep.url, st["task_id"], kind)
+            # The rest: --warmup per replica / per DiT worker, as many at once, so that each
+            # one has run a request before the levels (the probe went to replica 0).
+            width = len(dep.urls) if mode == "baseline" else counts["transformer"]
+            if args.warmup * width > 1:
+                closed_loop(dep.urls[1:] + dep.urls[:1], kind, body, width,
+                            args.warmup * width - 1, args.request_timeout, 1000, "warm-up")
+        everyone = list(range(len(dep.endpoints)))
+        if plan.scale_out and mode == "baseline" and args.single_qps is None:
+            row = run_level(dep, [dep.url], kind, body, 2, args.single_requests, [0], g,
+                            args.request_timeout, seed0=500)
+            row.update(single=True, label="baseline x1")
+            _level_log(mode, row)
             out["levels"].append(row)
-    for svc in group.services:
+        for conc, n in levels:
+            dep.group.check_alive()
+            row = run_level(dep, dep.urls, kind, body, conc, n, everyone, g,
+                            args.request_timeout, seed0=conc * 1000)
+            _level_log(mode, row)
+            out["levels"].append(row)
+    for svc in dep.group.services:
         dest = log_dir / f"{mode}-{svc.log_path.name}"
         dest.write_bytes(svc.log_path.read_bytes())
     out["probe"] = probe
     return out
-
-
-# ------------------------------------------------------------------------------- report
-def table(results: list[dict[str, Any]]) -> str:
-    head = ("| mode | N | requests | QPS | P50 s | P95 s | P99 s | enc busy | DiT busy | "
-            "VAE busy | media busy |")
-    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    for res in results:
-        for row in res["levels"]:
-            b = row["busy"]
-            lines.append(
-                f"| {res['label']} | {row['concurrency']} | {row['requests']} | "
-                f"{row['qps']:.3f} | {row['p50_s']:.2f} | {row['p95_s']:.2f} | "
-                f"{row['p99_s']:.2f} | {b['enc']:.0%} | {b['DiT']:.0%} | {b['VAE']:.0%} | "
-                f"{b['media']:.0%} |")
-    if len(results) == 2:
-        base, dis = results
-        for rb, rd in zip(base["levels"], dis["levels"], strict=True):
-            lines.append(
-                f"| **ratio** disagg/baseline | {rb['concurrency']} | | "
-                f"**{rd['qps'] / rb['qps']:.2f}** | {rd['p50_s'] / rb['p50_s']:.2f} | "
-                f"{rd['p95_s'] / rb['p95_s']:.2f} | {rd['p99_s'] / rb['p99_s']:.2f} | | | | |")
-    return "\n".join(lines)
-
-
-def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_qps, ax_p95) = plt.subplots(1, 2, figsize=(10, 4))
-    for res in results:
-        ns = [r["concurrency"] for r in res["levels"]]
-        ax_qps.plot(ns, [r["qps"] for r in res["levels"]], marker="o", label=res["label"])
-        ax_p95.plot(ns, [r["p95_s"] for r in res["levels"]], marker="o", label=res["label"])
-    for ax, name in ((ax_qps, "QPS (requests / s)"), (ax_p95, "P95 latency (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("N concurrent requests")
-        ax.set_ylabel(name)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def environment(args: argparse.Namespace) -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                            "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if args.device.startswith("cuda") and torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except Exception as exc:
-        info["torch_error"] = repr(exc)
-    with contextlib.suppress(Exception):
-        import av
-
-        info["av"] = av.__version__
-    with contextlib.suppress(Exception):
-        # Only when this checkout is itself a repository (a copied tree inside another
-        # repository would report that one's commit).
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=ROOT,
-                             capture_output=True, text=True).stdout.strip()
-        if top and Path(top).resolve() == ROOT:
-            info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                         capture_output=True, text=True).stdout.strip()
-    return info
 
 
 def log(msg: str) -> None:
@@ -308,16 +291,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="build a real-size random-weight model of this architecture")
     ap.add_argument("--arch-dir", type=Path, default=Path("/tmp/diffring-real"))
     ap.add_argument("--layers", type=int, help="--arch: DiT depth (default: the published)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (with --gpus: the "
+                    "first of G)")
+    ap.add_argument("--gpus", type=int, help="scale out over G devices: cuda:N..cuda:N+G-1 "
+                    "from --device cuda:N, or G x cpu from --device cpu")
+    ap.add_argument("--devices", help="scale out over these devices, e.g. cuda:0,cuda:1 or "
+                    "cpu,cpu (instead of --gpus)")
+    ap.add_argument("--placement", help="scale-out: the disaggregated workers per device "
+                    "index, e.g. '0:e+d,1-7:t' (default: 0:e+t+d, one t on each other device; "
+                    "see scripts/bench_serving_layout.py)")
+    ap.add_argument("--single-qps", type=float, help="scale-out: the one-replica baseline QPS "
+                    "to compute the efficiency against, instead of measuring it")
+    ap.add_argument("--single-requests", type=int, default=4,
+                    help="scale-out: requests of the one-replica baseline level (at N = 2)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, else float32")
     ap.add_argument("--modes", default="baseline,disagg")
-    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--concurrency", help="N per level (default 1,2,4,8; scale-out: G,2G,4G)")
     ap.add_argument("--requests", default="auto",
                     help="requests per level: a list matching --concurrency, or 'auto' "
                          "(2N, at least 2)")
-    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests per mode")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="warm-up requests per mode and per replica / DiT worker")
     ap.add_argument("--encoders", type=int, default=1)
-    ap.add_argument("--transformers", type=int, default=1)
+    ap.add_argument("--transformers", type=int, default=1,
+                    help="DiT workers (scale-out: per device)")
     ap.add_argument("--decoders", type=int, default=1)
     ap.add_argument("--height", type=int)
     ap.add_argument("--width", type=int)
@@ -334,15 +331,77 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Devices and placement from the command line; refuses a GPU run asking for more CUDA
+    devices than the machine has before anything is built or started."""
+    devices = layout.device_list(args.device, args.gpus, args.devices)
+    scale_out = args.gpus is not None or args.devices is not None or args.placement is not None
+    layout.check_devices(devices)
+    if args.single_requests < 2:
+        raise SystemExit("--single-requests must be at least 2")
+    if args.single_qps is not None and args.single_qps <= 0:
+        raise SystemExit("--single-qps must be a positive QPS")
+    spec = args.placement or layout.default_placement(
+        len(devices), args.encoders, args.transformers, args.decoders)
+    return Plan(devices, layout.parse_placement(spec, len(devices)), scale_out)
+
+
+def build_model(args: argparse.Namespace, device: str, dtype: str) -> tuple[Path, Any]:
+    if args.model_path is not None:
+        return args.model_path, None
+    if not args.arch:
+        import make_tiny_models
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return make_tiny_models.build_task(args.models, args.pipeline, seed=0), None
+    model = args.arch_dir / (args.arch + (f"-l{args.layers}" if args.layers else ""))
+    log(f"building {args.arch} in {model} on {device} ({dtype})")
+    # In a child process: the builder's GPU memory is gone before the services start.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "real_models.py"), "--arch", args.arch,
+         "--out", str(model), "--device", device, "--dtype", dtype]
+        + (["--layers", str(args.layers)] if args.layers else []),
+        capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"building {args.arch} failed:\n{proc.stderr[-3000:]}")
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    log(f"built: {built}")
+    return model, built
+
+
+def efficiency(results: list[dict[str, Any]], plan: Plan,
+               given: float | None) -> dict[str, Any] | None:
+    """The one-replica QPS (given, or the baseline's measured level) and each other row's
+    QPS over G x it, written into the rows."""
+    qps, source = given, "--single-qps"
+    if qps is None:
+        rows = [r for res in results for r in res["levels"] if r.get("single")]
+        if not rows:
+            log("no one-replica baseline (mode baseline not run, no --single-qps): no efficiency")
+            return None
+        qps, source = rows[0]["qps"], "measured (baseline x1 row)"
+    reference = len(plan.devices) * qps
+    for res in results:
+        for row in res["levels"]:
+            if not row.get("single"):
+                row["efficiency"] = row["qps"] / reference
+    return {"single_replica_qps": qps, "source": source, "devices": len(plan.devices),
+            "reference_qps": reference}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    plan = make_plan(args)
+    g = len(plan.devices)
     if args.arch:
         import real_models
 
         args.pipeline = args.pipeline or real_models.PIPELINE[args.arch]
     args.pipeline = args.pipeline or "qwen_t2i"
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    conc = [int(c) for c in args.concurrency.split(",")]
+    device = plan.devices[0]
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    default_conc = f"{g},{2 * g},{4 * g}" if plan.scale_out else "1,2,4,8"
+    conc = [int(c) for c in (args.concurrency or default_conc).split(",")]
     if args.requests == "auto":
         reqs = [max(2, 2 * c) for c in conc]
     else:
@@ -353,30 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-
-    built: dict[str, Any] | None = None
-    if args.model_path is not None:
-        model = args.model_path
-    elif args.arch:
-        import real_models
-
-        model = args.arch_dir / (args.arch + (f"-l{args.layers}" if args.layers else ""))
-        log(f"building {args.arch} in {model} on {args.device} ({dtype})")
-        # In a child process: the builder's GPU memory is gone before the services start.
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "real_models.py"), "--arch", args.arch,
-             "--out", str(model), "--device", args.device, "--dtype", dtype]
-            + (["--layers", str(args.layers)] if args.layers else []),
-            capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"building {args.arch} failed:\n{proc.stderr[-3000:]}")
-        built = json.loads(proc.stdout.strip().splitlines()[-1])
-        log(f"built: {built}")
-    else:
-        import make_tiny_models
-
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        model = make_tiny_models.build_task(args.models, args.pipeline, seed=0)
+    model, built = build_model(args, device, dtype)
 
     sizes = REAL_SIZE if args.arch else TINY_SIZE
     height, width, frames = sizes[args.pipeline]
@@ -385,45 +421,57 @@ def main(argv: list[str] | None = None) -> int:
     body: dict[str, Any] = {"height": height, "width": width, "infer_steps": args.steps}
     if KIND[args.pipeline] == "video":
         body.update(target_video_length=frames, target_fps=16)
-    overrides: dict[str, Any] = {"device": args.device, "dtype": dtype}
+    overrides: dict[str, Any] = {"device": device, "dtype": dtype}
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
 
     results = []
     log_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
+    counts = layout.counts(plan.workers)
     for mode in args.modes.split(","):
         workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-cfg-", dir=args.workdir))
         cfg = group_config(args.pipeline, str(model), workdir, **overrides)
-        res = run_mode(mode, args, cfg, body, levels, log_dir)
-        workers = "" if mode == "baseline" else (
-            f" {args.encoders}/{args.transformers}/{args.decoders}")
-        res["label"] = ("baseline" if mode == "baseline" else "disagg") + workers
+        res = run_mode(mode, args, cfg, body, levels, log_dir, plan)
+        if mode == "baseline":
+            res["label"] = f"baseline x{g}" if plan.scale_out else "baseline"
+        else:
+            res["label"] = "disagg " + "/".join(str(counts[r]) for r in layout.ROLES)
         results.append(res)
 
     fidelity = None
-    probes = [r.pop("probe") for r in results]
-    if len(probes) == 2 and probes[0] is not None and probes[1] is not None:
+    probes = {r["mode"]: r.pop("probe") for r in results}
+    if probes.get("baseline") is not None and probes.get("disagg") is not None:
         import numpy as np
 
-        a, b = (np.asarray(p, dtype=np.int16) for p in probes)
+        a, b = (np.asarray(probes[m], dtype=np.int16) for m in ("baseline", "disagg"))
         fidelity = {"same_shape": a.shape == b.shape,
                     "max_abs_diff": int(np.abs(a - b).max()) if a.shape == b.shape else None,
                     "equal": bool(a.shape == b.shape and np.array_equal(a, b))}
+    scaling = efficiency(results, plan, args.single_qps) if plan.scale_out else None
     title = (f"{args.arch or args.pipeline} {height}x{width}"
              + (f"x{frames}" if KIND[args.pipeline] == "video" else "")
-             + f", {args.steps} steps, {args.device} {dtype}")
-    md = f"{title}\n\n{table(results)}\n"
+             + f", {args.steps} steps, {device} {dtype}")
+    if plan.scale_out:
+        title += (f"; {g} devices ({', '.join(f'd{i}={d}' for i, d in enumerate(plan.devices))})"
+                  f"; disagg: {layout.describe(plan.workers)}")
+    md = f"{title}\n\n{table(results, plan.devices if plan.scale_out else None)}\n"
+    if scaling is not None:
+        md += (f"\neff = QPS / ({g} x {scaling['single_replica_qps']:.3f}), one-replica "
+               f"baseline QPS {scaling['source']}\n")
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "title": title, "pipeline": args.pipeline, "model": str(model), "built": built,
         "request": body, "config_overrides": overrides, "levels": levels,
-        "environment": environment(args), "results": results, "fidelity_probe": fidelity,
+        "devices": plan.devices, "placement": plan.workers, "scaling": scaling,
+        "environment": environment(plan.devices), "results": results,
+        "fidelity_probe": fidelity,
     }
     (args.out / "bench_serving.json").write_text(json.dumps(report, indent=1, default=str))
     (args.out / "bench_serving.md").write_text(md)
     try:
-        plot(results, args.out / "bench_serving.png", title)
+        plot(results, args.out / "bench_serving.png", title,
+             scaling["reference_qps"] if scaling else None)
     except ImportError as exc:
         log(f"no plot: {exc} (pip install matplotlib)")
     if args.keep_logs:
