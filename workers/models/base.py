@@ -131,6 +131,13 @@ class StageAdapter(ABC):
         overrides this)."""
         self.device = resolve_device(self.device_name)
         self.dtype = resolve_dtype(self.dtype_name)
+        if self.device.type == "cuda":
+            import torch
+
+            # One process serves one device: make it the current one, so that what follows
+            # the current device rather than a tensor's (pinned host buffers, Triton kernels
+            # such as sage_attn's, new CUDA streams) does not land on GPU 0 of a cuda:3 worker.
+            torch.cuda.set_device(self.device)
 
     @abstractmethod
     def _load(self) -> None:
