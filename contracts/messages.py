@@ -44,10 +44,11 @@ attempt counts against the task's retry budget.
 
 Doorbell channel (a worker's second connection to the control port, handshake extra
 ``channel: "doorbell"``; it never registers, and carries only)
-    wait      {ring, timeout_s}                     -> {wake: bool}
+    wait      {ring, timeout_s, ticket}             -> {wake: bool}
   answered when ``ring`` holds a published item (at once if it already does), or with
   ``wake: False`` after ``timeout_s``. A wake-up is a hint: the worker still claims through
-  the ring.
+  the ring. ``ticket``: the pop ticket (ring position) the worker holds, or None; the
+  holder of a published position is woken first.
 
 Leases: a claim starts a lease on the task for the claiming worker; heartbeats renew every
 lease the worker holds; a handoff, completion or failure ends it. A lease that expires, or

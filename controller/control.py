@@ -194,7 +194,8 @@ class ControlServer:
                 if self.doorbell is None:
                     raise ControlError("this controller has no doorbell")
                 waiting = asyncio.ensure_future(
-                    self.doorbell.wait(str(msg["ring"]), float(msg["timeout_s"]), wake)
+                    self.doorbell.wait(str(msg["ring"]), float(msg["timeout_s"]), wake,
+                                       _ticket(msg.get("ticket")))
                 )
                 # The worker sends nothing while it waits: anything read now is the
                 # connection ending (a stopped worker), and its waiter must go at once,
@@ -298,3 +299,12 @@ class ControlServer:
 
 def _opt_str(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _ticket(value: Any) -> int | None:
+    """A wait's ``ticket``: a ring position, or None (absent: the worker holds none)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"ticket must be a ring position (int >= 0), got {value!r}")
+    return value

@@ -394,6 +394,13 @@ class Ring:
             delay = self._backoff(delay)
 
     # -- consumer ------------------------------------------------------------------------
+    @property
+    def pop_ticket(self) -> int | None:
+        """The position of the pop ticket this peer holds and has not claimed yet (an idle
+        consumer keeps the ticket it took on an empty ring), None when it holds none."""
+        q = self._ticket[POP]
+        return q if q >= 0 else None
+
     def try_pop(self) -> dict[str, Any] | None:
         """Pop the oldest published item, or None when there is none right now."""
         me = self.me

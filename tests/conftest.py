@@ -117,6 +117,7 @@ def start_controller(
     try:
         for port in ports.values():
             wait_port(port, proc)
+        wait_port(d["control_port"], proc)  # opened after the rings (and the task store)
     except Exception:
         stop(proc)
         raise RuntimeError(f"controller did not start:\n{log_path.read_text()}") from None

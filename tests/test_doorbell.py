@@ -39,6 +39,43 @@ def local_ring(name: str) -> Ring:
     return Ring(LocalVerbs(Region(RingLayout(name, 4, 256)), HOLDER_LOCAL))
 
 
+def test_doorbell_wakes_the_holder_of_the_published_position() -> None:
+    """Idle consumers keep the pop ticket they took on an empty ring, so a pushed item is
+    claimable only by the holder of its position: that waiter is woken, not the oldest (with
+    many idle workers, waking the oldest cost seconds: the host had to give the ticket up)."""
+    region = Region(RingLayout("request", 4, 256))
+    producer = Ring(LocalVerbs(region, HOLDER_LOCAL))
+    a, b = (Ring(LocalVerbs(region, peer)) for peer in (11, 12))
+    assert a.try_pop() is None and b.try_pop() is None  # each now holds a ticket
+    assert a.pop_ticket is not None and b.pop_ticket == a.pop_ticket + 1
+    bell = Doorbell({"request": region_verbs(region)})
+
+    async def scenario() -> None:
+        told: list[str] = []
+        # b waits first (the oldest), a holds the position the next push lands at.
+        wb = asyncio.create_task(bell.wait("request", 5, lambda: told.append("b"), b.pop_ticket))
+        await asyncio.sleep(0.01)
+        wa = asyncio.create_task(bell.wait("request", 5, lambda: told.append("a"), a.pop_ticket))
+        await asyncio.sleep(0.01)
+        producer.push({"id": 1})
+        assert bell.ring("request") == 1 and told == ["a"]
+        await asyncio.sleep(0.01)
+        assert wa.done() and not wb.done()
+        assert a.try_pop() == {"id": 1}  # the woken worker claims it at once
+        # A wait that arrives with the position already published returns at once; one
+        # holding another position keeps waiting.
+        producer.push({"id": 2})
+        assert await asyncio.wait_for(bell.wait("request", 5, None, b.pop_ticket), 1) is True
+        assert await bell.wait("request", 0.05, None, (b.pop_ticket or 0) + 7) is False
+        wb.cancel()
+
+    asyncio.run(scenario())
+
+
+def region_verbs(region: Region) -> LocalVerbs:
+    return LocalVerbs(region, HOLDER_LOCAL)
+
+
 def test_doorbell_wakes_one_waiter_per_item_oldest_first() -> None:
     rings = {n: local_ring(n) for n in ("request", "phase1")}
     bell = Doorbell({n: r.verbs for n, r in rings.items()})

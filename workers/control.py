@@ -133,10 +133,11 @@ class DoorbellClient:
             raise
         self._sock = sock
 
-    def wait(self, ring: str, timeout_s: float) -> bool | None:
+    def wait(self, ring: str, timeout_s: float, ticket: int | None = None) -> bool | None:
         """Block until the controller says ``ring`` has work (True), ``timeout_s`` passes
         (False), or :meth:`interrupt` (None: the connection is closed; the worker is
-        stopping).
+        stopping). ``ticket``: the pop ticket this worker holds on ``ring`` (the controller
+        wakes the holder of a published position first).
 
         The controller answers every wait by ``timeout_s``; one that has not answered
         ``REPLY_SLACK_S`` later is busy, not gone (its connections tell that): this returns
@@ -150,7 +151,8 @@ class DoorbellClient:
                 self._seq += 1
                 sock.settimeout(self.timeout)
                 sock.sendall(wire.pack_msg({"op": Op.WAIT.value, "seq": self._seq,
-                                            "ring": ring, "timeout_s": timeout_s}))
+                                            "ring": ring, "timeout_s": timeout_s,
+                                            "ticket": ticket}))
                 self._owed = True
             ready, _, _ = select.select([sock, self._wake_r], [], [],
                                         timeout_s + REPLY_SLACK_S)

@@ -375,7 +375,8 @@ class StageWorker:
             self._false_wakes = min(self._false_wakes + 1, 16)
             return
         try:
-            woke = self.doorbell.wait(self.in_ring.name, IDLE_WAIT_S)
+            woke = self.doorbell.wait(self.in_ring.name, IDLE_WAIT_S,
+                                      self.in_ring.pop_ticket)
         except ControlRefused as exc:
             log.warning("worker %s: no doorbell (%s); polling the ring instead", self.name, exc)
             self._no_doorbell = True
