@@ -51,10 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controller.group import free_ports  # noqa: E402
-from rings.layout import RingLayout  # noqa: E402
-from rings.ring import Ring  # noqa: E402
 from rings.soak import stop_process  # noqa: E402
-from rings.verbs import connect  # noqa: E402
 
 TOKEN = "bench-claim-latency-token"
 SLOTS, SLOT_SIZE = 256, 4096
@@ -63,7 +60,7 @@ CONNECTIONS = 16
 NICE = 0  # set from --nice
 
 
-def _prober(port: int, stop: Any, ready: Any, out: Any, nice: int) -> None:
+def _prober(repo: str, port: int, stop: Any, ready: Any, out: Any, nice: int) -> None:
     """Open loop with concurrency: a claim falls due every PERIOD_S whether or not earlier
     ones were answered, and any of CONNECTIONS peers takes it; its latency runs from when it
     fell due to its won CAS. A closed loop (next claim when the last returns) would record a
@@ -72,6 +69,15 @@ def _prober(port: int, stop: Any, ready: Any, out: Any, nice: int) -> None:
     waits for it, and no longer."""
     if nice:
         os.nice(nice)
+    # The ring client of the tree under test: the ring layout changed between trees (v1 ->
+    # v2 tickets), and a host refuses a peer of another layout version.
+    for name in [m for m in sys.modules if m == "rings" or m.startswith("rings.")]:
+        del sys.modules[name]
+    sys.path.insert(0, repo)
+    from rings.layout import RingLayout
+    from rings.ring import Ring
+    from rings.verbs import connect
+
     due_q: queue.SimpleQueue[float | None] = queue.SimpleQueue()
     samples: list[tuple[float, float]] = []
     lock = threading.Lock()
@@ -202,7 +208,8 @@ def one_round(repo: Path, images: list[str], quiet_s: float, hide_httptools: boo
         url = f"http://127.0.0.1:{ports['http']}"
         ctx = mp.get_context("spawn")
         stop, ready, q = ctx.Event(), ctx.Event(), ctx.Queue()
-        prober = ctx.Process(target=_prober, args=(ports["request"], stop, ready, q, NICE))
+        prober = ctx.Process(target=_prober,
+                             args=(str(repo), ports["request"], stop, ready, q, NICE))
         try:
             _wait_http(url, proc, log)
             prober.start()
