@@ -11,9 +11,11 @@ import base64
 import contextlib
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -170,21 +172,37 @@ def read_events(url: str, task_id: str) -> list[tuple[str, dict[str, Any]]]:
 
 def test_task_events_stream_stages_steps_and_completion(t2i: tuple[LocalGroup, int]) -> None:
     group, _ = t2i
-    r = httpx.post(f"{group.url}/v1/tasks/image/", json={
-        "prompt": "events", "height": 32, "width": 32, "infer_steps": 4, "task_id": "ev-1"})
-    assert r.status_code == 200
-    events = read_events(group.url, "ev-1")
+    # The transformers are held (SIGSTOP) until the stream is open, so the task is waiting
+    # in phase1 when it opens and every later event must come through it, in order (a tiny
+    # model otherwise finishes before a client can connect).
+    transformers = [svc.proc.pid for svc in group.services if svc.role == "transformer"]
+    for pid in transformers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        r = httpx.post(f"{group.url}/v1/tasks/image/", json={
+            "prompt": "events", "height": 32, "width": 32, "infer_steps": 4,
+            "task_id": "ev-1"})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{group.url}/v1/tasks/ev-1/status").json()["stage"] != "phase1":
+            assert time.monotonic() < deadline, "the task never reached phase1"
+            time.sleep(0.05)
+        release = threading.Timer(
+            0.5, lambda: [os.kill(pid, signal.SIGCONT) for pid in transformers])
+        release.start()
+        events = read_events(group.url, "ev-1")
+        release.join()
+    finally:
+        for pid in transformers:
+            os.kill(pid, signal.SIGCONT)
     names = [name for name, _ in events]
     assert names[0] == "status" and names[-1] == "completed", names
-    steps = [(d["step"], d["steps"]) for name, d in events if name == "progress"]
-    # Every step after the one the stream opened at, in order (steps are reported off the
-    # denoising loop, so a fast one may be at step 3 before the stream opens).
-    opened_at = int(events[0][1].get("step") or 0)
-    assert steps == [(s, 4) for s in range(opened_at + 1, 5)], events
-    # The stream opens with the task's status, then one event per stage change; idle
-    # workers wake within milliseconds, so the task may be denoising before it opens.
+    # The stream opens with the task's status, then one event per stage change and one per
+    # denoising step.
     stages = [d["stage"] for name, d in events if name in ("status", "stage")]
-    assert stages[-3:] == ["denoising", "phase2", "decoding"], stages
+    assert stages == ["phase1", "denoising", "phase2", "decoding"], stages
+    steps = [(d["step"], d["steps"]) for name, d in events if name == "progress"]
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)], events
     done = events[-1][1]
     assert done["result_url"] == f"{group.url}/v1/tasks/ev-1/result"
     assert png(httpx.get(done["result_url"]).content).size == (32, 32)
