@@ -485,15 +485,14 @@ class TaskTable:
         return True
 
     def held_by(self, worker_id: int) -> list[Task]:
-        return [
-            t for t in self.tasks.values() if t.worker_id == worker_id and t.stage not in TERMINAL
-        ]
+        # Only unfinished tasks are in self.tasks (_finished moves them out).
+        return [t for t in self.tasks.values() if t.worker_id == worker_id]
 
     def expired(self, now: float) -> list[Task]:
         return [
             t
-            for t in list(self.tasks.values())
-            if t.lease_expires is not None and t.lease_expires < now and t.stage not in TERMINAL
+            for t in self.tasks.values()
+            if t.lease_expires is not None and t.lease_expires < now
         ]
 
     def renew(self, worker_id: int, lease_s: float) -> None:

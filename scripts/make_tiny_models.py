@@ -161,24 +161,12 @@ def _qwen_pretokens(texts: Iterable[str]) -> list[str]:
 
 def _qwen_templates() -> list[tuple[str, int]]:
     """(prompt template, hidden states dropped) of diffusers' Qwen-Image and Qwen-Image-Edit
-    pipelines, read from bare pipeline objects so they match the installed diffusers."""
-    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+    pipelines, as the encoder stage reads them (so they match the installed diffusers)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from workers.models.qwen_text import prompt_template
 
-    t2i: Any = QwenImagePipeline(
-        scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
-    )
-    edit: Any = QwenImageEditPipeline(
-        scheduler=None,
-        vae=None,
-        text_encoder=None,
-        tokenizer=None,
-        processor=None,
-        transformer=None,
-    )
-    return [
-        (t2i.prompt_template_encode, t2i.prompt_template_encode_start_idx),
-        (edit.prompt_template_encode, edit.prompt_template_encode_start_idx),
-    ]
+    return [(t.template, t.drop) for t in (prompt_template(False), prompt_template(True))]
 
 
 def build_qwen_tokenizer() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -11,7 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -23,6 +24,25 @@ TOKEN = "test-cluster-token"
 
 from controller.group import free_ports  # noqa: E402
 from rings.soak import stop_process as stop  # noqa: E402
+
+if TYPE_CHECKING:
+    from controller.coordinator import Coordinator, WorkerInfo
+
+coordinators: list[Coordinator] = []
+"""Coordinators made in-process by a test: each has a task-store writer thread, closed after
+the test by :func:`_close_coordinators` (closing twice is harmless)."""
+
+
+@pytest.fixture(autouse=True)
+def _close_coordinators() -> Iterator[None]:
+    yield
+    while coordinators:
+        coordinators.pop().close()
+
+
+def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
+    """A decoder's completion of a PNG (a coroutine: the result file is written off the loop)."""
+    return asyncio.run(co.on_complete(w, tid, attempt, "png", "image/png", data))
 
 
 def run_controller_to_exit(

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,19 +10,11 @@ import pytest
 from controller.app import LocalQueue
 from controller.coordinator import Coordinator, QueueFull, WorkerInfo
 from controller.tasks import Stage, Task
+from tests.conftest import complete, coordinators
 
 REQ = {"task": "qwen_t2i", "prompt": "x"}
 
 
-_made: list[Coordinator] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_stores() -> Iterator[None]:
-    """Every coordinator a test made is closed after it (its store has a writer thread)."""
-    yield
-    while _made:
-        _made.pop().close()
 
 
 def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0) -> Coordinator:
@@ -37,12 +27,10 @@ def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0) -> C
         max_pending=16,
         journal=(tmp_path / ".journal") if tmp_path else None,
     )
-    _made.append(co)
+    coordinators.append(co)
     return co
 
 
-def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
-    return asyncio.run(co.on_complete(w, tid, attempt, "png", "image/png", data))
 
 
 def task(tid: str) -> Task:

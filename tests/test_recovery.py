@@ -4,9 +4,7 @@ controller.budget, controller.reconcile)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from controller.tasks import Stage, Task
 from rings.layout import HOLDER_LOCAL, RingLayout
 from rings.ring import Ring
 from rings.verbs import LocalVerbs, Region
+from tests.conftest import complete, coordinators
 
 PIPE = "qwen_t2i"
 
@@ -47,24 +46,12 @@ def make(tmp: Path, rings: Rings | None = None, lease: float = 10.0, **kw: objec
         pipeline=PIPE, request_ring=rings.local["request"], output_dir=tmp, lease_timeout_s=lease,
         heartbeat_interval_s=1.0, max_pending=64, journal=tmp / ".journal",
         census=lambda: census(rings.local), **kw)  # type: ignore[arg-type]
-    _made.append(co)
+    coordinators.append(co)
     return co
 
 
-_made: list[Coordinator] = []
 
 
-@pytest.fixture(autouse=True)
-def _close_coordinators() -> Iterator[None]:
-    """Stop every coordinator's store thread (a closed one closes again harmlessly)."""
-    yield
-    while _made:
-        _made.pop().close()
-
-
-def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
-    """A decoder's completion (a coroutine: the result file is written off the loop)."""
-    return asyncio.run(co.on_complete(w, tid, attempt, "png", "image/png", data))
 
 
 def workers(co: Coordinator) -> tuple[WorkerInfo, WorkerInfo, WorkerInfo]:
