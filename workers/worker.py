@@ -569,6 +569,7 @@ class StageWorker:
 
             torch.set_num_threads(self.cfg.torch_threads)
         self.stage.load()
+        self.metrics.watch_memory(self.stage)
 
     def adapter_options(self) -> dict[str, Any]:
         """Role-specific settings of the stage adapter."""

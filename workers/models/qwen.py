@@ -93,7 +93,7 @@ class QwenEncoder(EncoderAdapter):
                 "processor",
             )
             self.vae: Any = self._component(
-                lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.dtype, self.device),
+                lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.placement),
                 "vae",
             )
             self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
@@ -104,7 +104,7 @@ class QwenEncoder(EncoderAdapter):
             )
         self.text_encoder: Any = self._component(
             lambda p: load_transformers_model(
-                Qwen2_5_VLForConditionalGeneration, p, self.dtype, self.device
+                Qwen2_5_VLForConditionalGeneration, p, self.placement
             ),
             "text_encoder",
         )
@@ -154,7 +154,7 @@ class QwenEncoder(EncoderAdapter):
             return {}
         pixels = image[1]
         with torch.no_grad():
-            latents = self._image_latents(pixels.to(self.device, self.text_encoder.dtype))
+            latents = self._image_latents(pixels.to(self.device, self.dtype))
         return {"image_latents": latents}
 
     def _embeds(self, prompt: str, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +190,7 @@ class QwenEncoder(EncoderAdapter):
         kept = valid[self.drop :]
         if kept.shape[0] == 0:
             raise InvalidRequestError(f"{self.task} prompt left no tokens after the template cut")
-        embeds = kept.unsqueeze(0).to(dtype=self.text_encoder.dtype, device=self.device)
+        embeds = kept.unsqueeze(0).to(dtype=self.dtype, device=self.device)
         mask = torch.ones(1, kept.shape[0], dtype=torch.long, device=kept.device)
         return embeds, mask
 
@@ -212,7 +212,7 @@ class QwenTransformer(TransformerAdapter):
         self.text_sees_image = self.edit  # the VL prompt embeds the input image
         self.vae_scale_factor = _vae_scale_factor(self._config("vae"))  # config only
         self.transformer: Any = self._component(
-            lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.dtype, self.device),
+            lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.placement),
             "transformer",
         )
         self.scheduler: Any = self._component(load_scheduler, "scheduler")
@@ -502,7 +502,7 @@ class QwenDecoder(DecoderAdapter):
         from diffusers.image_processor import VaeImageProcessor
 
         self.vae: Any = self._component(
-            lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.dtype, self.device),
+            lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.placement),
             "vae",
         )
         self.image_processor = VaeImageProcessor(
