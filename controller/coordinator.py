@@ -13,7 +13,84 @@ Ownership without gaps
 At every instant each unfinished task is owned by the controller, by a ring slot, or by a
 worker's lease, and the owner is what puts it back in play when it fails:
 
-============================  ======================================  ============="""
+============================  ======================================  ====================
+stage (``controller.tasks``)  owner                                   if the owner fails
+============================  ======================================  ====================
+accepted                      the controller (``_requeue``)           task store (restart)
+queued / phase1 / phase2      an item of the current attempt in the   reconciliation
+                              stage's ring (``WAITING_RING``)
+encoding / denoising /        the lease of the worker that claimed    connection drop,
+decoding                      it                                      fatal report or
+                                                                      lease expiry
+============================  ======================================  ====================
+
+The windows, one by one (the fault point of :mod:`contracts.faults` that kills or fails a
+process inside each is named; ``tests/test_fault_points.py`` fires every one of them and
+``tests/test_recovery.py`` walks each window in-process):
+
+1. *Accepted, then queued.* ``submit`` adds the task to the table -- which hands its row,
+   input image included, to the task store's writer thread -- pushes it to the request ring
+   and marks it queued, in one turn of the event loop. The front door answers only once the
+   row is durable (:meth:`TaskTable.durable`), so an acknowledged task survives a restart
+   (7); a row the store cannot write cancels the task and refuses it (503). A full ring or
+   in-flight limit refuses it (429) and keeps nothing (the row is deleted again). A task put
+   back in play (2-7) is accepted again in a new attempt, its input image staged afresh (the
+   ended attempt's encoder may have freed it), and pushed at once -- or, the ring full, left
+   in ``_requeue`` and pushed at a later sweep.
+2. *Popped, claim not yet heard* (``worker.after_pop``). A consumer's pop frees the slot
+   before its ``claim`` message leaves, so for a moment nothing names the task. The gap is
+   closed by reconciliation (:meth:`Coordinator.reconcile`): every sweep the controller reads
+   the rings it hosts (:mod:`controller.reconcile`) and lists the (task, attempt) of every
+   item a consumer can still get (an ORPHANED item, re-offered by the host after its
+   consumer died or idled, counts). A task in a waiting stage, with no lease, whose current
+   attempt is in no such slot, is *missing*; missing for ``lease_timeout_s`` -- the implicit
+   lease of whoever popped it -- it is put back in play (a system fault: not counted). The
+   popper, if it lives, then claims an old attempt and is refused. The same check catches
+   every other way an item leaves its ring unclaimed: a consumer killed holding the slot
+   (the host frees it), a claim timed out, a payload corrupted so badly it cannot name its
+   task. The doorbell (:mod:`controller.doorbell`) that wakes idle consumers when an item is
+   pushed is only a hint: the item stays owned by its slot, so a lost or late ring delays a
+   task and never loses it.
+3. *Dropped item.* A worker that pops an item it cannot run (corrupt, wrong kind, malformed)
+   reports it (``dropped``). An item that names the task's current attempt, waiting for that
+   worker's role, puts the task back in play at once; one that names nothing is left to 2.
+4. *Claimed: the lease* (``worker.after_claim``, ``worker.stage``,
+   ``worker.before_publish``, ``control.drop``). From the claim to the handoff, completion or
+   failure, the task is the worker's; each heartbeat renews every lease the worker holds and
+   names the tasks that are no longer its own, which it stops (``on_heartbeat``). A dropped
+   control connection (crash, network) or a fatal error the worker reports revokes all its
+   leases at once (``on_gone``); a worker that stops heartbeating (hung, SIGSTOPped) loses
+   them when they expire (``sweep``). The attempt number then fences the old holder: its
+   progress, handoff, failure and result are refused, so a zombie never completes a task
+   twice. A result is refused even when its lease ends while the file is being written
+   (``decoder.result_write``; ``on_complete`` writes the file off the loop, records the
+   completion only if the lease still holds, and removes the file otherwise); completions of
+   one task are serialised, so only the winner's file stays. A decoder encoding its result
+   in the background (:mod:`workers.encode_pool`) keeps the lease until it reports.
+5. *Published, handoff in flight* (``worker.after_publish``). A producer publishes to the
+   next ring, then reports the handoff: meanwhile both its lease and the slot name the task
+   (an overlap, not a gap). The next stage may claim first (``CLAIMABLE_FROM``); the late
+   handoff is then ignored. A producer dying here loses its lease (4): the task is retried
+   and the published item, now of an old attempt, is refused at its claim.
+6. *Handed off, then the producer dies* (``transfer.pull``, ``transfer.read``). The item
+   names buffers that died with it: the consumer's pull fails, reports ``fault: transfer``,
+   and the task is retried; a producer that is gone does not count against the task (a
+   failure charged while it still looked alive is refunded when its connection drops).
+7. *Controller restart.* The rings live in the controller's memory and die with it, and
+   leases die with its connections. The task store brings back every accepted task (an older
+   controller's JSON-lines journal is imported into it once), the unfinished ones as
+   accepted in a new attempt (1), queued before the control channel opens; workers' old jobs
+   fail on their dead connections and they register again -- heard from again, they are no
+   longer held against the tasks they lost.
+
+A cancelled task leaves ownership with its last owner's consent: with no worker on it, it is
+cancelled at once, and whoever claims its ring item next is refused and frees the buffers
+the item names; a running one is told at its next progress report or heartbeat.
+
+Each task put back in play is charged to its retry budget by the cause of the ended attempt
+(:mod:`controller.budget`): only failures the task causes count, and a task that keeps
+killing the workers that take it is quarantined as poison.
+"""
 
 from __future__ import annotations
 
