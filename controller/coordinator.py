@@ -123,6 +123,7 @@ from rings.ring import Ring
 
 log = logging.getLogger("diffring.controller")
 
+
 class Coordinator:
     """Task lifecycle glue between the front door, the rings and the workers.
 
