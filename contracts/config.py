@@ -1,8 +1,9 @@
 """A service's whole configuration file: role, model, device, Mooncake, front door, and the
-metadata-plane section (:class:`rings.config.DisaggConfig`, LightX2V's ``disagg_config``).
+metadata-plane section (:class:`contracts.disagg.DisaggConfig`, LightX2V's ``disagg_config``).
 
 Frozen dataclasses with a docstring per field, validated in ``__post_init__``; unknown keys
-are an error that names them (:func:`rings.config.from_mapping`).
+are an error that names them (:func:`contracts.configio.from_mapping`). The cluster token's
+development default and its refusal off loopback are :mod:`contracts.cluster_token`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts import faults
+from contracts.cluster_token import DEFAULT_TOKEN
+from contracts.configio import from_mapping
+from contracts.disagg import DisaggConfig
 from contracts.errors import ConfigError
 from contracts.pipelines import (
     ATTENTION_BACKENDS,
@@ -26,7 +30,7 @@ from contracts.pipelines import (
     pipeline_name,
 )
 from contracts.stage_options import StageOptions
-from rings.config import DEFAULT_TOKEN, RING_NAMES, DisaggConfig, from_mapping
+from rings.layout import RING_NAMES
 
 STAGE_SECTIONS = ("encoder", "transformer", "decoder")
 """The per-stage option sections of a service's file (:class:`StageOptions`)."""
@@ -233,7 +237,7 @@ class ServiceConfig:
 
     def addresses(self, service: str) -> dict[str, str]:
         """The addresses ``service`` binds, advertises or joins, by config key (what the
-        development-token check looks at; see :func:`rings.config.require_token`)."""
+        development-token check looks at; see :func:`contracts.cluster_token.require_token`)."""
         d = self.disagg_config
         out: dict[str, str] = {}
         if service != "all":  # the baseline has no rings and no control channel

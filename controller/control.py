@@ -16,9 +16,11 @@ import struct
 from typing import Any
 
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
-from controller.coordinator import ControlError, Coordinator, WorkerInfo
+from controller.coordinator import Coordinator
 from controller.doorbell import Doorbell
+from controller.errors import ControlError
 from controller.preflight import connect_back
+from controller.registry import WorkerInfo
 from rings import wire
 from rings.ports import bind_error
 
@@ -247,8 +249,8 @@ class ControlServer:
             )
             return {
                 "worker_id": worker.worker_id,
-                "heartbeat_interval_s": co.heartbeat_interval_s,
-                "lease_timeout_s": co.lease_timeout_s,
+                "heartbeat_interval_s": co.config.heartbeat_interval_s,
+                "lease_timeout_s": co.config.lease_timeout_s,
             }, worker
         if worker is None:
             raise ControlError(f"{op!r} before register")
