@@ -11,6 +11,7 @@ not lost in a closed socket. Every process started here is stopped here, by pid.
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -160,8 +161,9 @@ def test_fatal_report_sent_once_at_start_and_mid_run(tmp_path: Path) -> None:
             for svc in (starting, running):
                 try:
                     code = svc.proc.wait(300)
-                except Exception:
-                    raise AssertionError(f"{svc.role} never failed:\n{svc.log()[-3000:]}")
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(
+                        f"{svc.role} never failed:\n{svc.log()[-3000:]}") from None
                 assert code == 2, f"{svc.role} exited {code}:\n{svc.log()[-3000:]}"
             at_start.settle(60)
             mid_run.settle(60)

@@ -102,6 +102,10 @@ class Job:
     """The outputs are in the next ring: from now on the controller decides when the staged
     copies may go (a consumer may be pulling them)."""
 
+    def descriptors(self) -> list[TensorDescriptor]:
+        """The input tensors the producer staged for this task."""
+        return [TensorDescriptor.from_dict(d) for d in self.item.get("tensors", [])]
+
 
 class StageWorker:
     """The shared pull loop and its lifecycle. A role class sets ``role`` and ``adapter``
@@ -367,18 +371,15 @@ class StageWorker:
         self.link.report_failure(job.task_id, job.attempt, error, error_type, fault)
 
     # -- helpers for the roles ---------------------------------------------------------------------
-    def descriptors(self, job: Job) -> list[TensorDescriptor]:
-        return [TensorDescriptor.from_dict(d) for d in job.item.get("tensors", [])]
-
     def release_inputs(self, job: Job) -> None:
         """Release the producer's buffers of a task we will not pull (refused claim)."""
-        descs = self.descriptors(job)
+        descs = job.descriptors()
         if descs and self.pool is not None:
             self.pool.release_producers(self.engine, descs, task_id=job.task_id)
 
     def pull(self, job: Job) -> dict[str, Any]:
         """Pull the job's input tensors onto this worker's device (and release them)."""
-        descs = self.descriptors(job)
+        descs = job.descriptors()
         t0 = time.monotonic()
         out = pull_tensors(
             self.engine, self.pool, descs, device=self.cfg.device, task_id=job.task_id,
