@@ -303,8 +303,9 @@ class ControlLink:
         """Tell the controller this worker is exiting on ``error``, so that what it holds is
         back in play at once instead of when its leases expire. At most once per link.
 
-        Over the registered connection when there is one; otherwise (failed at start, before
-        registering, or after losing the controller) over a short connection of its own."""
+        Over the control connection when one is open (the controller then knows which
+        registered worker it was); otherwise (failed at start, before registering, or after
+        losing the controller) over a short connection of its own, one attempt."""
         if self._fatal_reported:
             return
         self._fatal_reported = True
