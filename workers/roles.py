@@ -46,18 +46,11 @@ class ProducerWorker(StageWorker):
 
     def publish(self, job: Job, outputs: Mapping[str, Any]) -> None:
         """Stage the outputs and push their descriptors to the next ring (backpressure)."""
-        assert self.out_ring is not None
+        out_ring = self.link.out_ring
+        assert out_ring is not None
         with self.timed("stage"):
             descs = stage_tensors(self.pool, self.engine, dict(outputs), task_id=job.task_id)
-        key = (job.task_id, job.attempt)
-        with self._staged_lock:
-            # The same attempt again: a restarted controller numbers attempts from its
-            # journal, so it can hand out one this worker staged for its predecessor. That
-            # copy is nobody's now; keeping it unreferenced would leak it.
-            stale = self.staged.pop(key, [])
-            self.staged[key] = descs
-        if stale:
-            self.pool.free_staged(stale)
+        self.staged.put((job.task_id, job.attempt), descs)
         payload = {
             "kind": self.output_kind.value,
             "task_id": job.task_id,
@@ -67,20 +60,20 @@ class ProducerWorker(StageWorker):
             "tensors": [d.to_dict() for d in descs],
             "producer": self.name,
         }
-        body = self.out_ring.encode(payload)
+        body = out_ring.encode(payload)
         delay = 0.001
         with self.timed("publish"):
-            while not self.out_ring.try_push_body(body):
+            while not out_ring.try_push_body(body):
                 self.check_cancel(job)  # a cancelled task gives its place up
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-        self.metrics.claim_seconds.labels(self.out_ring.name, "push").observe(
-            self.out_ring.stats.last_claim_s
+        self.metrics.claim_seconds.labels(out_ring.name, "push").observe(
+            out_ring.stats.last_claim_s
         )
 
     def release(self, job: Job) -> None:
         """The next stage has the task: report the handoff (the lease ends)."""
-        self.control.call(
+        self.link.call(
             Op.HANDOFF, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
         )
 
@@ -242,7 +235,7 @@ class DecoderWorker(StageWorker):
         self._complete(job, art, local)
 
     def _complete(self, job: Job, art: Artifact, local: Path) -> None:
-        reply = self.control.call(
+        reply = self.link.call(
             Op.COMPLETE,
             task_id=job.task_id,
             attempt=job.attempt,
@@ -258,7 +251,7 @@ class DecoderWorker(StageWorker):
                 job.attempt,
             )
 
-    def _wait_staged_pulled(self) -> None:
+    def wait_drained(self) -> None:
         # Draining, still heartbeating (the leases stay renewed): report every result the
         # pool is still writing before the worker stops.
         if self.encoder_pool is not None and not self.encoder_pool.join(
@@ -266,7 +259,7 @@ class DecoderWorker(StageWorker):
         ):
             log.warning("worker %s: results still being written after drain_timeout_s",
                         self.name)
-        super()._wait_staged_pulled()
+        super().wait_drained()
 
     def close(self) -> None:
         # After a fatal error the controller has put this worker's tasks back in play: a

@@ -1,4 +1,5 @@
-"""The stage adapters' interfaces, the decoded artifact, and the family registry.
+"""The stage adapters' interfaces and the decoded artifact (the family registry:
+:mod:`workers.models.family`).
 
 Importing this module is cheap: a family module (and with it torch and diffusers) is imported
 when an adapter of that family is first asked for (:meth:`StageAdapter.for_task`).
@@ -16,7 +17,6 @@ run in its own process on its own device.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar
 import numpy as np
 
 from contracts.errors import ConfigError, ModelLoadError, StageCancelled, StageInputError
-from contracts.pipelines import TASKS, parse_shape, task_spec
+from contracts.pipelines import parse_shape, task_spec
 from contracts.request import GenerationRequest
 from contracts.roles import Role
 from contracts.stage_options import StageOptions
@@ -100,6 +100,8 @@ class StageAdapter(ABC):
         checked first, so a bad one is refused before the family (and torch) is imported.
         """
         check_stage_settings(task, device, dtype)
+        from .family import get_family
+
         impl = getattr(get_family(task), cls.role.value)
         assert issubclass(impl, cls)
         adapter: Self = impl(model_dir, task, device, dtype, **options)
@@ -483,43 +485,3 @@ class DecoderAdapter(StageAdapter):
     def decode(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]) -> Artifact:
         """Decode and encode the result as PNG (image) or MP4 (video)."""
         return self.encode_media(req, self.decode_pixels(req, tensors))
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """The adapters that serve one task."""
-
-    task: str
-    encoder: type[EncoderAdapter]
-    transformer: type[TransformerAdapter]
-    decoder: type[DecoderAdapter]
-    pipeline_class: str | None
-    """Name of diffusers' one-process pipeline for this task (the reference in tests); None
-    for the synthetic family, which has no model."""
-
-
-# task -> (module, encoder, transformer, decoder, diffusers pipeline class). Families are
-# imported on first use, so that importing this package does not import torch or diffusers.
-_FAMILIES: dict[str, tuple[str, str, str, str, str | None]] = {
-    "wan_t2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder", "WanPipeline"),
-    "wan_i2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder", "WanImageToVideoPipeline"),
-    "qwen_t2i": ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder", "QwenImagePipeline"),
-    "qwen_i2i": ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder", "QwenImageEditPipeline"),
-    "synthetic": (
-        "synthetic", "SyntheticEncoder", "SyntheticTransformer", "SyntheticDecoder", None
-    ),
-}
-assert set(_FAMILIES) == set(TASKS)
-
-
-def get_family(task: str) -> ModelFamily:
-    """The adapters serving ``task``. Imports the family module, and with it torch."""
-    module_name, enc, dit, dec, pipeline = _FAMILIES[task_spec(task).name]
-    module = importlib.import_module(f"{__package__}.{module_name}")
-    return ModelFamily(
-        task=task,
-        encoder=getattr(module, enc),
-        transformer=getattr(module, dit),
-        decoder=getattr(module, dec),
-        pipeline_class=pipeline,
-    )
