@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from contracts.config import ServiceConfig
+from contracts.config import STAGE_SECTIONS, ServiceConfig
 from contracts.errors import (
     ConfigError,
     DiffringError,
@@ -57,6 +57,8 @@ class BaselineWorker:
             cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend,
             compile=cfg.compile, cfg_batch=cfg.cfg_batch, video=video_settings(cfg),
             prompt_cache_bytes=cfg.prompt_cache_mb << 20,
+            stage_options={role: cfg.stage_options(role) for role in STAGE_SECTIONS},
+            budget_shapes=cfg.warmup_shapes,
         )
         # The workers' stage-time histogram, so that benchmarks read both modes alike.
         self.metrics = WorkerMetrics(Role.DECODER.value)

@@ -33,6 +33,12 @@ def _request(job: Job) -> GenerationRequest:
     return GenerationRequest.from_dict(job.item["request"])
 
 
+def _size(req: GenerationRequest) -> str:
+    """A request's geometry as an out-of-memory error names it."""
+    size = f"{req.width}x{req.height}" if req.width and req.height else "the input's size"
+    return f"{size} x {req.num_frames} frames" if req.num_frames and req.num_frames > 1 else size
+
+
 class ProducerWorker(StageWorker):
     """A role whose outputs go to the next stage through a ring (encoder, transformer)."""
 
@@ -77,6 +83,9 @@ class EncoderWorker(ProducerWorker):
     adapter = EncoderAdapter
     output_kind = Kind.PHASE1
 
+    def adapter_options(self) -> dict[str, Any]:
+        return {"options": self.cfg.encoder}
+
     def load_model(self) -> None:
         super().load_model()
         if self.cfg.prompt_cache_mb:
@@ -97,7 +106,9 @@ class EncoderWorker(ProducerWorker):
         return data
 
     def compute(self, job: Job, inputs: bytes | None) -> dict[str, Any]:
-        return self.stage.encode(_request(job), inputs)
+        req = _request(job)
+        with self.stage.guarded(_size(req)):
+            return self.stage.encode(req, inputs)
 
 
 class TransformerWorker(ProducerWorker):
@@ -110,6 +121,8 @@ class TransformerWorker(ProducerWorker):
             "attention": self.cfg.attention_backend,
             "compile": self.cfg.compile,
             "cfg_batch": self.cfg.cfg_batch,
+            "options": self.cfg.transformer,
+            "budget_shapes": self.cfg.warmup_shapes,
         }
 
     def load_model(self) -> None:
@@ -129,11 +142,13 @@ class TransformerWorker(ProducerWorker):
         # Steps are reported in the background (workers.progress): no round trip between
         # two denoising steps. A cancel in a reply sets job.cancel, checked before each;
         # all reports are answered before the outputs are published.
-        out: dict[str, Any] = self.stage.denoise(
-            _request(job), inputs,
-            on_step=lambda k, n: self.progress.report(job, k, n),
-            should_stop=job.cancel.is_set,
-        )
+        req = _request(job)
+        with self.stage.guarded(_size(req)):
+            out: dict[str, Any] = self.stage.denoise(
+                req, inputs,
+                on_step=lambda k, n: self.progress.report(job, k, n),
+                should_stop=job.cancel.is_set,
+            )
         self.progress.flush(job)
         return out
 
@@ -149,7 +164,7 @@ class DecoderWorker(StageWorker):
     encoder_pool: EncodePool | None = None
 
     def adapter_options(self) -> dict[str, Any]:
-        return {"video": video_settings(self.cfg)}
+        return {"video": video_settings(self.cfg), "options": self.cfg.decoder}
 
     def start(self) -> None:
         if self.cfg.encode_queue > 0:
@@ -169,9 +184,11 @@ class DecoderWorker(StageWorker):
         return self.pull(job)
 
     def compute(self, job: Job, inputs: dict[str, Any]) -> Artifact | np.ndarray:
-        if self.encoder_pool is None:
-            return self.stage.decode(_request(job), inputs)
-        pixels: np.ndarray = self.stage.decode_pixels(_request(job), inputs)
+        req = _request(job)
+        with self.stage.guarded(_size(req)):
+            if self.encoder_pool is None:
+                return self.stage.decode(req, inputs)
+            pixels: np.ndarray = self.stage.decode_pixels(req, inputs)
         return pixels
 
     def publish(self, job: Job, outputs: Artifact | np.ndarray) -> None:

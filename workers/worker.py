@@ -351,6 +351,7 @@ class StageWorker:
             torch.set_num_threads(self.cfg.torch_threads)
         faults.hit("worker.load", ModelLoadError)
         self.stage.load()
+        self.metrics.watch_memory(self.stage)
 
     def adapter_options(self) -> dict[str, Any]:
         """Role-specific settings of the stage adapter."""

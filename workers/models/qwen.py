@@ -81,7 +81,7 @@ class QwenTransformer(TransformerAdapter):
         self.text_sees_image = self.edit  # the VL prompt embeds the input image
         self.vae_scale_factor = _vae_scale_factor(self._config("vae"))  # config only
         self.transformer: Any = self._component(
-            lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.dtype, self.device),
+            lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.placement),
             "transformer",
         )
         self.scheduler: Any = self._component(load_scheduler, "scheduler")
@@ -371,7 +371,7 @@ class QwenDecoder(DecoderAdapter):
         from diffusers.image_processor import VaeImageProcessor
 
         self.vae: Any = self._component(
-            lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.dtype, self.device),
+            lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.placement),
             "vae",
         )
         self.image_processor = VaeImageProcessor(

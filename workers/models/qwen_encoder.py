@@ -38,7 +38,7 @@ class QwenEncoder(EncoderAdapter):
                 "processor",
             )
             self.vae: Any = self._component(
-                lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.dtype, self.device),
+                lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.placement),
                 "vae",
             )
             self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
@@ -49,7 +49,7 @@ class QwenEncoder(EncoderAdapter):
             )
         self.text_encoder: Any = self._component(
             lambda p: load_transformers_model(
-                Qwen2_5_VLForConditionalGeneration, p, self.dtype, self.device
+                Qwen2_5_VLForConditionalGeneration, p, self.placement
             ),
             "text_encoder",
         )
@@ -99,7 +99,7 @@ class QwenEncoder(EncoderAdapter):
             return {}
         pixels = image[1]
         with torch.no_grad():
-            latents = self._image_latents(pixels.to(self.device, self.text_encoder.dtype))
+            latents = self._image_latents(pixels.to(self.device, self.dtype))
         return {"image_latents": latents}
 
     def _embeds(self, prompt: str, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +135,7 @@ class QwenEncoder(EncoderAdapter):
         kept = valid[self.drop :]
         if kept.shape[0] == 0:
             raise InvalidRequestError(f"{self.task} prompt left no tokens after the template cut")
-        embeds = kept.unsqueeze(0).to(dtype=self.text_encoder.dtype, device=self.device)
+        embeds = kept.unsqueeze(0).to(dtype=self.dtype, device=self.device)
         mask = torch.ones(1, kept.shape[0], dtype=torch.long, device=kept.device)
         return embeds, mask
 
