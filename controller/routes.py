@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response
 
+from controller import dit_offers
 from controller.bodies import OffLoopJSONRoute
 from controller.frontdoor import FrontDoor
 from controller.schemas import (
@@ -156,8 +157,15 @@ async def service_status(front: Front) -> dict[str, Any]:
         "pipeline": front.pipeline,
         "counts": counts,
         "workers": front.co.registry.by_role(),
+        **dit_offers.listing(front.co.registry),
         **front.status_extra(),
     }
+
+
+@router.get("/v1/loras")
+async def list_loras(front: Front) -> dict[str, Any]:
+    """The LoRA adapters the transformer workers serve (and their step-cache kinds)."""
+    return dit_offers.listing(front.co.registry)
 
 
 @open_router.get("/health")

@@ -110,7 +110,7 @@ def test_health_and_docs(t2i: LocalGroup) -> None:
         ({"prompt": "x", "height": 40, "width": 48}, "multiple of 16"),
         ({"prompt": "x", "aspect_ratio": "wide"}, "aspect_ratio"),
         ({"prompt": "x", "aspect_ratio": "0:9"}, "aspect_ratio"),
-        ({"prompt": "x", "lora_name": "style"}, "lora_name is not supported"),
+        ({"prompt": "x", "lora_name": "style"}, "unknown LoRA adapter(s) style"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "x", "image_path": "aGVsbG8="}, "takes no input image"),
         ({"prompt": "x", "task_id": "../evil"}, "task_id"),
