@@ -345,3 +345,30 @@ def test_compiled_adapter_switches_do_not_recompile(
         assert rel < 1e-5, (loras, rel)
     assert torch.equal(outputs[3], outputs[6])  # no adapter: the same, whatever came before
     torch._dynamo.reset()
+
+
+def test_bench_lora_runs_on_cpu(tmp_path: Path) -> None:
+    """The GPU benchmark's code path at a toy size on the CPU (its figures mean nothing here;
+    the compiled hot-swap is left out: Inductor on this machine takes minutes)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench.bench_lora", "--arch", "wan-1.3b", "--layers",
+         "2", "--shape", "16x16x5", "--device", "cpu", "--out", str(out), "--models",
+         str(tmp_path / "models"), "--steps", "1", "--cache-steps", "3", "--rank", "4",
+         "--repeats", "1"],
+        cwd=root, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "bench_lora.json").read_text())
+    for key in ("first_use_s", "switch_loaded_s", "plain_s", "one_adapter_s",
+                "two_adapters_s"):
+        assert result[key] > 0, key
+    assert set(result["caches"]) == {
+        "none", "first_block_cache/never", "first_block_cache/always", "mag_cache/every_other",
+        "taylorseer_cache/interval_2", "pyramid_attention_broadcast/2"}
+    assert "| switch to a loaded adapter" in (out / "bench_lora.md").read_text()

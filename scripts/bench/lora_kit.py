@@ -44,7 +44,7 @@ def make_adapter(transformer: Any, path: Path, *, rank: int = 4, alpha: float | 
     name = f"make_{seed}"
     transformer.add_adapter(config, adapter_name=name)
     try:
-        state = {k: v.detach().to(torch.float32).clone() for k, v in
+        state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in
                  get_peft_model_state_dict(transformer, adapter_name=name).items()}
     finally:
         transformer.delete_adapters(name)

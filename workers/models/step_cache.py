@@ -94,7 +94,16 @@ def cache_enabled(transformer: Any, spec: CacheSpec | None, infer_steps: int
     if spec.kind in _TIMESTEP_CALLBACK:
         handle = transformer.register_forward_pre_hook(record, with_kwargs=True)
     config = build_config(spec, infer_steps, lambda: current[0])
-    transformer.enable_cache(config)
+    try:
+        transformer.enable_cache(config)
+    except Exception as exc:  # the hooks' own checks (a model too small for the kind, ...)
+        if transformer.is_cache_enabled:
+            transformer.disable_cache()
+        if handle is not None:
+            handle.remove()
+        model = type(transformer).__name__
+        raise InvalidRequestError(f"cache {spec.kind} cannot run on this {model}: "
+                                  f"{type(exc).__name__}: {exc}") from None
     try:
         yield
     finally:
