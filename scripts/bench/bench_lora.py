@@ -91,7 +91,8 @@ def _request(arch: str, shape: str, steps: int, **fields: Any) -> Any:
     geometry: dict[str, Any] = {"height": dims[0], "width": dims[1]}
     if len(dims) == 3:
         geometry["num_frames"] = dims[2]
-    guidance = {"guidance_scale": 5.0} if arch.startswith("wan") else {"true_cfg_scale": 1.0}
+    guidance: dict[str, Any] = (
+        {"guidance_scale": 5.0} if arch.startswith("wan") else {"true_cfg_scale": 1.0})
     return GenerationRequest(task=TASKS[arch], prompt="bench", infer_steps=steps, seed=3,
                              **geometry, **guidance, **fields)
 

@@ -38,7 +38,8 @@ def make_adapter(transformer: Any, path: Path, *, rank: int = 4, alpha: float | 
     from safetensors.torch import save_file
 
     alpha = float(rank if alpha is None else alpha)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+    config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]  # a float works
+                        target_modules=list(targets),
                         init_lora_weights=False)
     torch.manual_seed(seed)
     name = f"make_{seed}"

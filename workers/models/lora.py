@@ -81,6 +81,21 @@ def read_adapter(loader: Any, transformer: Any, name: str, path: Path
     return state, metadata
 
 
+def file_rank(path: Path) -> int:
+    """The largest LoRA rank in an adapter file, from its header (no tensor is read)."""
+    from safetensors import safe_open
+
+    rank = 1
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            if len(shape) == 2 and ("lora_A" in key or "lora_down" in key):
+                rank = max(rank, int(shape[0]))
+            elif len(shape) == 2 and ("lora_B" in key or "lora_up" in key):
+                rank = max(rank, int(shape[1]))
+    return rank
+
+
 def _lora_layers(transformer: Any) -> list[tuple[str, Any]]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -206,18 +221,7 @@ class HotswapSlots(_Library):
         """Per slot, each layer's scaling of the held adapter at strength 1 (alpha / r)."""
 
     def _largest_rank(self) -> int:
-        from safetensors import safe_open
-
-        rank = 1
-        for path in scan(self.folder).values():
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    shape = f.get_slice(key).get_shape()
-                    if len(shape) == 2 and ("lora_A" in key or "lora_down" in key):
-                        rank = max(rank, int(shape[0]))
-                    elif len(shape) == 2 and ("lora_B" in key or "lora_up" in key):
-                        rank = max(rank, int(shape[1]))
-        return rank
+        return max([file_rank(p) for p in scan(self.folder).values()] or [1])
 
     def prepare(self) -> None:
         """Before compiling: one zero adapter per slot over every linear layer, padded to
@@ -253,6 +257,14 @@ class HotswapSlots(_Library):
         if name in self.held:
             i = self.held.index(name)
         else:
+            try:
+                rank = file_rank(path)
+            except Exception as exc:  # not a safetensors file: say so as a load would
+                raise AdapterError(f"adapter {name!r} ({path}) cannot be read: {exc}") from None
+            if rank > self.rank:
+                raise AdapterError(
+                    f"adapter {name!r} ({path}) has rank {rank}, the compiled slots hold "
+                    f"{self.rank}; raise transformer.lora_max_rank and restart the worker")
             i = next(s for s in self._order if s not in busy)
             self.held[i] = None  # a failed swap leaves the slot's weights undefined
             self.load(name, path, self.slots[i], hotswap=True)
