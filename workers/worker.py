@@ -171,7 +171,7 @@ class StageWorker:
         self.link.connect_back(self.engine, self.running)
         preflight.loopback_read(self.engine, self.pool, self.name)
         self.load_model()
-        self.link.offers = self.offers()
+        self.link.offers = self.offers
         self.link.open(self.engine, self.running)
 
     def running(self) -> bool:

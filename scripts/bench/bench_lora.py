@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.bench_dit import SHAPES, TASKS, build_folder
+from scripts.bench.bench_dit import SHAPES, TASKS, _request, build_folder
 
 T0 = time.monotonic()
 TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2",  # Wan
@@ -83,20 +83,6 @@ def _timed(device: str, fn: Any, repeats: int = 1) -> float:
     return statistics.median(times)
 
 
-def _request(arch: str, shape: str, steps: int, **fields: Any) -> Any:
-    from contracts.pipelines import parse_shape
-    from contracts.request import GenerationRequest
-
-    dims = parse_shape(shape)
-    geometry: dict[str, Any] = {"height": dims[0], "width": dims[1]}
-    if len(dims) == 3:
-        geometry["num_frames"] = dims[2]
-    guidance: dict[str, Any] = (
-        {"guidance_scale": 5.0} if arch.startswith("wan") else {"true_cfg_scale": 1.0})
-    return GenerationRequest(task=TASKS[arch], prompt="bench", infer_steps=steps, seed=3,
-                             **geometry, **guidance, **fields)
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from contracts.stage_options import StageOptions
     from scripts.bench.lora_kit import make_adapter
@@ -112,7 +98,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                       options=opts, budget_shapes=(shape,))
     dit.load()
     dit.warm_up([shape], steps=1)
-    req = _request(args.arch, shape, args.steps)
+    req = _request(args.arch, args.steps, shape)
     inputs = dit.warmup_inputs(req, 0)
     out: dict[str, Any] = {"arch": args.arch, "shape": shape, "steps": args.steps,
                            "rank": args.rank, "device": args.device, "layers": args.layers}
@@ -144,7 +130,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         loras=[{"name": "first", "strength": 0.8}, {"name": "second", "strength": 0.5}])),
         args.repeats)
     caches = {}
-    creq = _request(args.arch, shape, args.cache_steps)
+    creq = _request(args.arch, args.cache_steps, shape)
     kinds = dit.offers()["caches"]
     caches["none"] = {"step_s": _timed(args.device, lambda: denoise(creq), args.repeats)
                       / args.cache_steps, "settings": None}
