@@ -24,6 +24,9 @@ actions
     ``hang``      stop at the point for good (a wedged process: heartbeats of other threads
                   go on; SIGKILL ends it)
     ``sleep=S``   pause S seconds, then go on
+    ``signal=SIG`` raise signal SIG (``TERM``, ``INT``) in this thread and go on: it arrives
+                  at exactly this step (on the main thread its handler has run when the
+                  point returns)
 
 when (default: every hit)
     ``once``      the first hit only (same as ``nth=1``)
@@ -66,10 +69,28 @@ POINTS: Final[dict[str, str]] = {
     "decoder.result_write": "the decoder wrote the result's temporary file, not yet renamed",
     "control.drop": "a control-channel call (raise: the connection drops before the request "
     "is sent: ConnectionLost)",
+    # Start-up boundaries of a worker (workers/startup.py): where a stop asked for during
+    # start-up is acted on. ``signal=TERM`` delivers one at exactly that step.
+    "startup.imported": "a worker process imported its role's code (the model stack is "
+    "imported by the model load); nothing is built yet",
+    "startup.transport": "the worker's Mooncake engine and staging pool are up; the "
+    "controller is not reached yet",
+    "startup.connected": "the controller connected back to the worker's Mooncake address; "
+    "the model is not loaded yet",
+    "startup.retry_wait": "start-up (or a reconnect) is about to wait for an absent "
+    "controller before trying again",
+    "startup.component": "one model component (tokenizer, text encoder, DiT, VAE, ...) is "
+    "loaded, the next one is not",
+    "startup.model": "the model stage is loaded (and warmed up); the worker has not joined "
+    "the rings",
+    "startup.ready": "the worker joined the rings and registered; its pull loop has not "
+    "started",
 }
 """Every fault point compiled into the code, with where exactly it sits."""
 
-ACTIONS: Final = ("exit", "raise", "hang", "sleep")
+ACTIONS: Final = ("exit", "raise", "hang", "sleep", "signal")
+SIGNALS: Final = {"TERM": signal.SIGTERM, "INT": signal.SIGINT}
+"""Signals the ``signal=`` action may send (the stop signals)."""
 
 ON = False
 """True once :func:`configure` armed at least one fault: the only cost of a disarmed point."""
@@ -82,6 +103,7 @@ class Fault:
     point: str
     action: str
     seconds: float = 0.0
+    signum: int = 0
     nth: int | None = None
     every: int | None = None
     probability: float | None = None
@@ -124,9 +146,16 @@ def parse(spec: str | None) -> dict[str, Fault]:
         fault = Fault(point, action)
         if action.startswith("sleep="):
             fault.action, fault.seconds = "sleep", _number(entry, action[6:], float, 0)
-        elif action not in ACTIONS or action == "sleep":
+        elif action.startswith("signal="):
+            if action[7:] not in SIGNALS:
+                raise ConfigError(
+                    f"fault {entry!r}: signal must be one of {', '.join(SIGNALS)}"
+                )
+            fault.action, fault.signum = "signal", SIGNALS[action[7:]]
+        elif action not in ACTIONS or action in ("sleep", "signal"):
             raise ConfigError(
-                f"fault {entry!r}: unknown action {action!r} (exit, raise, hang, sleep=S)"
+                f"fault {entry!r}: unknown action {action!r} (exit, raise, hang, sleep=S, "
+                "signal=TERM|INT)"
             )
         if len(parts) == 3:
             when = parts[2]
@@ -204,3 +233,7 @@ def hit(point: str, error: Callable[[str], BaseException] = FaultInjected) -> No
             time.sleep(3600)
     elif fault.action == "sleep":
         time.sleep(fault.seconds)
+    elif fault.action == "signal":
+        # raise(3), not kill(2): delivered to this thread, and on the main thread Python runs
+        # its handler before raise_signal returns.
+        signal.raise_signal(fault.signum)

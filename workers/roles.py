@@ -23,6 +23,7 @@ from workers.encode_pool import EncodePool
 from workers.models import Artifact, DecoderAdapter, EncoderAdapter, TransformerAdapter
 from workers.models.media import VideoSettings
 from workers.models.prompt_cache import PromptCache
+from workers.startup import StopSignal
 from workers.triage import describe_failure
 from workers.worker import Idle, Job, StageWorker, State
 
@@ -158,10 +159,10 @@ class DecoderWorker(StageWorker):
     def adapter_options(self) -> dict[str, Any]:
         return {"video": video_settings(self.cfg)}
 
-    def start(self) -> None:
+    def start(self, stop: StopSignal | None = None) -> None:
         if self.cfg.encode_queue > 0:
             self.encoder_pool = EncodePool(self.cfg.encode_queue, name="decoder-encode")
-        super().start()
+        super().start(stop)
 
     def claim(self) -> Job | Idle:
         # A full pool: claim nothing until a result is written, so the ring item stays

@@ -62,6 +62,7 @@ from workers.metrics import WorkerMetrics
 from workers.models.base import StageAdapter
 from workers.models.components import check_stage_folder
 from workers.progress import ProgressReporter
+from workers.startup import StopSignal
 from workers.triage import check_item, describe_failure
 
 log = logging.getLogger("diffring.worker")
@@ -153,6 +154,9 @@ class StageWorker:
         self.metrics = WorkerMetrics(self.role.value)
         self._metrics_server: Any = None
         self.registered = False  # over the current control connection (readiness)
+        self._stop = StopSignal()
+        """The process's stop request; start-up checks it at each boundary (an uninstalled
+        one, as here, never asks)."""
 
     @contextlib.contextmanager
     def timed(self, step: str) -> Iterator[None]:
@@ -161,10 +165,13 @@ class StageWorker:
         self.metrics.stage_seconds.labels(self.role.value, step).observe(time.monotonic() - t0)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, stop: StopSignal | None = None) -> None:
         """Cheap checks (advertised address, model folder); Mooncake and pool; transport
         preflight (:mod:`workers.preflight`), all before the model load, which takes minutes
-        for a real checkpoint; model; rings and register."""
+        for a real checkpoint; model; rings and register. A stop asked for meanwhile
+        (``stop``: :mod:`workers.startup`) ends it at the next boundary (StartupAborted)."""
+        if stop is not None:
+            self._stop = stop
         srv = self.cfg.server
         if srv.metric_port is not None:
             self._metrics_server = serve_metrics(
@@ -183,12 +190,15 @@ class StageWorker:
         self.pool.start(self.engine)
         self.metrics.watch_pool(self.pool.stats)
         preflight.check_on_paper(self.engine, self.cfg.disagg_config.bootstrap_addr, self.name)
+        self._stop.boundary("startup.transport")
         self.state = State.RUNNING
         self._connect_retrying(  # the controller connects back, before the model load
             lambda: preflight.connect_back(self.control, self.engine, self.role, self.name, True)
         )
+        self._stop.boundary("startup.connected")
         preflight.loopback_read(self.engine, self.pool, self.name)
         self.load_model()
+        self._stop.boundary("startup.model")
         self._connect_retrying()
 
     def _probe_info(self) -> dict[str, Any]:
@@ -266,6 +276,8 @@ class StageWorker:
                     raise  # refused (token, layout): waiting will not change that
                 # Reset or closed mid-handshake: a controller that is just dying or starting.
                 self._disconnect()
+                if self._stop.asked:
+                    self.drain()  # a signal whose relay has not called drain() yet
                 if self.state != State.RUNNING:
                     return  # asked to stop while waiting: nothing left to drain
                 if time.monotonic() + delay > deadline:
@@ -275,7 +287,8 @@ class StageWorker:
                     ) from exc
                 log.warning("worker %s: controller unreachable (%s); retrying in %.1f s",
                             self.name, exc, delay)
-                self._wake.wait(delay)
+                faults.hit("startup.retry_wait")
+                self._wake.wait(delay)  # drain() (a stop signal) ends it
                 delay = min(delay * 2, 5.0)
 
     def _join(self, ring: str) -> Ring:
@@ -555,7 +568,8 @@ class StageWorker:
         raise NotImplementedError
 
     def load_model(self) -> None:
-        """Construct and load this role's model stage (before joining the rings)."""
+        """Construct and load this role's model stage (before joining the rings); a stop
+        asked for meanwhile ends the load after the component being loaded."""
         self.stage = self.adapter.for_task(
             self.model_path(),
             self.cfg.pipeline,
@@ -563,6 +577,7 @@ class StageWorker:
             self.cfg.dtype,
             **self.adapter_options(),
         )
+        self.stage.on_component = lambda _name: self._stop.boundary("startup.component")
         if self.cfg.torch_threads is not None and self.stage.torch_model:
             # Only a torch model pays for importing torch here (a synthetic stage has none).
             import torch
