@@ -33,6 +33,8 @@ when (default: every hit)
     ``nth=K``     the K-th hit only
     ``every=K``   every K-th hit
     ``p=F``       each hit with probability F
+    ``while=PATH`` every hit while the file PATH exists (a fault a test clears by deleting
+                  the file; PATH holds no ``:`` or ``,``)
 
 Every firing is logged (``fault point ... fired``) before it acts, and counted
 (:func:`fired`).
@@ -40,6 +42,7 @@ Every firing is logged (``fault point ... fired``) before it acts, and counted
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -52,6 +55,11 @@ from dataclasses import dataclass
 from typing import Final
 
 from contracts.errors import ConfigError, FaultInjected
+
+
+def no_space(message: str) -> OSError:
+    """The error of a full disk, for fault points at a file write (``raise``)."""
+    return OSError(errno.ENOSPC, f"No space left on device ({message})")
 
 log = logging.getLogger("diffring.faults")
 
@@ -67,6 +75,10 @@ POINTS: Final[dict[str, str]] = {
     "transfer.pull": "during a Mooncake pull: a tensor arrived, the producer is not released",
     "transfer.read": "a Mooncake read (raise: TransferFailed, as a failed read)",
     "decoder.result_write": "the decoder wrote the result's temporary file, not yet renamed",
+    "decoder.before_write": "the decoder is about to write a result file (raise: OSError "
+    "ENOSPC, a full disk: the result is held and the write retried)",
+    "controller.result_write": "the controller is about to write a result file a decoder "
+    "sent (raise: OSError ENOSPC, a full disk: the decoder holds the result and retries)",
     "control.drop": "a control-channel call (raise: the connection drops before the request "
     "is sent: ConnectionLost)",
     # Start-up boundaries of a worker (workers/startup.py): where a stop asked for during
@@ -107,6 +119,7 @@ class Fault:
     nth: int | None = None
     every: int | None = None
     probability: float | None = None
+    while_path: str | None = None
     hits: int = 0
     fired: int = 0
 
@@ -118,6 +131,8 @@ class Fault:
             return self.hits % self.every == 0
         if self.probability is not None:
             return rng.random() < self.probability
+        if self.while_path is not None:
+            return os.path.exists(self.while_path)
         return True
 
 
@@ -169,9 +184,12 @@ def parse(spec: str | None) -> dict[str, Fault]:
                 fault.probability = _number(entry, when[2:], float, 0)
                 if fault.probability > 1:
                     raise ConfigError(f"fault {entry!r}: p must be in 0..1")
+            elif when.startswith("while=") and len(when) > 6:
+                fault.while_path = when[6:]
             else:
                 raise ConfigError(
-                    f"fault {entry!r}: unknown condition {when!r} (once, nth=K, every=K, p=F)"
+                    f"fault {entry!r}: unknown condition {when!r} (once, nth=K, every=K, p=F, "
+                    "while=PATH)"
                 )
         if point in out:
             raise ConfigError(f"fault point {point!r} is armed twice")

@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contracts.errors import DiffringError
+from contracts import faults
+from contracts.errors import DiffringError, ResultWriteBlocked, storage_fault
 from contracts.messages import Fault
 from contracts.roles import ROLE_RINGS, Role
 from controller.budget import Cause, RetryBudget
 from controller.reconcile import Census, MissingTracker
+from controller.result_writes import ResultWrites
 from controller.store import StoreError
 from controller.tasks import CLAIMABLE_FROM, TERMINAL, Stage, Task, TaskTable
 from rings.ring import Ring
@@ -128,6 +130,8 @@ class Coordinator:
         self.recovery: dict[str, int] = dict.fromkeys(
             ("reconciled", "dropped_items", "leases_expired", "workers_lost", "poisoned"), 0)
         """Counters of the recovery paths (shown in the service status)."""
+        self.result_writes = ResultWrites()
+        """Whether results can be written (the front door refuses new tasks while not)."""
 
     # -- helpers ---------------------------------------------------------------------------
     def _emit(self, event: str, task: Task) -> None:
@@ -346,7 +350,16 @@ class Coordinator:
     ) -> bool:
         path = self.result_path(task, extension)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.io, _write_result, path, data)
+        try:
+            await loop.run_in_executor(self.io, _write_result, path, data)
+        except OSError as exc:
+            if not storage_fault(exc):
+                raise
+            # The storage's fault: the decoder holds the result and retries (uncharged).
+            self.result_writes.failed(f"cannot write {path}: {exc}")
+            worker.tasks.add(task.task_id)  # still its task: it sends the result again
+            raise ResultWriteBlocked(f"cannot write {path}: {exc}") from exc
+        self.result_writes.written()
         if task.stage in TERMINAL or not self.table.holds(task, attempt, worker.worker_id):
             # Cancelled, failed or its lease lost while the file was written: not a result.
             await loop.run_in_executor(self.io, _remove, path)
@@ -443,6 +456,7 @@ class Coordinator:
         if self.workers.pop(worker.worker_id, None) is None:
             return
         worker.state = "gone"
+        self.result_writes.forget(worker.name)
         held = self.table.held_by(worker.worker_id)
         log.warning(
             "worker %d (%s %s) gone: %s; %d task(s) back in play",
@@ -541,10 +555,15 @@ class Coordinator:
 
 
 def _write_result(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        faults.hit("controller.result_write", faults.no_space)
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a partial file takes the room a retry needs
+        raise
 
 
 def _remove(path: Path) -> None:

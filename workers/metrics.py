@@ -62,6 +62,13 @@ class WorkerMetrics:
 
         self.registry.register(CallbackCollector(read))
 
+    def watch_held(self, count: Callable[[], int]) -> None:
+        """The decoder's results held because the storage refuses their files."""
+        self.registry.register(CallbackCollector(lambda: [(
+            "diffring_worker_results_held", "Results held because their file cannot be "
+            "written (disk full, read-only, missing or forbidden folder)",
+            {"role": self.role}, float(count()))]))
+
     def watch_prompt_cache(self, cache_stats: Callable[[], Any]) -> None:
         """Hits, misses and evictions (counters), entries and bytes (gauges) of the
         encoder's prompt-embedding cache, read at scrape time."""

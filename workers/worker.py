@@ -426,7 +426,8 @@ class StageWorker:
                 staged = [[t, a] for t, a in self.staged]
             try:
                 reply = self.control.call(
-                    Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged
+                    Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged,
+                    **self.heartbeat_report(),
                 )
             except DiffringError as exc:
                 if self.state != State.STOPPED and not stop.is_set():
@@ -441,6 +442,10 @@ class StageWorker:
                 self._free_staged(lambda key, drop=drop: key[0] in drop)
             holding = job is not None or bool(staged)
             stop.wait(self.heartbeat_interval_s if holding else self.idle_heartbeat_s)
+
+    def heartbeat_report(self) -> dict[str, Any]:
+        """Fields a role adds to its heartbeats (the decoder: results it holds)."""
+        return {}
 
     def _free_staged(self, pred: Any) -> None:
         with self._staged_lock:
