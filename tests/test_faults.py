@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import re
 import subprocess
 import sys
@@ -59,6 +60,22 @@ def test_conditions() -> None:
                      (6, "transfer.read")]
     assert faults.fired() == {"control.drop": 1, "transfer.read": 2, "worker.stage": 1,
                               "worker.after_claim": 6}
+
+
+def test_a_fault_that_lasts_while_a_file_exists(tmp_path: Path) -> None:
+    flag = tmp_path / "full"
+    faults.configure(f"decoder.before_write:raise:while={flag}")
+    faults.hit("decoder.before_write", faults.no_space)  # no file: nothing fires
+    flag.touch()
+    for _ in range(3):
+        with pytest.raises(OSError, match="No space left") as info:
+            faults.hit("decoder.before_write", faults.no_space)
+        assert info.value.errno == errno.ENOSPC
+    flag.unlink()
+    faults.hit("decoder.before_write", faults.no_space)
+    assert faults.fired() == {"decoder.before_write": 3}
+    with pytest.raises(ConfigError, match="while=PATH"):
+        faults.parse("decoder.before_write:raise:while=")
 
 
 def test_raise_defaults_to_fault_injected() -> None:
