@@ -317,19 +317,21 @@ class TaskTable:
             image=task.image_bytes if event == "accepted" else None,
         )
 
-    def prune(self) -> concurrent.futures.Future[dict[str, int]] | None:
-        """Drop finished tasks past the retention window from the store (None without one);
-        hand the result to :meth:`pruned` on the loop."""
-        return None if self.store is None else self.store.prune()
+    def prune(self, now: float | None = None) -> concurrent.futures.Future[dict[str, int]] | None:
+        """Drop finished tasks past the retention window at ``now`` (wall clock; default:
+        the current time) from the store (None without one); hand the result to
+        :meth:`pruned` on the loop."""
+        return None if self.store is None else self.store.prune(now)
 
-    def pruned(self, gone: dict[str, int]) -> None:
-        """Account for what a prune removed; recent tasks past the window leave memory too,
-        so status, list and counts agree on what is forgotten."""
+    def pruned(self, gone: dict[str, int], now: float | None = None) -> None:
+        """Account for what a prune removed; recent tasks past the window (at ``now``, as
+        the prune) leave memory too, so status, list and counts agree on what is
+        forgotten."""
         for status, n in gone.items():
             if status in self.finished_counts:
                 self.finished_counts[status] = max(0, self.finished_counts[status] - n)
         if self.store is not None:
-            cutoff = time.time() - self.store.retention_s
+            cutoff = (time.time() if now is None else now) - self.store.retention_s
             for tid in [t.task_id for t in self.recent.values()
                         if t.finished_at is not None and t.finished_at < cutoff]:
                 del self.recent[tid]

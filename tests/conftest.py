@@ -60,7 +60,10 @@ def run_controller_to_exit(
     )
 
 
-def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 30) -> None:
+def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 120
+              ) -> None:
+    """Until something listens on ``port`` (a generous bound: a process starting on a loaded
+    2-core machine may take tens of seconds); raise if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
