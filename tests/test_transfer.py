@@ -386,7 +386,7 @@ print("OK")
 
 
 # -------------------------------------------------------------------- two-process pulls
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # with the producer process starting on a loaded machine
 def test_pull_between_processes_and_release(
     producer: Producer, engine: TransferEngine, pool: StagingPool
 ) -> None:
@@ -412,7 +412,7 @@ def test_pull_between_processes_and_release(
     assert producer.ask("stats")["live_blocks"] == 0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # with the producer process starting on a loaded machine
 def test_checksum_mismatch_is_reported(
     producer: Producer, engine: TransferEngine, pool: StagingPool
 ) -> None:
@@ -426,7 +426,7 @@ def test_checksum_mismatch_is_reported(
     assert producer.ask("stats")["live_blocks"] == len(producer.descs)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # with the producer process starting on a loaded machine
 def test_dead_producer_fails_fast(
     producer: Producer, engine: TransferEngine, pool: StagingPool
 ) -> None:
@@ -440,7 +440,7 @@ def test_dead_producer_fails_fast(
     assert pool.stats().used_bytes == 0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # with the producer process starting on a loaded machine
 def test_wedged_producer_is_bounded_and_block_quarantined(
     producer: Producer, engine: TransferEngine, pool: StagingPool
 ) -> None:
