@@ -173,8 +173,8 @@ def test_a_signal_at_any_instant_of_a_loaded_start_up_is_never_lost(
         assert _exit(first) == 0
         try:
             with ThreadPoolExecutor(2) as pool:
-                for i in range(4):  # result(): the first failure raises
-                    pair = [pool.submit(_sweep_one, where, span * (0.05 + i / 3))
+                for i in range(3):  # result(): the first failure raises
+                    pair = [pool.submit(_sweep_one, where, span * (0.05 + 0.45 * i))
                             for where in (group, absent)]
                     for fut in pair:
                         fut.result()
