@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contracts.errors import ResultWriteBlocked
+from contracts.errors import ConnectionLost, ResultWriteBlocked
 
 log = logging.getLogger("diffring.worker.held")
 
@@ -132,10 +132,16 @@ class HeldResults:
                 else:
                     held.due = now + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (held.tries - 1))
                 continue
-            except Exception:
-                # Lost control channel, a refused completion: the controller owns the task
-                # again (or has its result); nothing of it is ours to keep.
-                log.exception("task %s: held result dropped", held.job.task_id)
+            except ConnectionLost as exc:
+                # The controller put the task back in play when the connection went: nothing
+                # of it is ours to keep.
+                log.warning("task %s: held result dropped, control channel lost: %s",
+                            held.job.task_id, exc)
+            except Exception as exc:  # anything else: hand it back rather than sit on it
+                log.exception("task %s: retry of a held result failed", held.job.task_id)
+                self._drop(key)
+                self._give_up(held, f"its held result could not be retried: {exc}")
+                continue
             else:
                 log.info("task %s: held result written after %d tries", held.job.task_id,
                          held.tries)
