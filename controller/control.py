@@ -17,9 +17,11 @@ from typing import Any
 
 from contracts.errors import ResultWriteBlocked
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
-from controller.coordinator import ControlError, Coordinator, WorkerInfo
+from controller.coordinator import Coordinator
 from controller.doorbell import Doorbell
+from controller.errors import ControlError
 from controller.preflight import connect_back
+from controller.registry import WorkerInfo
 from rings import wire
 from rings.ports import bind_error
 
@@ -145,6 +147,10 @@ class ControlServer:
                         if msg.get("op") == Op.BYE
                         else f"reported a fatal error: {msg.get('error')}"
                     )
+                    if worker is None and msg.get("op") == Op.FATAL:
+                        log.warning("control: a %s worker (%s) failed before registering: %s",
+                                    join.get("worker_role"), join.get("peer_name"),
+                                    msg.get("error"))
                     return
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
@@ -251,15 +257,18 @@ class ControlServer:
             )
             return {
                 "worker_id": worker.worker_id,
-                "heartbeat_interval_s": co.heartbeat_interval_s,
-                "lease_timeout_s": co.lease_timeout_s,
+                "heartbeat_interval_s": co.config.heartbeat_interval_s,
+                "lease_timeout_s": co.config.lease_timeout_s,
             }, worker
+        if op in (Op.FATAL, Op.BYE):
+            return {}, worker  # _serve ends the connection (a worker failing at start too)
         if worker is None:
             raise ControlError(f"{op!r} before register")
         if op == Op.HEARTBEAT:
             if "storage" in msg:  # a decoder: the results it holds, or None
                 co.result_writes.report(worker.name, msg["storage"])
             staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
+            worker.stats = _stats(msg.get("stats"))
             cancel, drop = co.on_heartbeat(worker, list(msg.get("tasks", [])), staged)
             return {"cancel": cancel, "drop": drop}, worker
         if op == Op.CLAIM:
@@ -298,8 +307,6 @@ class ControlServer:
                 attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
             )
             return {}, worker
-        if op in (Op.FATAL, Op.BYE):
-            return {}, worker
         raise ControlError(f"unknown control op {op!r}")
 
 
@@ -314,3 +321,16 @@ def _ticket(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"ticket must be a ring position (int >= 0), got {value!r}")
     return value
+
+
+def _stats(value: Any) -> dict[str, float]:
+    """A worker's reported figures (name -> number), at most 16 of them; anything else is
+    ignored rather than trusted into the status page."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, float] = {}
+    for key, number in list(value.items())[:16]:
+        if isinstance(key, str) and len(key) <= 64 and isinstance(number, int | float) \
+                and not isinstance(number, bool):
+            out[key] = float(number)
+    return out

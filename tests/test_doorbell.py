@@ -223,22 +223,22 @@ def test_drain_ends_a_doorbell_wait_at_once(monkeypatch: pytest.MonkeyPatch) -> 
     below gives up."""
     import socket
 
-    import workers.worker as worker_mod
+    import workers.idle as idle_mod
     from contracts.config import ServiceConfig
     from contracts.roles import Role
     from rings import wire
     from rings.tcp import recv_frame
+    from workers.worker import StageWorker, State
 
-    class Idle(worker_mod.StageWorker):
+    class Idle(StageWorker):
         role = Role.TRANSFORMER
 
-    monkeypatch.setattr(worker_mod, "IDLE_WAIT_S", 300.0)
+    monkeypatch.setattr(idle_mod, "IDLE_WAIT_S", 300.0)
     w = Idle(ServiceConfig(), TOKEN, {})
-    w.in_ring = local_ring("phase1")
     ours, controller = socket.socketpair()
-    w.doorbell._sock = ours  # as connect() leaves it, minus the handshake
-    w.state = worker_mod.State.RUNNING
-    waiting = threading.Thread(target=w.idle)
+    w.link.doorbell._sock = ours  # as connect() leaves it, minus the handshake
+    w.state = State.RUNNING
+    waiting = threading.Thread(target=w.idle.wait, args=(local_ring("phase1"), w.running))
     waiting.start()
     try:
         asked = wire.unpack_msg(recv_frame(controller))  # the wait has been sent
@@ -247,7 +247,7 @@ def test_drain_ends_a_doorbell_wait_at_once(monkeypatch: pytest.MonkeyPatch) -> 
         waiting.join(60)
         assert not waiting.is_alive(), "drain() did not end the doorbell wait"
     finally:
-        w.doorbell.interrupt()
+        w.idle.interrupt()
         waiting.join(60)
         controller.close()
 

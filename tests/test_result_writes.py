@@ -224,7 +224,7 @@ def decoder(tmp_path: Path, **cfg: Any) -> tuple[DecoderWorker, FakeControl]:
     worker = DecoderWorker(ServiceConfig(output_dir=str(tmp_path / "out"), encode_queue=0,
                                          **cfg), "token", {})
     control = FakeControl()
-    worker.control = control  # type: ignore[assignment]
+    worker.link.control = control  # type: ignore[assignment]
     return worker, control
 
 
