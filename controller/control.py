@@ -15,6 +15,7 @@ import secrets
 import struct
 from typing import Any
 
+from contracts.errors import ResultWriteBlocked
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from controller.coordinator import Coordinator
 from controller.doorbell import Doorbell
@@ -226,14 +227,17 @@ class ControlServer:
             await writer.drain()
 
     async def _complete(self, msg: dict[str, Any], worker: WorkerInfo) -> dict[str, Any]:
-        accepted = await self.coordinator.on_complete(
-            worker,
-            str(msg["task_id"]),
-            int(msg["attempt"]),
-            str(msg["extension"]),
-            str(msg["media_type"]),
-            bytes(msg["data"]),
-        )
+        try:
+            accepted = await self.coordinator.on_complete(
+                worker,
+                str(msg["task_id"]),
+                int(msg["attempt"]),
+                str(msg["extension"]),
+                str(msg["media_type"]),
+                bytes(msg["data"]),
+            )
+        except ResultWriteBlocked as exc:  # the decoder holds the result and retries
+            return {"accepted": False, "storage_error": str(exc)}
         return {"accepted": accepted}
 
     def _dispatch(
@@ -261,6 +265,8 @@ class ControlServer:
         if worker is None:
             raise ControlError(f"{op!r} before register")
         if op == Op.HEARTBEAT:
+            if "storage" in msg:  # a decoder: the results it holds, or None
+                co.result_writes.report(worker.name, msg["storage"])
             staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
             worker.stats = _stats(msg.get("stats"))
             cancel, drop = co.on_heartbeat(worker, list(msg.get("tasks", [])), staged)

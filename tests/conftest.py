@@ -96,7 +96,10 @@ def run_controller_to_exit(
     )
 
 
-def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 30) -> None:
+def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 120
+              ) -> None:
+    """Until something listens on ``port`` (a generous bound: a process starting on a loaded
+    2-core machine may take tens of seconds); raise if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -223,3 +226,17 @@ def input_png() -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def wait_log(svc: Any, text: str, timeout: float = 120) -> None:
+    """Wait until ``text`` is in the log of ``svc`` (a started service: ``log()`` and
+    ``proc``); raise, with the log, if the process exits first or ``timeout`` passes (a
+    generous bound: this waits for an event, it does not time one)."""
+    deadline = time.monotonic() + timeout
+    while text not in svc.log():
+        if svc.proc.poll() is not None:
+            raise AssertionError(f"exited with {svc.proc.returncode} before logging "
+                                 f"{text!r}:\n{svc.log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {text!r} after {timeout:g} s:\n{svc.log()[-3000:]}")
+        time.sleep(0.05)

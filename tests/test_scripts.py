@@ -289,7 +289,7 @@ def launched() -> Iterator[list[Launched]]:
             item.cleanup()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)  # four services starting on a loaded machine
 def test_qwen_t2i_start_script_serves_and_stops_on_sigint(
     tiny_models: Path, tmp_path: Path, launched: list[Launched]
 ) -> None:
@@ -374,7 +374,7 @@ def test_qwen_t2i_start_script_serves_and_stops_on_sigint(
     )
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)  # four services starting on a loaded machine
 def test_start_script_reports_a_service_dying_at_startup(
     tiny_models: Path, tmp_path: Path, launched: list[Launched]
 ) -> None:
@@ -386,7 +386,7 @@ def test_start_script_reports_a_service_dying_at_startup(
     offset = free_offset("qwen_t2i", "qwen")
     group = Launched(START_T2I, launcher_env(tmp_path, broken, offset), tmp_path / "logs")
     launched.append(group)
-    assert group.proc.wait(150) == 1
+    assert group.proc.wait(300) == 1
     out = group.output()
     assert "transformer (pid" in out and "exited with status" in out
     assert "'transformer'" in out  # the log tail names the missing component

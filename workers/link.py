@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost, ControlRefused, DiffringError, HandshakeError
 from contracts.messages import Fault, Op
@@ -71,6 +72,8 @@ class Heartbeats:
         """The heartbeat failed: reconnect before taking anything from a ring."""
         self.report: Callable[[], dict[str, float]] = dict
         """Figures each heartbeat carries to the controller's status (the stage's memory)."""
+        self.fields: Callable[[], dict[str, Any]] = dict
+        """Further fields a role's heartbeats carry (the decoder: the results it holds)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -102,7 +105,7 @@ class Heartbeats:
             try:
                 reply = self._call(
                     Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged,
-                    stats=self.report(),
+                    stats=self.report(), **self.fields(),
                 )
             except DiffringError as exc:
                 if self._active() and not stop.is_set():
@@ -259,7 +262,8 @@ class ControlLink:
                     ) from exc
                 log.warning("worker %s: controller unreachable (%s); retrying in %.1f s",
                             self.name, exc, delay)
-                self._wake.wait(delay)
+                faults.hit("startup.retry_wait")
+                self._wake.wait(delay)  # drain() (a stop signal) ends it
                 delay = min(delay * 2, 5.0)
 
     # -- reports ---------------------------------------------------------------------------

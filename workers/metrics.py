@@ -62,6 +62,13 @@ class WorkerMetrics:
 
         self.registry.register(CallbackCollector(read))
 
+    def watch_held(self, count: Callable[[], int]) -> None:
+        """The decoder's results held because the storage refuses their files."""
+        self.registry.register(CallbackCollector(lambda: [(
+            "diffring_worker_results_held", "Results held because their file cannot be "
+            "written (disk full, read-only, missing or forbidden folder)",
+            {"role": self.role}, float(count()))]))
+
     def watch_memory(self, stage: Any) -> None:
         """GPU memory of the stage (``stage.memory``, a MemoryWatch), read at scrape time:
         resident after load, peak of the last request, largest request peak."""

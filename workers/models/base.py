@@ -124,6 +124,9 @@ class StageAdapter(ABC):
         except ConfigError as exc:  # the options belong to another stage
             raise ModelLoadError(str(exc)) from None
         self._loaded = False
+        self.on_component: Callable[[str], None] | None = None
+        """Called with a component's name after it loaded (the worker's start-up boundary:
+        a stop asked for during a long load ends it there)."""
 
     @property
     def loaded(self) -> bool:
@@ -206,7 +209,10 @@ class StageAdapter(ABC):
             raise ModelLoadError(f"{self.role} stage of {self.task}: call load() first")
 
     def _component(self, loader: Callable[[str], T], component: str) -> T:
-        return load_component(loader, self.model_dir, component, self.task, self.role)
+        loaded = load_component(loader, self.model_dir, component, self.task, self.role)
+        if self.on_component is not None:
+            self.on_component(component)
+        return loaded
 
     def _config(self, component: str) -> dict[str, Any]:
         return read_component_config(self.model_dir, component, self.task, self.role)
