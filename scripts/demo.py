@@ -18,10 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from controller.group import LocalGroup, group_config, submit  # noqa: E402
+from controller.group import LocalGroup, group_config, submit
+from scripts import ROOT
 
 REQUESTS = {
     "wan_t2v": ("video", {"prompt": "a paper boat drifting on a pond", "height": 32,
@@ -56,13 +54,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     models = ROOT / "out" / "tiny-models"
     print(f"building tiny models in {models} ...", flush=True)
-    import importlib.util
+    from scripts import make_tiny_models
 
-    spec = importlib.util.spec_from_file_location("mtm", ROOT / "scripts" / "make_tiny_models.py")
-    assert spec is not None and spec.loader is not None
-    mtm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mtm)
-    mtm.build_all(models, seed=0)
+    make_tiny_models.build_all(models, seed=0)
 
     results: list[tuple[str, str, float]] = []
     for pipeline in args.pipelines.split(","):

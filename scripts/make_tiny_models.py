@@ -47,7 +47,6 @@ from typing import Any, cast
 # Bump whenever a config, a tokenizer rule or an initialisation below changes, so that old
 # folders are rebuilt instead of silently reused.
 RECIPE_VERSION = 2
-ROOT = Path(__file__).resolve().parent.parent
 MARKER_NAME = "diffring_tiny.json"
 TASKS = ("wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i", "synthetic")
 
@@ -162,8 +161,6 @@ def _qwen_pretokens(texts: Iterable[str]) -> list[str]:
 def _qwen_templates() -> list[tuple[str, int]]:
     """(prompt template, hidden states dropped) of diffusers' Qwen-Image and Qwen-Image-Edit
     pipelines, as the encoder stage reads them (so they match the installed diffusers)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from workers.models.qwen_text import prompt_template
 
     return [(t.template, t.drop) for t in (prompt_template(False), prompt_template(True))]
@@ -631,8 +628,6 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
 
 def _build_synthetic(dest: Path, task: str, seed: int) -> Path:
     """The synthetic pipeline's folder: its default config and the marker (no weights)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from workers.models.synthetic import write_config
 
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,8 @@ encoders have the real output width (what the DiT consumes) but only ``--text-la
 layers and a narrow feed-forward (they are not what is measured here, and their real weights
 would be 11-16 GB). ``--layers`` shrinks the DiT's depth for quick checks on a CPU.
 
-Used by ``scripts/bench_serving.py --arch``, ``scripts/bench_gpu.py`` and
-``scripts/gpu_smoke.py --real``.
+Used by ``scripts/bench/bench_serving.py --arch``, ``scripts/bench/bench_gpu.py`` and
+``scripts/bench/gpu_smoke.py --real``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "scripts") not in sys.path:
-    sys.path.insert(0, str(ROOT / "scripts"))
 
 ARCHS = ("wan-1.3b", "wan-14b", "qwen-image")
 PIPELINE = {"wan-1.3b": "wan_t2v", "wan-14b": "wan_t2v", "qwen-image": "qwen_t2i"}
@@ -75,8 +71,9 @@ def _wan_dit(arch: str, layers: int | None) -> Any:
 
 
 def _umt5(tokenizer: Any, layers: int) -> Any:
-    import make_tiny_models as mtm
     from transformers import UMT5Config, UMT5EncoderModel
+
+    from scripts import make_tiny_models as mtm
 
     return UMT5EncoderModel(
         UMT5Config(
@@ -98,8 +95,9 @@ def _umt5(tokenizer: Any, layers: int) -> Any:
 
 
 def _qwen_text_encoder(tokenizer: Any, layers: int) -> Any:
-    import make_tiny_models as mtm
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from scripts import make_tiny_models as mtm
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in mtm.QWEN_SPECIAL_TOKENS}
     config = Qwen2_5_VLConfig(
@@ -153,8 +151,9 @@ def build(
     """Write the model folder ``dest`` (skipped when a folder of the same recipe is there);
     returns what was built (parameter counts, seconds)."""
     import diffusers
-    import make_tiny_models as mtm
     import torch
+
+    from scripts import make_tiny_models as mtm
 
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")

@@ -293,7 +293,7 @@ def test_request_script_follows_the_events(t2i: tuple[LocalGroup, int], tmp_path
     out = tmp_path / "script.png"
     t0 = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "post_qwen_t2i.py"), "--url", group.url,
+        [sys.executable, "-m", "scripts.post.post_qwen_t2i", "--url", group.url,
          "--height", "32", "--width", "32", "--steps", "3", "--poll-interval", "600",
          "--out", str(out)],
         capture_output=True, text=True, timeout=180)

@@ -11,10 +11,9 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.offline import offline_bundle as ob
 
-import offline_bundle as ob  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_platform_tags_cover_older_manylinux() -> None:
@@ -26,7 +25,7 @@ def test_platform_tags_cover_older_manylinux() -> None:
 
 
 def test_default_skip_list_keeps_torch_out_and_the_project_in() -> None:
-    skip = ob.read_skip(ROOT / "scripts" / "offline_skip.txt", ["extra-one"])
+    skip = ob.read_skip(ROOT / "scripts" / "offline" / "offline_skip.txt", ["extra-one"])
     for name in ("torch", "nvidia-cudnn-cu13", "Transformers", "numpy", "extra_one"):
         assert ob.skipped(name, skip), name
     for name in ("diffusers", "av", "fastapi", "mooncake-transfer-engine-cuda13", "pydantic"):
@@ -42,7 +41,7 @@ def test_roots_and_target_markers() -> None:
 
 
 def run_install(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(ROOT / "scripts" / "install_offline.sh"), *args],
+    return subprocess.run(["bash", str(ROOT / "scripts" / "offline" / "install_offline.sh"), *args],
                           capture_output=True, text=True, timeout=120)
 
 

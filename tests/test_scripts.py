@@ -29,7 +29,7 @@ CONFIG_DIR = ROOT / "configs" / "disagg"
 GROUPS = {"wan_t2v": "wan", "wan_i2v": "wan", "qwen_t2i": "qwen", "qwen_i2i": "qwen"}
 ROLES = ("controller", "encoder", "transformer", "decoder")
 START_T2I = ROOT / "scripts" / "server" / "disagg" / "qwen" / "start_qwen_t2i_disagg.sh"
-POST_T2I = ROOT / "scripts" / "post_qwen_t2i.py"
+POST_T2I = ("-m", "scripts.post.post_qwen_t2i")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -42,7 +42,7 @@ def _load(path: Path) -> ModuleType:
     return module
 
 
-group_tool = _load(ROOT / "scripts" / "server" / "disagg" / "group_tool.py")
+from scripts.server.disagg import group_tool  # noqa: E402
 
 
 def service_ports(cfg: ServiceConfig, role: str) -> set[int]:
@@ -312,7 +312,7 @@ def test_qwen_t2i_start_script_serves_and_stops_on_sigint(
     post = subprocess.run(
         [
             sys.executable,
-            str(POST_T2I),
+            *POST_T2I,
             "--url",
             url,
             "--prompt",
@@ -333,7 +333,7 @@ def test_qwen_t2i_start_script_serves_and_stops_on_sigint(
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=str(tmp_path),
+        cwd=str(ROOT),
     )
     assert post.returncode == 0, post.stderr
     assert post.stdout.strip().splitlines()[-1] == str(result.resolve())
@@ -343,7 +343,7 @@ def test_qwen_t2i_start_script_serves_and_stops_on_sigint(
     refused = subprocess.run(  # the server's message comes through, with a non-zero exit
         [
             sys.executable,
-            str(POST_T2I),
+            *POST_T2I,
             "--url",
             url,
             "--steps",

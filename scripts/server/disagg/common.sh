@@ -37,7 +37,7 @@
 #                            LOG_DIR/cluster_token for workers started by hand
 
 DIFFRING_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
-DIFFRING_TOOL="$DIFFRING_ROOT/scripts/server/disagg/group_tool.py"
+DIFFRING_TOOL=(-m scripts.server.disagg.group_tool)  # run from $DIFFRING_ROOT
 DIFFRING_WORKERS=(encoder transformer decoder)
 
 declare -A DR_PID=()      # role -> pid of the service started by this script
@@ -213,7 +213,7 @@ dr_start_service() {
 # handled at once instead of after the waiter returns.
 dr_wait_ready() {
     local rc=0
-    "$DR_PY" "$DIFFRING_TOOL" wait "$@" &
+    "$DR_PY" "${DIFFRING_TOOL[@]}" wait "$@" &
     DR_HELPER_PID=$!
     wait "$DR_HELPER_PID" || rc=$?
     DR_HELPER_PID=""
@@ -277,7 +277,7 @@ diffring_run_group() {
     if setpriv --pdeathsig TERM true 2>/dev/null; then DR_PDEATH=(setpriv --pdeathsig TERM --); fi
 
     local assignments
-    assignments="$("$DR_PY" "$DIFFRING_TOOL" prepare --group "$DR_GROUP" \
+    assignments="$("$DR_PY" "${DIFFRING_TOOL[@]}" prepare --group "$DR_GROUP" \
         --config-dir "$config_dir" --log-dir "$DR_LOG_DIR" --port-offset "$PORT_OFFSET" \
         --output-dir "$output_dir")" || exit 1
     # Values are shlex-quoted by group_tool.py; names are GROUP_* only.
@@ -340,7 +340,7 @@ diffring_run_group() {
               decoder     ${GROUP_METRICS_decoder:-off}
   results     $GROUP_OUTPUT_DIR
   logs        $DR_LOG_DIR   (pids: $DR_PIDS_FILE)
-  try         $DR_PY $DIFFRING_ROOT/scripts/post_$DR_GROUP.py --url $GROUP_FRONT_URL --prompt '...'
+  try         $DR_PY -m scripts.post.post_$DR_GROUP --url $GROUP_FRONT_URL --prompt '...'
 Ctrl+C stops the group.
 EOF
 

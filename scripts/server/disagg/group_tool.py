@@ -28,12 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from contracts.config import DisaggConfig, ServiceConfig  # noqa: E402
-from contracts.errors import ConfigError  # noqa: E402
+from contracts.config import DisaggConfig, ServiceConfig
+from contracts.errors import ConfigError
 
 ROLES = ("controller", "encoder", "transformer", "decoder")
 WORKER_ROLES = ROLES[1:]

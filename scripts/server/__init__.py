@@ -1,0 +1,1 @@
+"""The start scripts of the example groups (one machine, one group)."""

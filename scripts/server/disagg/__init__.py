@@ -1,0 +1,1 @@
+"""Disaggregated groups: controller, encoder, transformer and decoder on this machine."""
