@@ -153,24 +153,14 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
         stop(ctl.proc)
 
 
-def _load_tiny_builder() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_models", ROOT / "scripts" / "make_tiny_models.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random-weight models of the four pipelines, built once per session (offline)."""
     env = os.environ.get("DIFFRING_TINY_MODELS")
     out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
-    _load_tiny_builder().build_all(out, seed=0)
+    from modelkit.tiny import build_all
+
+    build_all(out, seed=0)
     return out
 
 

@@ -48,11 +48,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from contracts.pipelines import task_spec
 from controller.group import free_ports
 from rings.soak import stop_process
 from scripts import ROOT
 
 TOKEN = "bench-claim-latency-token"
+EDIT = task_spec("qwen_i2i")  # every submission carries an input image to decode and stage
 SLOTS, SLOT_SIZE = 256, 4096
 PERIOD_S = 0.01
 CONNECTIONS = 16
@@ -162,7 +164,7 @@ def _controller(repo: Path, work: Path, hide_httptools: bool
                 ) -> tuple[subprocess.Popen[bytes], dict[str, int], Path]:
     ctl, req, p1, p2, http = free_ports(5)
     cfg = {
-        "model_cls": "qwen_image", "task": "i2i", "output_dir": str(work / "results"),
+        "model_cls": EDIT.model_cls, "task": EDIT.task, "output_dir": str(work / "results"),
         "staging_pool_mb": 1024, "max_pending_tasks": 1024,
         "disagg_config": {
             "control_port": ctl, "rdma_request_handshake_port": req,

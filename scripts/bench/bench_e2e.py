@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from contracts.pipelines import task_spec
 from controller.group import LocalGroup, group_config, submit
 from scripts import ROOT
 
-SIZES: dict[str, tuple[str, dict[str, Any]]] = {
-    "wan_t2v": ("video", {"height": 32, "width": 32, "target_video_length": 9,
-                          "infer_steps": 8}),
-    "qwen_t2i": ("image", {"height": 64, "width": 64, "infer_steps": 8}),
+SIZES: dict[str, dict[str, Any]] = {
+    "wan_t2v": {"height": 32, "width": 32, "target_video_length": 9, "infer_steps": 8},
+    "qwen_t2i": {"height": 64, "width": 64, "infer_steps": 8},
 }
 
 
@@ -58,7 +58,7 @@ def main() -> int:
     ap.add_argument("--transformers", type=int, default=1)
     ap.add_argument("--decoders", type=int, default=1)
     args = ap.parse_args()
-    kind, body = SIZES[args.pipeline]
+    kind, body = task_spec(args.pipeline).output, SIZES[args.pipeline]
     model = str(Path(args.models) / args.pipeline)
     rows = []
     for label in ("baseline (all)", "disaggregated"):

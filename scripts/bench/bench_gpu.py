@@ -10,7 +10,7 @@ skipped and says so):
 * ``env``:  versions, GPU, whether ``h264_nvenc`` opens.
 * ``mp4``:  ``encode_mp4`` of 81 x 480 x 832 frames (random, and smooth), libx264 veryfast
             CRF 18 with all cores (the default) and with one thread, and preset medium.
-* ``wan``:  Wan2.1-T2V-1.3B architecture (random bf16, ``scripts/real_models.py``),
+* ``wan``:  Wan2.1-T2V-1.3B architecture (random bf16, ``modelkit.real``),
             480x832x81: one CFG step (two DiT forwards, or one batch-2 forward) timed
             through ``TransformerAdapter.denoise`` for each of ``--wan-variants`` (eager
             SDPA, ``cfg_batch``, ``sage_attn``, ``sdpa_cudnn``, ``compile``, ...), the
@@ -195,7 +195,7 @@ def dit_variants(args: argparse.Namespace, task: str, folder: Path, shape: str, 
 
 
 def section_wan(args: argparse.Namespace) -> dict[str, Any]:
-    from scripts import real_models
+    from modelkit import real as real_models
 
     folder = model_dir(args, "wan-1.3b")
     t0 = time.perf_counter()
@@ -216,7 +216,7 @@ def section_decoder(args: argparse.Namespace) -> dict[str, Any]:
 
     from contracts.pipelines import parse_shape
     from contracts.request import GenerationRequest
-    from scripts import real_models
+    from modelkit import real as real_models
     from workers.models import DecoderAdapter
     from workers.models.media import VideoSettings
 
@@ -253,7 +253,7 @@ def section_decoder(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def section_qwen(args: argparse.Namespace) -> dict[str, Any]:
-    from scripts import real_models
+    from modelkit import real as real_models
 
     folder = model_dir(args, "qwen-image")
     t0 = time.perf_counter()

@@ -34,10 +34,11 @@ from typing import Any
 
 import httpx
 
+from contracts.roles import Role
 from controller.group import LocalGroup, group_config
 from workers.models.synthetic import write_config
 
-ROLES = ("encoder", "transformer", "decoder")
+ROLES = tuple(role.value for role in Role)  # the worker roles, in pipeline order
 HOPS = {"request": ("queued", "encoding"), "phase1": ("phase1", "denoising"),
         "phase2": ("phase2", "decoding")}
 TICK = os.sysconf("SC_CLK_TCK")

@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     pipelines = args.pipelines.split(",")
     if not all((args.models / p / "model_index.json").exists() for p in pipelines):
-        from scripts import make_tiny_models
+        from modelkit.tiny import build_all
 
-        make_tiny_models.build_all(args.models, seed=0, tasks=pipelines)
+        build_all(args.models, seed=0, tasks=pipelines)
 
     n = args.requests
     print(f"{n} requests per row, device {args.device}, {args.threads} torch thread(s)")

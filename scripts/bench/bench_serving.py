@@ -58,13 +58,13 @@ from typing import Any
 
 import httpx
 
+from contracts.pipelines import TASK_SPECS
 from controller.group import LocalGroup, free_ports, group_config
 from scripts import ROOT
 from scripts.bench import bench_serving_layout as layout
 from scripts.bench.bench_serving_layout import Endpoint
 from scripts.bench.bench_serving_report import environment, level_stats, plot, scrape, table
 
-KIND = {"wan_t2v": "video", "wan_i2v": "video", "qwen_t2i": "image", "qwen_i2i": "image"}
 # Default request geometry: tiny models on a CPU, real sizes with --arch.
 TINY_SIZE = {"wan_t2v": (32, 32, 9), "qwen_t2i": (64, 64, 1)}
 REAL_SIZE = {"wan_t2v": (480, 832, 81), "qwen_t2i": (1024, 1024, 1)}
@@ -230,7 +230,7 @@ def _level_log(mode: str, row: dict[str, Any]) -> None:
 
 def run_mode(mode: str, args: argparse.Namespace, cfg: dict[str, Any], body: dict[str, Any],
              levels: list[tuple[int, int]], log_dir: Path, plan: Plan) -> dict[str, Any]:
-    kind = KIND[args.pipeline]
+    kind = TASK_SPECS[args.pipeline].output
     g = len(plan.devices)
     counts = dict.fromkeys(layout.ROLES, g) if mode == "baseline" else layout.counts(
         plan.workers)
@@ -347,15 +347,15 @@ def build_model(args: argparse.Namespace, device: str, dtype: str) -> tuple[Path
     if args.model_path is not None:
         return args.model_path, None
     if not args.arch:
-        from scripts import make_tiny_models
+        from modelkit.tiny import build_task
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return make_tiny_models.build_task(args.models, args.pipeline, seed=0), None
+        return build_task(args.models, args.pipeline, seed=0), None
     model = args.arch_dir / (args.arch + (f"-l{args.layers}" if args.layers else ""))
     log(f"building {args.arch} in {model} on {device} ({dtype})")
     # In a child process: the builder's GPU memory is gone before the services start.
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.real_models", "--arch", args.arch,
+        [sys.executable, "-m", "modelkit.real", "--arch", args.arch,
          "--out", str(model), "--device", device, "--dtype", dtype]
         + (["--layers", str(args.layers)] if args.layers else []),
         capture_output=True, text=True)
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     g = len(plan.devices)
     if args.arch:
-        from scripts import real_models
+        from modelkit import real as real_models
 
         args.pipeline = args.pipeline or real_models.PIPELINE[args.arch]
     args.pipeline = args.pipeline or "qwen_t2i"
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     height, width = args.height or height, args.width or width
     frames = args.frames or frames
     body: dict[str, Any] = {"height": height, "width": width, "infer_steps": args.steps}
-    if KIND[args.pipeline] == "video":
+    if TASK_SPECS[args.pipeline].output == "video":
         body.update(target_video_length=frames, target_fps=16)
     overrides: dict[str, Any] = {"device": device, "dtype": dtype}
     for item in args.set:
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                     "equal": bool(a.shape == b.shape and np.array_equal(a, b))}
     scaling = efficiency(results, plan, args.single_qps) if plan.scale_out else None
     title = (f"{args.arch or args.pipeline} {height}x{width}"
-             + (f"x{frames}" if KIND[args.pipeline] == "video" else "")
+             + (f"x{frames}" if TASK_SPECS[args.pipeline].output == "video" else "")
              + f", {args.steps} steps, {device} {dtype}")
     if plan.scale_out:
         title += (f"; {g} devices ({', '.join(f'd{i}={d}' for i, d in enumerate(plan.devices))})"

@@ -24,8 +24,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from contracts.pipelines import check_device
+from contracts.roles import Role
 
-ROLES = ("encoder", "transformer", "decoder")
+ROLES = tuple(role.value for role in Role)  # the worker roles, in pipeline order
 _ROLE_NAMES = {"e": "encoder", "encoder": "encoder", "t": "transformer",
                "transformer": "transformer", "dit": "transformer", "d": "decoder",
                "decoder": "decoder"}

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from scripts import ROOT
-from scripts.bench.bench_serving_layout import Endpoint
+from scripts.bench.bench_serving_layout import ROLES, Endpoint
 
 STAGES = (("encoder", "compute", "enc"), ("transformer", "compute", "DiT"),
           ("decoder", "compute", "VAE"), ("decoder", "encode_media", "media"))
@@ -105,7 +105,7 @@ def hop_share(row: dict[str, Any]) -> float | None:
         return None
     hops = p1["s_per_pull"] + p2["s_per_pull"]
     work = sum(row["stage_seconds"].get(f"stage/{role}/compute", 0.0)
-               for role in ("encoder", "transformer", "decoder")) / row["requests"]
+               for role in ROLES) / row["requests"]
     return float(hops / (hops + work))
 
 

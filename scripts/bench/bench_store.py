@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from contracts.roles import Role
 from controller.app import LocalQueue
 from controller.coordinator import Coordinator
 from controller.store_check import check
@@ -144,8 +145,8 @@ def rss_mib() -> float:
 async def lifecycle_run(folder: Path, args: argparse.Namespace) -> None:
     co = coordinator(folder, legacy=False, capacity=args.concurrency * 2,
                      retention=args.retention)
-    enc, dit, dec = (co.on_register(role, role[:3], 1, PIPELINE, "")
-                     for role in ("encoder", "transformer", "decoder"))
+    enc, dit, dec = (co.on_register(role.value, role.value[:3], 1, PIPELINE, "")
+                     for role in Role)
     ring: LocalQueue = co.request_ring  # type: ignore[assignment]
     result = b"r" * args.result_bytes
     store = co.table.store

@@ -9,7 +9,7 @@ Wan T2V on one H200") lists them and the exact commands.
 
 What it does, per scenario:
 
-* ``tiny``: builds the tiny random-weight Wan T2V folder (``scripts/make_tiny_models.py``).
+* ``tiny``: builds the tiny random-weight Wan T2V folder (``modelkit.tiny``).
 * ``real`` (``--real``): builds a Wan2.1-1.3B-architecture DiT (dim 1536, 30 layers, 12 heads,
   ffn 8960, text_dim 4096) with random weights in ``--dtype``, a small random UMT5 encoder
   that produces 4096-dim embeddings, and the published Wan VAE config (diffusers' defaults of
@@ -248,16 +248,16 @@ def log(msg: str) -> None:
 # Models
 # --------------------------------------------------------------------------------------------
 def build_tiny(models: Path) -> Path:
-    from scripts import make_tiny_models
+    from modelkit.tiny import build_task
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return make_tiny_models.build_task(models, "wan_t2v", seed=0)
+    return build_task(models, "wan_t2v", seed=0)
 
 
 def build_real(dest: Path, device: str, dtype: str, layers: int, te_layers: int) -> None:
     """Wan2.1-1.3B-architecture DiT + real Wan VAE config + small 4096-dim UMT5, random
-    (``scripts/real_models.py``)."""
-    from scripts import real_models
+    (``modelkit.real``)."""
+    from modelkit import real as real_models
 
     info = real_models.build("wan-1.3b", dest, device, dtype, layers, te_layers)
     (dest / "gpu_smoke_build.json").write_text(json.dumps(info))

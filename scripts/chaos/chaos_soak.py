@@ -47,6 +47,7 @@ import httpx
 
 from contracts.config import DisaggConfig
 from contracts.pipelines import TASK_SPECS
+from contracts.roles import Role
 from controller.group import LocalGroup, Service, free_ports, group_config
 from rings import payload as pl
 from rings.layout import STAMPS_OFFSET, SlotState, unpack_stamp
@@ -56,7 +57,7 @@ from scripts import ROOT
 from scripts.chaos.chaos_checks import Report, check_tasks, final_statuses, pool_used
 from scripts.chaos.chaos_workers import ForkedWorker, Launcher
 
-ROLES = ("encoder", "transformer", "decoder")
+ROLES = tuple(role.value for role in Role)  # the worker roles, in pipeline order
 REQUESTS: dict[str, dict[str, Any]] = {
     "synthetic": {},
     "qwen_t2i": {"height": 32, "width": 48, "infer_steps": 2},
@@ -458,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         e, t, d = (int(x) for x in args.workers.split(","))
         s.workers = (e, t, d)
     if not (s.models / s.pipeline).exists():
-        from scripts.make_tiny_models import build_task
+        from modelkit.tiny import build_task
 
         build_task(s.models, s.pipeline)
     chaos = Chaos(s)

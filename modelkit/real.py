@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Real-size random-weight models of the published architectures, built locally.
 
-    python scripts/real_models.py --arch wan-1.3b|wan-14b|qwen-image --out DIR
-                                  [--device cuda:0] [--dtype bfloat16] [--layers N]
+    python -m modelkit.real --arch wan-1.3b|wan-14b|qwen-image --out DIR
+                            [--device cuda:0] [--dtype bfloat16] [--layers N]
 
 Nothing is downloaded: the configs below are those of the published checkpoints'
 ``config.json`` files (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Qwen-Image), the weights are random
@@ -13,7 +12,8 @@ layers and a narrow feed-forward (they are not what is measured here, and their 
 would be 11-16 GB). ``--layers`` shrinks the DiT's depth for quick checks on a CPU.
 
 Used by ``scripts/bench/bench_serving.py --arch``, ``scripts/bench/bench_gpu.py`` and
-``scripts/bench/gpu_smoke.py --real``.
+``scripts/bench/gpu_smoke.py --real``. The tokenizers and schedulers are the tiny models'
+(:mod:`modelkit.tokenizers`, :mod:`modelkit.components`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from modelkit.components import qwen_scheduler, round_up, wan_scheduler
+from modelkit.tokenizers import QWEN_SPECIAL_TOKENS, build_qwen_tokenizer, build_t5_tokenizer
 
 ARCHS = ("wan-1.3b", "wan-14b", "qwen-image")
 PIPELINE = {"wan-1.3b": "wan_t2v", "wan-14b": "wan_t2v", "qwen-image": "qwen_t2i"}
@@ -73,11 +76,9 @@ def _wan_dit(arch: str, layers: int | None) -> Any:
 def _umt5(tokenizer: Any, layers: int) -> Any:
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from scripts import make_tiny_models as mtm
-
     return UMT5EncoderModel(
         UMT5Config(
-            vocab_size=mtm._round_up(len(tokenizer), 64),
+            vocab_size=round_up(len(tokenizer), 64),
             d_model=4096,  # UMT5-XXL width: the DiT's text_dim
             d_kv=64,
             d_ff=2048,  # real: 10240
@@ -97,12 +98,10 @@ def _umt5(tokenizer: Any, layers: int) -> Any:
 def _qwen_text_encoder(tokenizer: Any, layers: int) -> Any:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from scripts import make_tiny_models as mtm
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in mtm.QWEN_SPECIAL_TOKENS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": mtm._round_up(len(tokenizer), 64),
+            "vocab_size": round_up(len(tokenizer), 64),
             "hidden_size": 3584,  # Qwen2.5-VL-7B: the DiT's joint_attention_dim
             "intermediate_size": 4864,  # real: 18944
             "num_hidden_layers": layers,  # real: 28
@@ -153,8 +152,6 @@ def build(
     import diffusers
     import torch
 
-    from scripts import make_tiny_models as mtm
-
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
     recipe = {"arch": arch, "dtype": dtype, "layers": layers, "text_layers": text_layers,
@@ -176,13 +173,13 @@ def build(
             if arch.startswith("wan"):
                 from diffusers import AutoencoderKLWan, WanPipeline
 
-                tokenizer = mtm.build_t5_tokenizer()
+                tokenizer = build_t5_tokenizer()
                 text_encoder = _umt5(tokenizer, text_layers)
                 dit = _wan_dit(arch, layers)
                 torch.set_default_dtype(torch.float32)  # the published VAE is float32
                 vae: Any = AutoencoderKLWan()  # diffusers' defaults are Wan2.1's VAE config
                 pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(),
-                                   vae=vae.eval(), scheduler=mtm._wan_scheduler(),
+                                   vae=vae.eval(), scheduler=wan_scheduler(),
                                    transformer=dit.eval())
             else:
                 from diffusers import (
@@ -191,7 +188,7 @@ def build(
                     QwenImageTransformer2DModel,
                 )
 
-                tokenizer = mtm.build_qwen_tokenizer()
+                tokenizer = build_qwen_tokenizer()
                 text_encoder = _qwen_text_encoder(tokenizer, text_layers)
                 qcfg: dict[str, Any] = dict(QWEN_DIT)
                 if layers is not None:
@@ -199,7 +196,7 @@ def build(
                 dit = QwenImageTransformer2DModel(**qcfg)
                 torch.set_default_dtype(torch.float32)
                 vae = AutoencoderKLQwenImage()  # defaults: Qwen-Image's VAE config
-                pipe = QwenImagePipeline(scheduler=mtm._qwen_scheduler(), vae=vae.eval(),
+                pipe = QwenImagePipeline(scheduler=qwen_scheduler(), vae=vae.eval(),
                                          text_encoder=text_encoder.eval(), tokenizer=tokenizer,
                                          transformer=dit.eval())
     finally:
