@@ -1,1 +1,0 @@
-"""The start scripts of the example groups (one machine, one group)."""

@@ -1,1 +1,0 @@
-"""Disaggregated groups: controller, encoder, transformer and decoder on this machine."""
