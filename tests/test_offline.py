@@ -1,6 +1,6 @@
 """The offline bundle's pure parts (target tags, skip list, markers) and install_offline.sh's
 refusals. Building a real bundle needs the registries and takes a minute: it is done by hand
-(README "Air-gapped GPU nodes"), and its result was installed on the GPU machine."""
+(docs/offline.md), and its result was installed on the GPU machine."""
 
 from __future__ import annotations
 

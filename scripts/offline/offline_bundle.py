@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build an offline install bundle (wheels + .debs) for an air-gapped GPU node.
 
-Entry point: ``scripts/offline/offline_bundle.sh`` (same arguments); README "Offline install"
+Entry point: ``scripts/offline/offline_bundle.sh`` (same arguments); docs/offline.md
 explains the two commands. What it does:
 
 1. Resolves the project's dependencies (pyproject ``dependencies`` plus ``--extras``, plus
