@@ -40,6 +40,24 @@ def _close_coordinators() -> Iterator[None]:
         coordinators.pop().close()
 
 
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast half (``pytest -m "not integration"``) stays in-process: a test whose module
+    is not marked ``integration`` fails as soon as it starts a process."""
+    import multiprocessing.process
+
+    if request.node.get_closest_marker("integration") is not None:
+        return
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts a process: give its module "
+                             "`pytestmark = pytest.mark.integration`")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
 def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
     """A decoder's completion of a PNG (a coroutine: the result file is written off the loop)."""
     return asyncio.run(co.on_complete(w, tid, attempt, "png", "image/png", data))

@@ -19,6 +19,8 @@ from controller.app import LocalQueue
 from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 KEY = "k" * 8 + "-front-door-key"
 
 

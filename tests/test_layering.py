@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = (
     "rings", "contracts", "tensorplane", "controller", "workers", "baseline", "doctor",

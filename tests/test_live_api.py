@@ -36,7 +36,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 # The openai package marks the video calls deprecated (the hosted API's schedule); the
 # protocol is what is tested here.
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [  # starts processes or servers
+    pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 @contextlib.contextmanager

@@ -38,6 +38,8 @@ from workers.models import (  # noqa: E402
 )
 from workers.models.media import to_uint8  # noqa: E402
 
+pytestmark = pytest.mark.integration  # builds and runs the tiny models
+
 ROOT = Path(__file__).resolve().parent.parent
 # The pipelines with a diffusers reference (the synthetic one has no model: test_synthetic.py).
 DIFFUSERS_TASKS = tuple(t for t in TASKS if task_spec(t).family != "synthetic")

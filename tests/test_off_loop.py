@@ -28,6 +28,8 @@ from controller.frontdoor import FrontDoor
 from controller.store_check import completions
 from controller.tasks import Stage, Task
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 SLOW_S = 0.4
 
 

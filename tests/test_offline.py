@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 from scripts.offline import offline_bundle as ob
+
+pytestmark = pytest.mark.integration  # starts processes or servers
 
 ROOT = Path(__file__).resolve().parent.parent
 

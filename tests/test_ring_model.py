@@ -15,6 +15,8 @@ from rings.layout import SeatKind, SlotState
 from scripts.chaos import check_ring_model as runner
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 MODEL = ROOT / "rings" / "ring.pml"
 
 

@@ -23,6 +23,8 @@ import pytest
 from contracts.config import ServiceConfig
 from controller import group_files as group_tool
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs" / "disagg"
 GROUPS = {"wan_t2v": "wan", "wan_i2v": "wan", "qwen_t2i": "qwen", "qwen_i2i": "qwen"}

@@ -15,6 +15,8 @@ from controller.store import StoreConflict, StoreError, StoreLocked, TaskStore
 from controller.store_check import check
 from controller.tasks import RECENT_FINISHED, Stage, Task, TaskTable
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

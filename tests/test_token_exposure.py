@@ -15,6 +15,8 @@ from contracts.config import ServiceConfig
 from contracts.errors import ConfigError
 from rings.config import DEFAULT_TOKEN, is_loopback, require_token
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
