@@ -92,17 +92,15 @@ def wan_vae(seed: int) -> Any:
     return model.eval()
 
 
-def wan_text_encoder(seed: int, vocab_size: int) -> Any:
-    from transformers import UMT5Config, UMT5EncoderModel
+def umt5_config(vocab_size: int, **sizes: Any) -> Any:
+    """A UMT5 encoder config of the given sizes (``d_model``, ``d_kv``, ``d_ff``,
+    ``num_layers``, ``num_heads``) with what every Wan text encoder shares: T5 relative
+    attention buckets, gated GELU, no dropout, the T5 tokenizer's pad and eos ids."""
+    from transformers import UMT5Config
 
-    seeded(seed, "wan.text_encoder")
-    config = UMT5Config(
+    return UMT5Config(
         vocab_size=vocab_size,
-        d_model=WAN_TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
+        **sizes,
         relative_attention_num_buckets=32,
         relative_attention_max_distance=128,
         feed_forward_proj="gated-gelu",
@@ -111,6 +109,36 @@ def wan_text_encoder(seed: int, vocab_size: int) -> Any:
         eos_token_id=1,
         decoder_start_token_id=0,
     )
+
+
+def qwen_vl_config(tokenizer: Any, text: dict[str, Any], vision: dict[str, Any]) -> Any:
+    """A Qwen2.5-VL config of the given text and vision sizes whose special token ids are
+    ``tokenizer``'s (so prompts, image pads and vision markers line up with it)."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    return Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": round_up(len(tokenizer), 64),
+            **text,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
+def wan_text_encoder(seed: int, vocab_size: int) -> Any:
+    from transformers import UMT5EncoderModel
+
+    seeded(seed, "wan.text_encoder")
+    config = umt5_config(vocab_size, d_model=WAN_TEXT_DIM, d_kv=8, d_ff=64, num_layers=2,
+                         num_heads=4)
     return UMT5EncoderModel(config).eval()
 
 
@@ -183,14 +211,13 @@ def qwen_vae(seed: int) -> Any:
 
 
 def qwen_text_encoder(seed: int, tokenizer: Any) -> Any:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     seeded(seed, "qwen.text_encoder")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     head_dim = QWEN_TEXT_DIM // 2
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": round_up(len(tokenizer), 64),
+    config = qwen_vl_config(
+        tokenizer,
+        text={
             "hidden_size": QWEN_TEXT_DIM,
             "intermediate_size": 64,
             "num_hidden_layers": 2,
@@ -204,11 +231,8 @@ def qwen_text_encoder(seed: int, tokenizer: Any) -> Any:
                 "rope_theta": 1_000_000.0,
                 "mrope_section": [2, 3, 3],
             },
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
         },
-        vision_config={
+        vision={
             "depth": 2,
             "hidden_size": 32,
             "intermediate_size": 64,
@@ -220,10 +244,6 @@ def qwen_text_encoder(seed: int, tokenizer: Any) -> Any:
             "fullatt_block_indexes": [1],
             "out_hidden_size": QWEN_TEXT_DIM,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
     )
     text_config: Any = config.text_config
     assert head_dim // 2 == sum(text_config.rope_parameters["mrope_section"])

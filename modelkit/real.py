@@ -25,8 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from modelkit.components import qwen_scheduler, round_up, wan_scheduler
-from modelkit.tokenizers import QWEN_SPECIAL_TOKENS, build_qwen_tokenizer, build_t5_tokenizer
+from modelkit.components import (
+    qwen_scheduler,
+    qwen_vl_config,
+    round_up,
+    umt5_config,
+    wan_scheduler,
+)
+from modelkit.tokenizers import build_qwen_tokenizer, build_t5_tokenizer
 
 ARCHS = ("wan-1.3b", "wan-14b", "qwen-image")
 PIPELINE = {"wan-1.3b": "wan_t2v", "wan-14b": "wan_t2v", "qwen-image": "qwen_t2i"}
@@ -74,34 +80,24 @@ def _wan_dit(arch: str, layers: int | None) -> Any:
 
 
 def _umt5(tokenizer: Any, layers: int) -> Any:
-    from transformers import UMT5Config, UMT5EncoderModel
+    from transformers import UMT5EncoderModel
 
-    return UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=round_up(len(tokenizer), 64),
-            d_model=4096,  # UMT5-XXL width: the DiT's text_dim
-            d_kv=64,
-            d_ff=2048,  # real: 10240
-            num_layers=layers,  # real: 24
-            num_heads=16,  # real: 64
-            relative_attention_num_buckets=32,
-            relative_attention_max_distance=128,
-            feed_forward_proj="gated-gelu",
-            dropout_rate=0.0,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    )
+    return UMT5EncoderModel(umt5_config(
+        round_up(len(tokenizer), 64),
+        d_model=4096,  # UMT5-XXL width: the DiT's text_dim
+        d_kv=64,
+        d_ff=2048,  # real: 10240
+        num_layers=layers,  # real: 24
+        num_heads=16,  # real: 64
+    ))
 
 
 def _qwen_text_encoder(tokenizer: Any, layers: int) -> Any:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": round_up(len(tokenizer), 64),
+    config = qwen_vl_config(
+        tokenizer,
+        text={
             "hidden_size": 3584,  # Qwen2.5-VL-7B: the DiT's joint_attention_dim
             "intermediate_size": 4864,  # real: 18944
             "num_hidden_layers": layers,  # real: 28
@@ -114,11 +110,8 @@ def _qwen_text_encoder(tokenizer: Any, layers: int) -> Any:
                 "rope_theta": 1_000_000.0,
                 "mrope_section": [16, 24, 24],
             },
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
         },
-        vision_config={  # unused by text-to-image; small
+        vision={  # unused by text-to-image; small
             "depth": 1,
             "hidden_size": 64,
             "intermediate_size": 128,
@@ -130,10 +123,6 @@ def _qwen_text_encoder(tokenizer: Any, layers: int) -> Any:
             "fullatt_block_indexes": [0],
             "out_hidden_size": 3584,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 

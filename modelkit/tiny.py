@@ -33,13 +33,14 @@ into place, so a concurrent or interrupted build never leaves a half-written mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,15 +158,14 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
     import torch
     import transformers
 
-    out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{task}.", dir=out))
-    try:
-        with torch.no_grad():
-            if task.startswith("wan_"):
-                _build_wan(tmp, seed, i2v=task == "wan_i2v")
-            else:
-                _build_qwen(tmp, seed, edit=task == "qwen_i2i")
+    # Another process may finish the same build first: then its folder is kept.
+    with _in_place(dest, task, keep=lambda: not force and _marker_matches(dest, task, seed)) \
+            as tmp, torch.no_grad():
+        if task.startswith("wan_"):
+            _build_wan(tmp, seed, i2v=task == "wan_i2v")
+        else:
+            _build_qwen(tmp, seed, edit=task == "qwen_i2i")
         marker = {
             **_marker(task, seed),
             "built_with": {
@@ -175,16 +175,6 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
             },
         }
         (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        if dest.exists():
-            if not force and _marker_matches(dest, task, seed):
-                # Another process finished the same build first; keep theirs.
-                shutil.rmtree(tmp)
-                return dest
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _log(f"{dest}: built in {time.monotonic() - started:.1f} s")
     return dest
 
@@ -193,19 +183,31 @@ def _build_synthetic(dest: Path, task: str, seed: int) -> Path:
     """The synthetic pipeline's folder: its default config and the marker (no weights)."""
     from workers.models.synthetic import write_config
 
+    with _in_place(dest, task, keep=lambda: False) as tmp:
+        write_config(tmp)
+        (tmp / MARKER_NAME).write_text(json.dumps(_marker(task, seed), indent=2) + "\n")
+    _log(f"{dest}: written")
+    return dest
+
+
+@contextlib.contextmanager
+def _in_place(dest: Path, task: str, keep: Callable[[], bool]) -> Iterator[Path]:
+    """A temporary sibling of ``dest`` to build in, moved into place when the block ends, so
+    a concurrent or interrupted build never leaves a half-written folder; removed instead
+    when the block raises, or when ``keep()`` says the folder now at ``dest`` stays."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{task}.", dir=dest.parent))
     try:
-        write_config(tmp)
-        (tmp / MARKER_NAME).write_text(json.dumps(_marker(task, seed), indent=2) + "\n")
+        yield tmp
         if dest.exists():
+            if keep():
+                shutil.rmtree(tmp)
+                return
             shutil.rmtree(dest)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log(f"{dest}: written")
-    return dest
 
 
 def build_all(out: Path, seed: int = 0, tasks: Sequence[str] = TASKS, force: bool = False) -> None:
