@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from contracts.config import ServiceConfig
+from contracts.config import STAGE_SECTIONS, ServiceConfig
 from contracts.errors import (
     ConfigError,
     DiffringError,
@@ -28,10 +28,13 @@ from contracts.errors import (
 from contracts.messages import Fault
 from contracts.request import GenerationRequest
 from contracts.roles import Role
-from controller.app import LocalQueue, retention_loop, serve_http, start_metrics
-from controller.coordinator import Coordinator, WorkerInfo
+from controller.app import LocalQueue, open_table_for, retention_loop, serve_http, start_metrics
+from controller.config import CoordinatorConfig
+from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
 from controller.main import run_async
+from controller.registry import WorkerInfo
+from controller.webapp import build_app
 from rings.ports import bind_socket
 from workers.metrics import WorkerMetrics
 from workers.models import LocalPipeline
@@ -54,6 +57,8 @@ class BaselineWorker:
             cfg.model_path, cfg.pipeline, cfg.device, cfg.dtype, cfg.attention_backend,
             compile=cfg.compile, cfg_batch=cfg.cfg_batch, video=video_settings(cfg),
             prompt_cache_bytes=cfg.prompt_cache_mb << 20,
+            stage_options={role: cfg.stage_options(role) for role in STAGE_SECTIONS},
+            budget_shapes=cfg.warmup_shapes,
         )
         # The workers' stage-time histogram, so that benchmarks read both modes alike.
         self.metrics = WorkerMetrics(Role.DECODER.value)
@@ -90,7 +95,8 @@ class BaselineWorker:
     def start(self) -> None:
         self.load()
         for role in Role:
-            self.roles[role] = self.co.on_register(role, f"all/{role}", 0, self.co.pipeline, "")
+            self.roles[role] = self.co.on_register(
+                role, f"all/{role}", 0, self.co.config.pipeline, "")
         self.thread.start()
 
     def close(self) -> None:
@@ -174,17 +180,9 @@ async def run_all_async(
     http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
     jobs = LocalQueue(cfg.disagg_config.rdma_buffer_slots, cfg.disagg_config.rdma_buffer_slot_size)
     co = Coordinator(
-        pipeline=cfg.pipeline,
-        request_ring=jobs,  # type: ignore[arg-type]
-        output_dir=output_dir,
-        lease_timeout_s=cfg.lease_timeout_s,
-        heartbeat_interval_s=cfg.heartbeat_interval_s,
-        max_pending=cfg.max_pending_tasks,
-        journal=output_dir / ".journal",
-        max_task_failures=cfg.max_task_failures,
-        poison_worker_deaths=cfg.poison_worker_deaths,
-        retention_s=cfg.task_retention_s,
-        delete_results=cfg.delete_results_after_retention,
+        CoordinatorConfig.from_service(cfg, output_dir),
+        open_table_for(cfg, output_dir),
+        jobs,  # type: ignore[arg-type]
     )
     co.restore()
     worker = BaselineWorker(cfg, co, jobs, asyncio.get_running_loop())
@@ -196,15 +194,16 @@ async def run_all_async(
         raise
     worker.start()
     front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
+    app = build_app(front)
     metrics_server = start_metrics(
-        cfg, co, front, lambda: {}, None, collectors=[worker.metrics.stage_seconds]
+        cfg, co, app, lambda: {}, None, collectors=[worker.metrics.stage_seconds]
     )
     retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
     log.info(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
     try:
-        await serve_http(front.app, http_sock, stop, on_stop=front.close)
+        await serve_http(app, http_sock, stop, on_stop=front.close)
     finally:
         log.info("baseline shutting down")
         retention.cancel()

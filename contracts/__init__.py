@@ -6,7 +6,10 @@ each other.
 - :mod:`contracts.request` — the task schema, :class:`~contracts.request.GenerationRequest`.
 - :mod:`contracts.roles` — the :class:`~contracts.roles.Role` enum and each role's rings.
 - :mod:`contracts.messages` — ring payload kinds and control-channel operations.
-- :mod:`contracts.config` — a service's configuration file.
+- :mod:`contracts.config` — a service's configuration file; its metadata-plane section is
+  :mod:`contracts.disagg`, the strict reader of every section :mod:`contracts.configio`, the
+  cluster token's development default and its refusal off loopback
+  :mod:`contracts.cluster_token`.
 - :mod:`contracts.metrics` — the metrics endpoint and gauge helpers.
 
 May import ``rings``; imports no model library (no torch, diffusers or transformers).

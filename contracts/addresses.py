@@ -24,11 +24,9 @@ import ipaddress
 import socket
 from typing import Final
 
+from contracts.cluster_token import is_loopback as is_loopback
 from contracts.config import ServiceConfig
 from contracts.errors import ConfigError
-
-# One definition, in rings (the lowest layer, which also refuses the default token).
-from rings.config import is_loopback as is_loopback
 
 WILDCARDS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 

@@ -1,8 +1,9 @@
 """A service's whole configuration file: role, model, device, Mooncake, front door, and the
-metadata-plane section (:class:`rings.config.DisaggConfig`, LightX2V's ``disagg_config``).
+metadata-plane section (:class:`contracts.disagg.DisaggConfig`, LightX2V's ``disagg_config``).
 
 Frozen dataclasses with a docstring per field, validated in ``__post_init__``; unknown keys
-are an error that names them (:func:`rings.config.from_mapping`).
+are an error that names them (:func:`contracts.configio.from_mapping`). The cluster token's
+development default and its refusal off loopback are :mod:`contracts.cluster_token`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts import faults
+from contracts.cluster_token import DEFAULT_TOKEN
+from contracts.configio import from_mapping
+from contracts.disagg import DisaggConfig
 from contracts.errors import ConfigError
 from contracts.pipelines import (
     ATTENTION_BACKENDS,
@@ -25,11 +29,16 @@ from contracts.pipelines import (
     parse_shape,
     pipeline_name,
 )
-from rings.config import DEFAULT_TOKEN, RING_NAMES, DisaggConfig, from_mapping
+from contracts.stage_options import StageOptions
+from rings.layout import RING_NAMES
+
+STAGE_SECTIONS = ("encoder", "transformer", "decoder")
+"""The per-stage option sections of a service's file (:class:`StageOptions`)."""
 
 __all__ = [
     "DEFAULT_TOKEN",
     "RING_NAMES",
+    "STAGE_SECTIONS",
     "DisaggConfig",
     "ServerConfig",
     "ServiceConfig",
@@ -88,8 +97,9 @@ class ServiceConfig:
     dtype: str = "float32"
     """Model dtype: 'float32' or 'bfloat16'."""
     attention_backend: str = "sdpa"
-    """DiT attention backend: 'sdpa', 'sdpa_cudnn', 'sdpa_flash', 'flash_attn' or
-    'sage_attn'."""
+    """DiT attention backend: 'sdpa', 'sdpa_cudnn', 'sdpa_flash', 'flash_attn', 'sage_attn'
+    or 'fp8_cudnn' (FP8 self-attention through cuDNN's graph, Hopper and newer; lossy:
+    workers/models/fp8_attention.py)."""
     compile: bool = False
     """Transformer stage: torch.compile the DiT's repeated blocks at start. Needs
     ``warmup_shapes``: the worker compiles them before it registers (ready = compiled)."""
@@ -150,6 +160,12 @@ class ServiceConfig:
     store: its status and result are served until then, then it is forgotten."""
     delete_results_after_retention: bool = False
     """Also delete a forgotten task's result file (default: result files stay)."""
+    encoder: StageOptions = dataclasses.field(default_factory=StageOptions)
+    """Encoder stage: weight storage, offload, memory budget (contracts/stage_options.py)."""
+    transformer: StageOptions = dataclasses.field(default_factory=StageOptions)
+    """Transformer (DiT) stage: the same, plus FP8 linear layers and the compile cache."""
+    decoder: StageOptions = dataclasses.field(default_factory=StageOptions)
+    """Decoder stage: the same, plus tiled VAE decode."""
     disagg_config: DisaggConfig = dataclasses.field(default_factory=DisaggConfig)
     """Rings and control channel (LightX2V's field names)."""
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
@@ -208,6 +224,12 @@ class ServiceConfig:
         if self.max_task_failures < 1 or self.poison_worker_deaths < 1:
             raise ConfigError("max_task_failures and poison_worker_deaths must be at least 1")
         faults.parse(self.faults)  # a bad spec is a ConfigError naming the entry
+        for role in STAGE_SECTIONS:
+            self.stage_options(role).check_role(role)
+        if self.transformer.linear == "fp8" and self.dtype != "bfloat16":
+            raise ConfigError("transformer.linear 'fp8' needs dtype 'bfloat16'")
+        if self.transformer.compile_cache_dir is not None and not self.compile:
+            raise ConfigError("transformer.compile_cache_dir needs compile: true")
         if not self.task_retention_s > 0:
             raise ConfigError(
                 f"task_retention_s must be positive (seconds), got {self.task_retention_s}"
@@ -215,7 +237,7 @@ class ServiceConfig:
 
     def addresses(self, service: str) -> dict[str, str]:
         """The addresses ``service`` binds, advertises or joins, by config key (what the
-        development-token check looks at; see :func:`rings.config.require_token`)."""
+        development-token check looks at; see :func:`contracts.cluster_token.require_token`)."""
         d = self.disagg_config
         out: dict[str, str] = {}
         if service != "all":  # the baseline has no rings and no control channel
@@ -225,6 +247,11 @@ class ServiceConfig:
         if service in ("controller", "all") or self.server.metric_port is not None:
             out["server.host"] = self.server.host
         return out
+
+    def stage_options(self, role: str) -> StageOptions:
+        """The options section of one stage ('encoder', 'transformer' or 'decoder')."""
+        found: StageOptions = getattr(self, role)
+        return found
 
     @property
     def pipeline(self) -> str:
@@ -236,8 +263,14 @@ class ServiceConfig:
         data = dict(data)
         disagg = DisaggConfig.from_dict(data.pop("disagg_config", None))
         server = from_mapping(ServerConfig, data.pop("server", None), "server")
+        encoder, transformer, decoder = (
+            from_mapping(StageOptions, data.pop(role, None), role) for role in STAGE_SECTIONS
+        )
         base = from_mapping(cls, data, "config")
-        return dataclasses.replace(base, disagg_config=disagg, server=server)
+        return dataclasses.replace(
+            base, disagg_config=disagg, server=server, encoder=encoder,
+            transformer=transformer, decoder=decoder,
+        )
 
     @classmethod
     def load(cls, path: str | None) -> ServiceConfig:

@@ -53,6 +53,10 @@ from contracts.errors import ConfigError, FaultInjected
 log = logging.getLogger("diffring.faults")
 
 POINTS: Final[dict[str, str]] = {
+    "worker.load": "a worker is about to load its model stage, after its transport preflight "
+    "and before it registers (raise: ModelLoadError, a model that fails to load)",
+    "worker.loop": "a registered worker's pull loop, before each claim (raise: FaultInjected, "
+    "which no step catches: a fatal error, reported to the controller before the exit)",
     "worker.after_pop": "a worker took an item from its input ring (the slot is freed) and has "
     "not sent its claim yet: no lease exists",
     "worker.after_claim": "the controller granted the claim (the lease runs); nothing fetched",

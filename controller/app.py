@@ -10,6 +10,7 @@ import contextlib
 import logging
 import queue
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,14 @@ from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
 from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.pipelines import task_spec
+from controller.config import CoordinatorConfig
 from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
 from controller.metrics import ControllerMetrics
 from controller.store import prune_interval
+from controller.table import TaskTable, open_table
 from controller.tasks import Task
+from controller.webapp import build_app
 from rings.inspect import snapshot
 from rings.payload import encode_body
 from rings.ports import bind_socket
@@ -58,24 +62,31 @@ async def serve_http(
     await task
 
 
+def open_table_for(cfg: ServiceConfig, output_dir: Path) -> TaskTable:
+    """The task table of a service, journaled to the store in ``<output_dir>/.journal``
+    (opened here: the one place a controller or the baseline opens its database)."""
+    return open_table(output_dir / ".journal", retention_s=cfg.task_retention_s,
+                      delete_results=cfg.delete_results_after_retention)
+
+
 def start_metrics(
     cfg: ServiceConfig,
     co: Coordinator,
-    front: FrontDoor,
+    app: Any,
     ring_status: Callable[[], dict[str, Any]],
     pool_stats: Callable[[], Any] | None,
     stopping: asyncio.Event | None = None,
     collectors: Iterable[Any] = (),
 ) -> Any:
-    """Instrument the front door; serve /metrics (and the /ready, /live probes: ready until
-    ``stopping`` is set) when a metric port is configured. ``collectors``: further
-    Prometheus collectors to serve (the baseline's stage times)."""
+    """Instrument the front door's ``app``; serve /metrics (and the /ready, /live probes:
+    ready until ``stopping`` is set) when a metric port is configured. ``collectors``:
+    further Prometheus collectors to serve (the baseline's stage times)."""
     metrics = ControllerMetrics(co)
     for collector in collectors:
         metrics.registry.register(collector)
     metrics.ring_status = ring_status
     metrics.pool_stats = pool_stats
-    front.app.add_middleware(metrics.asgi)
+    app.add_middleware(metrics.asgi)
     if cfg.server.metric_port is None:
         return None
     def ready() -> tuple[bool, dict[str, Any]]:
@@ -90,7 +101,7 @@ async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> 
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         try:
-            co.sweep()
+            co.sweep(co.clock())
             if extra is not None:
                 extra()
         except Exception:  # the sweeper must outlive any single failure
@@ -102,11 +113,12 @@ async def retention_loop(co: Coordinator, retention_s: float) -> None:
     interval = prune_interval(retention_s)
     while True:
         try:
-            fut = co.table.prune()
+            now = time.time()  # the retention window is wall-clock time, like finished_at
+            fut = co.table.history.prune(now)
             if fut is None:
                 return
             gone = await asyncio.wrap_future(fut)
-            co.table.pruned(gone)
+            co.table.history.pruned(gone, now)
             if gone:
                 log.info("task store: forgot %s finished task(s) older than %g s",
                          ", ".join(f"{n} {s}" for s, n in gone.items()), retention_s)
@@ -141,20 +153,12 @@ async def run_controller_async(
     await rings.start()
     images = ImageStager.for_pipeline(cfg, env)
     co = Coordinator(
-        pipeline=cfg.pipeline,
-        request_ring=rings.local["request"],
-        output_dir=output_dir,
-        lease_timeout_s=cfg.lease_timeout_s,
-        heartbeat_interval_s=cfg.heartbeat_interval_s,
-        max_pending=cfg.max_pending_tasks,
+        CoordinatorConfig.from_service(cfg, output_dir),
+        open_table_for(cfg, output_dir),
+        rings.local["request"],
         stage_image=images.stage if images else None,
         release_image=images.release if images else None,
-        journal=output_dir / ".journal",
-        max_task_failures=cfg.max_task_failures,
-        poison_worker_deaths=cfg.poison_worker_deaths,
         census=lambda: census(rings.local),
-        retention_s=cfg.task_retention_s,
-        delete_results=cfg.delete_results_after_retention,
     )
     doorbell = Doorbell({name: ring.verbs for name, ring in rings.local.items()})
     co.on_work = doorbell.ring
@@ -165,11 +169,12 @@ async def run_controller_async(
     try:
         await control.start()
         front = FrontDoor(co, status_extra=lambda: {**_ring_status(rings),
-                                                     "recovery": dict(co.recovery)},
+                                                     "recovery": dict(co.recovery.counts)},
                           service="controller", server=cfg.server)
+        app = build_app(front)
         if images is not None:  # start the decoding processes before the first image
             await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)
-        metrics_server = start_metrics(cfg, co, front, lambda: _ring_status(rings),
+        metrics_server = start_metrics(cfg, co, app, lambda: _ring_status(rings),
                                        images.pool.stats if images else None, stop)
 
         def periodic() -> None:
@@ -187,7 +192,7 @@ async def run_controller_async(
             rings.ports(),
             control.port,
         )
-        await serve_http(front.app, http_sock, stop, on_stop=front.close)
+        await serve_http(app, http_sock, stop, on_stop=front.close)
         sweeper.cancel()
         retention.cancel()
     finally:

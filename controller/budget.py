@@ -24,7 +24,8 @@ from __future__ import annotations
 import enum
 import logging
 
-from controller.tasks import TERMINAL, Task, TaskTable
+from controller.table import TaskTable
+from controller.tasks import TERMINAL, Task
 
 log = logging.getLogger("diffring.controller")
 

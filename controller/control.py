@@ -16,9 +16,11 @@ import struct
 from typing import Any
 
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
-from controller.coordinator import ControlError, Coordinator, WorkerInfo
+from controller.coordinator import Coordinator
 from controller.doorbell import Doorbell
+from controller.errors import ControlError
 from controller.preflight import connect_back
+from controller.registry import WorkerInfo
 from rings import wire
 from rings.ports import bind_error
 
@@ -144,6 +146,10 @@ class ControlServer:
                         if msg.get("op") == Op.BYE
                         else f"reported a fatal error: {msg.get('error')}"
                     )
+                    if worker is None and msg.get("op") == Op.FATAL:
+                        log.warning("control: a %s worker (%s) failed before registering: %s",
+                                    join.get("worker_role"), join.get("peer_name"),
+                                    msg.get("error"))
                     return
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
@@ -247,9 +253,11 @@ class ControlServer:
             )
             return {
                 "worker_id": worker.worker_id,
-                "heartbeat_interval_s": co.heartbeat_interval_s,
-                "lease_timeout_s": co.lease_timeout_s,
+                "heartbeat_interval_s": co.config.heartbeat_interval_s,
+                "lease_timeout_s": co.config.lease_timeout_s,
             }, worker
+        if op in (Op.FATAL, Op.BYE):
+            return {}, worker  # _serve ends the connection (a worker failing at start too)
         if worker is None:
             raise ControlError(f"{op!r} before register")
         if op == Op.HEARTBEAT:
@@ -291,8 +299,6 @@ class ControlServer:
                 _opt_str(msg.get("task_id")),
                 attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
             )
-            return {}, worker
-        if op in (Op.FATAL, Op.BYE):
             return {}, worker
         raise ControlError(f"unknown control op {op!r}")
 

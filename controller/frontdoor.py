@@ -5,7 +5,9 @@ diffring adds ``height`` / ``width`` / ``guidance_scale`` / ``true_cfg_scale`` a
 ``stage`` in the status. Every error body is JSON ``{"detail": "<what to do>"}``.
 
 :class:`FrontDoor` holds what the routes do; the routes themselves are plain handlers in
-:mod:`controller.routes`; the bodies are in :mod:`controller.schemas`.
+:mod:`controller.routes` (and the other ``routes_*`` modules), which import this module and
+nothing imports back; :mod:`controller.webapp` assembles them into the application. The
+bodies are in :mod:`controller.schemas`.
 """
 
 from __future__ import annotations
@@ -19,18 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-
 from contracts.config import ServerConfig
 from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
 from contracts.pipelines import task_spec
 from contracts.request import GenerationRequest
-from controller.auth import api_key_guard
-from controller.bodies import BodyLimit
-from controller.coordinator import Coordinator, QueueFull
+from controller.coordinator import Coordinator
 from controller.decoding import ImageDecoder
+from controller.errors import QueueFull
 from controller.events import EventHub
 from controller.schemas import (
     TASK_ID_RE,
@@ -48,8 +45,8 @@ log = logging.getLogger("diffring.frontdoor")
 
 
 class FrontDoor:
-    """What the routes do, around a coordinator (disaggregated or baseline); ``app`` is the
-    FastAPI application serving it."""
+    """What the routes do, around a coordinator (disaggregated or baseline); the FastAPI
+    application serving it is :func:`controller.webapp.build_app`'s."""
 
     def __init__(
         self,
@@ -61,7 +58,7 @@ class FrontDoor:
         decoder: ImageDecoder | None = None,
     ) -> None:
         self.co = coordinator
-        self.pipeline = coordinator.pipeline
+        self.pipeline = coordinator.config.pipeline
         self.status_extra = status_extra
         self.service = service
         self.server = server or ServerConfig()
@@ -70,7 +67,6 @@ class FrontDoor:
         # Staging and store look-ups run here, off the event loop.
         self.blocking = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="frontdoor")
         self.events = EventHub(coordinator)
-        self.app = build_app(self)
 
     def close(self) -> None:
         """The server is stopping: end the event streams and the waits on them."""
@@ -190,7 +186,7 @@ class FrontDoor:
 
     async def _durable(self, task: Task) -> None:
         """Answer only once the accepted task is in the store (a restart keeps it)."""
-        fut = self.co.table.durable(task.task_id)
+        fut = self.co.table.journal.durable(task.task_id)
         if fut is None:
             return
         try:
@@ -225,13 +221,14 @@ class FrontDoor:
         if task.stage == Stage.DENOISING and task.steps:
             out["progress"] = f"denoising step {task.step}/{task.steps}"
         if task.result_path:
-            out["save_result_path"] = str(Path(task.result_path).relative_to(self.co.output_dir))
+            out["save_result_path"] = str(
+                Path(task.result_path).relative_to(self.co.config.output_dir))
         return out
 
     async def get(self, task_id: str) -> Task:
         """A task in memory or, once it has left memory, in the store; 404 otherwise."""
         task = self.co.table.get(task_id)
-        if task is None and self.co.table.store is not None:
+        if task is None and self.co.table.journal.store is not None:
             await self._caught_up()
             task = await self._read(self.co.table.lookup, task_id)
         if task is None:
@@ -252,66 +249,12 @@ class FrontDoor:
 
     async def _caught_up(self) -> None:
         """Wait until the store holds every change made so far (read your own writes)."""
-        flushed = self.co.table.flush(durable=False)
+        flushed = self.co.table.journal.flush(durable=False)
         if flushed is not None:
             await asyncio.wrap_future(flushed)
 
     async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
-        store = self.co.table.store
+        store = self.co.table.journal.store
         if store is None:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(store.reads, fn, *args)
-
-
-async def _validation_error(_req: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    problems = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        if err.get("type") == "extra_forbidden":
-            problems.append(f"unknown field {loc!r}")
-        else:
-            problems.append(f"{loc}: {err.get('msg')}")
-    return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
-
-
-async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
-    log.exception("front door: unexpected error")
-    return JSONResponse(
-        status_code=500,
-        content={"detail": f"internal error ({type(exc).__name__}: {exc}); the "
-                           "controller log has the details"},
-    )
-
-
-def build_app(front: FrontDoor) -> FastAPI:
-    """The FastAPI application of ``front``: its routes find it as ``app.state.front``
-    (the OpenAI routes their :class:`~controller.openai_api.OpenAIDoor` as
-    ``app.state.openai``)."""
-    from fastapi.staticfiles import StaticFiles
-
-    from controller import routes, routes_events, routes_openai, routes_ui
-    from controller.openai_api import OpenAIDoor
-
-    app = FastAPI(
-        title="diffring",
-        description=f"Disaggregated diffusion serving — this controller serves "
-        f"{front.pipeline}.",
-        version="0.1.0",
-    )
-    app.state.front = front
-    app.state.openai = OpenAIDoor(front)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(Exception, _unexpected)
-    guard = api_key_guard(front.server.api_key)
-    for module in (routes, routes_events, routes_openai, routes_ui):
-        app.include_router(module.router, dependencies=guard)
-    # Open with or without a key: /health, and the status page's HTML (its data is guarded).
-    app.include_router(routes.open_router)
-    app.include_router(routes_ui.page_router)
-    app.mount("/ui/static", StaticFiles(directory=routes_ui.UI_DIR), name="ui-static")
-    # Whole request bodies are read into memory: refuse what cannot be a valid request
-    # (the largest image, base64-encoded, plus room for the other fields) before that.
-    limit = (front.server.max_image_bytes + 2) // 3 * 4 + (2 << 20)
-    app.add_middleware(BodyLimit, max_bytes=limit)
-    return app

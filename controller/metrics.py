@@ -99,7 +99,7 @@ class ControllerMetrics:
                float(self.co.table.in_flight()))
         now = time.time()
         roles: dict[str, int] = dict.fromkeys(Role, 0)
-        for w in self.co.workers.values():
+        for w in self.co.registry:
             roles[w.role] = roles.get(w.role, 0) + 1
             yield ("diffring_worker_heartbeat_age_seconds", "Seconds since a worker's last "
                    "heartbeat", {"worker": w.name, "role": w.role}, now - w.last_heartbeat)

@@ -315,5 +315,5 @@ class OpenAIDoor:
         self.deleted.add(task.task_id)
         if task.result_path:
             Path(task.result_path).unlink(missing_ok=True)
-        remove_thumbnail(self.front.co.output_dir, task.task_id)
+        remove_thumbnail(self.front.co.config.output_dir, task.task_id)
         return {"id": task.task_id, "object": "video.deleted", "deleted": True}

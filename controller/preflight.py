@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from controller.coordinator import ControlError
+from controller.errors import ControlError
 
 log = logging.getLogger("diffring.controller.preflight")
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from rings.config import RING_NAMES, DisaggConfig
+from contracts.disagg import DisaggConfig
 from rings.errors import ConfigError
 from rings.host import RdmaJoin, RingHost
+from rings.layout import RING_NAMES
 from rings.ring import Ring
 
 log = logging.getLogger("diffring.controller")

@@ -103,7 +103,7 @@ async def queue_status(front: Front) -> dict[str, Any]:
         "processing": len(running),
         "queue": queued,
         "running": running,
-        "max_pending": front.co.max_pending,
+        "max_pending": front.co.config.max_pending,
         **front.status_extra(),
     }
 
@@ -155,7 +155,7 @@ async def service_status(front: Front) -> dict[str, Any]:
         "service": front.service,
         "pipeline": front.pipeline,
         "counts": counts,
-        "workers": front.co.workers_by_role(),
+        "workers": front.co.registry.by_role(),
         **front.status_extra(),
     }
 

@@ -214,7 +214,7 @@ async def video_content(
         raise OpenAIError(400, "variant 'spritesheet' is not supported; use 'video' or "
                                "'thumbnail'", "variant")
     if variant == "thumbnail":
-        out = thumbnail_file(door.front.co.output_dir, video_id)
+        out = thumbnail_file(door.front.co.config.output_dir, video_id)
         path = await asyncio.to_thread(make_thumbnail, Path(task.result_path), task.media_type,
                                        out)
         return FileResponse(path, media_type="image/png")

@@ -46,7 +46,7 @@ async def state(front: Front) -> dict[str, Any]:
     hub = front.events
     table = front.co.table
     workers: dict[str, list[dict[str, Any]]] = {}
-    for role, infos in front.co.workers_by_role().items():
+    for role, infos in front.co.registry.by_role().items():
         rows = []
         for w in infos:
             current = [table.get(t) for t in w["current_tasks"]]
@@ -98,7 +98,7 @@ async def thumbnail(task_id: str, front: Front) -> Response:
     result = Path(task.result_path)
     if not result.exists():
         raise http_error(404, f"the result of task {task_id} was deleted")
-    out = thumbnail_file(front.co.output_dir, task_id)
+    out = thumbnail_file(front.co.config.output_dir, task_id)
     path = await asyncio.to_thread(make_thumbnail, result, task.media_type, out)
     return FileResponse(path, media_type="image/png",
                         headers={"Cache-Control": "max-age=3600"})

@@ -33,10 +33,10 @@ API (small on purpose)::
     store.prune(now)                 # future: {status: rows removed} past the retention
     store.close()
 
-Checking a store from outside (what the chaos soak calls), read-only, safe while the
-controller runs::
+The SQL itself is :mod:`controller.store_sql`. Checking a store from outside (what the chaos
+soak calls), read-only, safe while the controller runs::
 
-    python -m controller.store --check out/results/.journal [--max-bytes N] [--json]
+    python -m controller.store_check --check out/results/.journal [--max-bytes N] [--json]
 
 or :func:`controller.store_check.check` in-process (a ``StoreReport``; ``.ok``,
 ``.problems``), and :func:`controller.store_check.completions` for every task's status and
@@ -56,43 +56,23 @@ import logging
 import os
 import queue
 import sqlite3
-import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from contracts.errors import ConfigError, DiffringError
+from controller import store_sql
+from controller.store_sql import DB_NAME, Op
 
 log = logging.getLogger("diffring.controller.store")
 
-DB_NAME = "tasks.db"
-SCHEMA_VERSION = 1
+__all__ = ["DB_NAME", "Restored", "StoreConflict", "StoreError", "StoreLocked", "TaskStore"]
+
 MAX_BATCH = 1024
 """Most operations one transaction takes; bounds how long a reader waits for a checkpoint."""
-_STATUSES = ("pending", "processing", "completed", "failed", "cancelled")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS tasks (
-    seq INTEGER PRIMARY KEY,            -- acceptance order: the list endpoint's stable order
-    task_id TEXT NOT NULL UNIQUE,
-    status TEXT NOT NULL,               -- pending | processing | completed | failed | cancelled
-    stage TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    finished_at REAL,                   -- set once terminal; what retention prunes by
-    result_path TEXT,
-    completions INTEGER NOT NULL DEFAULT 0,   -- completed events recorded: must end at 0 or 1
-    fixed TEXT NOT NULL,                -- JSON written once: request, kind, pipeline, ...
-    state TEXT NOT NULL                 -- JSON of the mutable fields, rewritten per change
-);
-CREATE INDEX IF NOT EXISTS tasks_status ON tasks (status, seq);
-CREATE INDEX IF NOT EXISTS tasks_finished ON tasks (finished_at) WHERE finished_at IS NOT NULL;
--- Input images of unfinished tasks (kept to re-stage on a retry or after a restart).
-CREATE TABLE IF NOT EXISTS images (task_id TEXT PRIMARY KEY, data BLOB NOT NULL);
-"""
 
 
 class StoreError(DiffringError):
@@ -121,18 +101,6 @@ class Restored:
     images: dict[str, bytes]
 
 
-@dataclass
-class _Op:
-    kind: str  # "put", "barrier", "prune"
-    event: str = ""
-    task_id: str = ""
-    columns: dict[str, Any] = field(default_factory=dict)
-    fixed: str | None = None
-    image: bytes | None = None
-    durable: bool = False
-    future: concurrent.futures.Future[Any] | None = None
-
-
 class TaskStore:
     """One output folder's task rows; see the module docstring for the protocol."""
 
@@ -145,7 +113,7 @@ class TaskStore:
         self.path = folder / DB_NAME
         self.retention_s = retention_s
         self.delete_results = delete_results
-        self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._lock_file: Any = None
         self._readers: list[sqlite3.Connection] = []
@@ -171,9 +139,13 @@ class TaskStore:
                 f"another controller uses the task store in {self.folder}; give each "
                 "controller its own output_dir"
             ) from None
+        conn = None
         try:
-            conn = self._create()
+            conn = store_sql.connect(self.path)
+            store_sql.create(conn, self.retention_s)
         except sqlite3.DatabaseError as exc:
+            if conn is not None:
+                conn.close()
             self._lock_file.close()
             self._lock_file = None
             raise StoreError(
@@ -186,29 +158,6 @@ class TaskStore:
         )
         self._writer.start()
 
-    def _create(self) -> sqlite3.Connection:
-        conn = self._connect()
-        # auto_vacuum must be chosen before the first table exists: space of pruned rows is
-        # returned to the file system a little at a time (incremental_vacuum after a prune).
-        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-        conn.executescript(_SCHEMA)
-        conn.execute(
-            "INSERT INTO meta VALUES ('schema', ?) ON CONFLICT(key) DO NOTHING",
-            (str(SCHEMA_VERSION),),
-        )
-        (version,) = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-        if version != str(SCHEMA_VERSION):
-            conn.close()
-            raise sqlite3.DatabaseError(
-                f"it has schema version {version}, this controller reads {SCHEMA_VERSION}"
-            )
-        conn.execute(
-            "INSERT INTO meta VALUES ('retention_s', ?) "
-            "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-            (repr(self.retention_s),),
-        )
-        return conn
-
     def load(self) -> Restored:
         """What a restarting controller needs: every unfinished task (with its input image)
         and the counts by status. Sees every change queued before it."""
@@ -216,20 +165,8 @@ class TaskStore:
         conn = self._reader()
         conn.execute("BEGIN")
         try:
-            unfinished = [
-                _row(r)
-                for r in conn.execute(
-                    "SELECT * FROM tasks WHERE finished_at IS NULL ORDER BY seq"
-                ).fetchall()
-            ]
-            images = {
-                tid: bytes(data)
-                for tid, data in conn.execute(
-                    "SELECT i.task_id, i.data FROM images i JOIN tasks t USING (task_id) "
-                    "WHERE t.finished_at IS NULL"
-                )
-            }
-            counts = _counts(conn)
+            unfinished, images = store_sql.unfinished(conn)
+            counts = store_sql.counts(conn)
         finally:
             conn.execute("COMMIT")
         return Restored(unfinished, counts, images)
@@ -248,13 +185,6 @@ class TaskStore:
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
-
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA busy_timeout=10000")
-        return conn
 
     # -- writes (enqueue from any thread; the writer thread commits) ------------------------
     def put(
@@ -290,7 +220,7 @@ class TaskStore:
             "state": json.dumps(state or {}, separators=(",", ":")),
         }
         self._queue.put(
-            _Op(
+            Op(
                 "put",
                 event,
                 task_id,
@@ -307,7 +237,7 @@ class TaskStore:
         """Resolves once everything queued before it is committed (and fsync'd, when
         ``durable``; a reader that only needs to see earlier writes passes False)."""
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._queue.put(_Op("barrier", durable=durable, future=fut))
+        self._queue.put(Op("barrier", durable=durable, future=fut))
         return fut
 
     def prune(self, now: float | None = None) -> concurrent.futures.Future[dict[str, int]]:
@@ -315,7 +245,7 @@ class TaskStore:
         when configured); the future gives how many rows of each status went."""
         fut: concurrent.futures.Future[dict[str, int]] = concurrent.futures.Future()
         cutoff = (time.time() if now is None else now) - self.retention_s
-        self._queue.put(_Op("prune", columns={"cutoff": cutoff}, future=fut))
+        self._queue.put(Op("prune", columns={"cutoff": cutoff}, future=fut))
         return fut
 
     def _write_loop(self, conn: sqlite3.Connection) -> None:
@@ -337,7 +267,7 @@ class TaskStore:
             self._commit(conn, batch)
         conn.close()
 
-    def _commit(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
+    def _commit(self, conn: sqlite3.Connection, batch: list[Op]) -> None:
         durable = any(op.durable for op in batch)
         writes = any(op.kind != "barrier" for op in batch)
         results: list[Any] = [None] * len(batch)
@@ -345,7 +275,7 @@ class TaskStore:
             conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
             conn.execute("BEGIN IMMEDIATE")
             for i, op in enumerate(batch):
-                results[i] = self._apply(conn, op)
+                results[i] = store_sql.apply(conn, op, self.delete_results)
             conn.execute("COMMIT")
         except Exception as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -394,61 +324,11 @@ class TaskStore:
         finally:
             os.close(fd)
 
-    def _apply(self, conn: sqlite3.Connection, op: _Op) -> Any:
-        if op.kind == "barrier":
-            return None
-        if op.kind == "prune":
-            return self._prune(conn, op.columns["cutoff"])
-        c = op.columns
-        if op.event == "accepted":
-            conn.execute(
-                "INSERT INTO tasks (task_id, status, stage, attempt, finished_at, result_path,"
-                " fixed, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (op.task_id, c["status"], c["stage"], c["attempt"], c["finished_at"],
-                 c["result_path"], op.fixed or "{}", c["state"]),
-            )
-            if op.image is not None:
-                conn.execute("INSERT OR REPLACE INTO images VALUES (?, ?)", (op.task_id, op.image))
-            return None
-        if op.event == "rejected":
-            conn.execute("DELETE FROM tasks WHERE task_id = ?", (op.task_id,))
-            conn.execute("DELETE FROM images WHERE task_id = ?", (op.task_id,))
-            return None
-        conn.execute(
-            "UPDATE tasks SET status = ?, stage = ?, attempt = ?, finished_at = ?, "
-            "result_path = ?, state = ?, completions = completions + ? WHERE task_id = ?",
-            (c["status"], c["stage"], c["attempt"], c["finished_at"], c["result_path"],
-             c["state"], 1 if op.event == "completed" else 0, op.task_id),
-        )
-        if op.image is not None:
-            conn.execute("INSERT OR REPLACE INTO images VALUES (?, ?)", (op.task_id, op.image))
-        if c["finished_at"] is not None:
-            conn.execute("DELETE FROM images WHERE task_id = ?", (op.task_id,))
-        return None
-
-    def _prune(self, conn: sqlite3.Connection, cutoff: float) -> dict[str, int]:
-        where = "finished_at IS NOT NULL AND finished_at < ?"
-        gone: dict[str, int] = {
-            status: n
-            for status, n in conn.execute(
-                f"SELECT status, count(*) FROM tasks WHERE {where} GROUP BY status", (cutoff,)
-            )
-        }
-        if self.delete_results:
-            for (path,) in conn.execute(
-                f"SELECT result_path FROM tasks WHERE {where} AND result_path IS NOT NULL",
-                (cutoff,),
-            ).fetchall():
-                with contextlib.suppress(OSError):
-                    Path(path).unlink(missing_ok=True)
-        conn.execute(f"DELETE FROM tasks WHERE {where}", (cutoff,))
-        return gone
-
     # -- reads (any thread; each thread its own connection) ---------------------------------
     def _reader(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._connect()
+            conn = store_sql.connect(self.path)
             conn.execute("PRAGMA query_only=1")
             self._local.conn = conn
             with self._readers_lock:
@@ -460,61 +340,13 @@ class TaskStore:
         row = self._reader().execute(
             "SELECT * FROM tasks WHERE task_id = ?", (task_id,)
         ).fetchone()
-        return None if row is None else _row(row)
+        return None if row is None else store_sql.record(row)
 
     def page(
         self, status: str | None, offset: int, limit: int
     ) -> tuple[int, list[dict[str, Any]]]:
         """(total matching, one page of records) in acceptance order."""
-        conn = self._reader()
-        # One read transaction: the total and the page see the same snapshot.
-        conn.execute("BEGIN")
-        try:
-            if status is None:
-                total = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
-                rows = conn.execute(
-                    "SELECT * FROM tasks ORDER BY seq LIMIT ? OFFSET ?", (limit, offset)
-                ).fetchall()
-            else:
-                total = conn.execute(
-                    "SELECT count(*) FROM tasks WHERE status = ?", (status,)
-                ).fetchone()[0]
-                rows = conn.execute(
-                    "SELECT * FROM tasks WHERE status = ? ORDER BY seq LIMIT ? OFFSET ?",
-                    (status, limit, offset),
-                ).fetchall()
-        finally:
-            conn.execute("COMMIT")
-        return int(total), [_row(r) for r in rows]
+        return store_sql.page(self._reader(), status, offset, limit)
 
     def counts(self) -> dict[str, int]:
-        return _counts(self._reader())
-
-
-def _row(row: sqlite3.Row) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(row["fixed"])
-    out.update(json.loads(row["state"]))
-    out["task_id"] = row["task_id"]
-    out["stage"] = row["stage"]
-    out["attempt"] = row["attempt"]
-    out["finished_at"] = row["finished_at"]
-    out["result_path"] = row["result_path"]
-    return out
-
-
-def _counts(conn: sqlite3.Connection) -> dict[str, int]:
-    out = dict.fromkeys(_STATUSES, 0)
-    for status, n in conn.execute("SELECT status, count(*) FROM tasks GROUP BY status"):
-        out[status] = n
-    return out
-
-
-def counts(conn: sqlite3.Connection) -> dict[str, int]:
-    """Rows by status (every status named, zero or not)."""
-    return _counts(conn)
-
-
-if __name__ == "__main__":
-    from controller.store_check import main
-
-    sys.exit(main())
+        return store_sql.counts(self._reader())

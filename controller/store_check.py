@@ -1,7 +1,7 @@
 """Read-only checks of a task store (:mod:`controller.store`), for operators and the chaos
 soak; safe while the controller runs (WAL readers never block the writer)::
 
-    python -m controller.store --check out/results/.journal [--max-bytes N] [--json]
+    python -m controller.store_check --check out/results/.journal [--max-bytes N] [--json]
 
 :func:`check` does the same in-process and returns a :class:`StoreReport`;
 :func:`completions` lists every stored task with its status and recorded completions.
@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from controller.store import DB_NAME, StoreError, counts, prune_interval
+from controller.store import StoreError, prune_interval
+from controller.store_sql import DB_NAME, counts
 
 
 @dataclass
@@ -127,7 +128,7 @@ def completions(folder: Path) -> dict[str, tuple[str, int]]:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m controller.store", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m controller.store_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", required=True, metavar="DIR",
                    help="a store folder (<output_dir>/.journal) or an output_dir")
@@ -152,3 +153,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         for problem in report.problems:
             print(f"  {problem}")
     return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

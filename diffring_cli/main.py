@@ -1,11 +1,12 @@
 """``diffring serve | inspect | submit``.
 
     diffring serve --service controller|encoder|transformer|decoder|all --config FILE
-    diffring inspect [--controller HOST] [--slots] [--json] [--watch S]
+    diffring inspect [--config FILE] [--controller HOST] [--slots] [--json] [--watch S]
     diffring submit --kind image|video --prompt TEXT [--image FILE] [--out FILE]
 
 ``serve`` is ``run_service.py`` (same flags, same environment); ``inspect`` is
-``python -m rings inspect``; ``submit`` talks to a front door over HTTP only.
+``python -m rings inspect`` with the addresses and token of a service's file
+(:mod:`diffring_cli.inspect`); ``submit`` talks to a front door over HTTP only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from contracts.errors import ConfigError
 from diffring_cli.client import RequestFailed, encode_image, run_task
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -100,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_service.main(argv[1:])
     if argv and argv[0] == "inspect":
-        from rings.inspect import main as inspect_main
+        from diffring_cli.inspect import main as inspect_main
 
-        return inspect_main(argv[1:])
+        try:
+            return inspect_main(argv[1:])
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     args = ap.parse_args(argv)
     return submit(args)

@@ -56,7 +56,9 @@ QWEN_DIT = {
 }
 
 
-def _wan_dit(arch: str, layers: int | None) -> Any:
+def wan_dit(arch: str, layers: int | None = None) -> Any:
+    """A Wan2.1 DiT of ``arch`` (``wan-1.3b`` / ``wan-14b``) as published, ``layers`` deep if
+    given; random weights in the current default dtype and device."""
     from diffusers import WanTransformer3DModel
 
     cfg = dict(WAN_DIT[arch])
@@ -77,6 +79,17 @@ def _wan_dit(arch: str, layers: int | None) -> Any:
         rope_max_seq_len=1024,
         **cfg,
     )
+
+
+def qwen_dit(layers: int | None = None) -> Any:
+    """The Qwen-Image DiT (20.4B) as published, ``layers`` deep if given; random weights in
+    the current default dtype and device."""
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg: dict[str, Any] = dict(QWEN_DIT)
+    if layers is not None:
+        cfg["num_layers"] = layers
+    return QwenImageTransformer2DModel(**cfg)
 
 
 def _umt5(tokenizer: Any, layers: int) -> Any:
@@ -164,25 +177,18 @@ def build(
 
                 tokenizer = build_t5_tokenizer()
                 text_encoder = _umt5(tokenizer, text_layers)
-                dit = _wan_dit(arch, layers)
+                dit = wan_dit(arch, layers)
                 torch.set_default_dtype(torch.float32)  # the published VAE is float32
                 vae: Any = AutoencoderKLWan()  # diffusers' defaults are Wan2.1's VAE config
                 pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(),
                                    vae=vae.eval(), scheduler=wan_scheduler(),
                                    transformer=dit.eval())
             else:
-                from diffusers import (
-                    AutoencoderKLQwenImage,
-                    QwenImagePipeline,
-                    QwenImageTransformer2DModel,
-                )
+                from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
 
                 tokenizer = build_qwen_tokenizer()
                 text_encoder = _qwen_text_encoder(tokenizer, text_layers)
-                qcfg: dict[str, Any] = dict(QWEN_DIT)
-                if layers is not None:
-                    qcfg["num_layers"] = layers
-                dit = QwenImageTransformer2DModel(**qcfg)
+                dit = qwen_dit(layers)
                 torch.set_default_dtype(torch.float32)
                 vae = AutoencoderKLQwenImage()  # defaults: Qwen-Image's VAE config
                 pipe = QwenImagePipeline(scheduler=qwen_scheduler(), vae=vae.eval(),

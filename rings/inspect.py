@@ -9,6 +9,11 @@ many producer tickets no consumer holds yet, and ``waiting`` how many consumer t
 for an item that no producer has been given yet (idle consumers on an empty ring). An
 ORPHANED slot (a dead or idle consumer's item, re-offered to any consumer) counts as
 published.
+
+The rings know no service configuration: this command takes plain hosts, ports and a token
+(``--token`` or ``DIFFRING_CLUSTER_TOKEN``). ``diffring inspect --config FILE`` reads them from
+a service's file (and falls back to the development token, as the services do) and calls
+:func:`main` with them.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ import os
 import struct
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rings import payload as pl
-from rings.config import DEFAULT_TOKEN, RING_NAMES, DisaggConfig
 from rings.errors import DiffringError, PayloadCorrupt
 from rings.layout import (
     OFF_FREED,
@@ -31,6 +36,7 @@ from rings.layout import (
     OFF_REVOKED,
     OFF_TAIL,
     OFF_TOMBSTONES,
+    RING_NAMES,
     STAMPS_OFFSET,
     RingLayout,
     SlotState,
@@ -38,7 +44,9 @@ from rings.layout import (
 )
 from rings.verbs import READ, Verbs, connect
 
+DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORTS = {"request": 5566, "phase1": 5567, "phase2": 5568}
+"""Where a controller with the default configuration serves its rings."""
 
 
 def _summary(item: dict[str, Any]) -> str:
@@ -154,18 +162,15 @@ def _table(snaps: list[dict[str, Any]], with_slots: bool) -> str:
 
 
 def inspect_rings(
-    host: str,
-    ports: dict[str, int],
-    token: str,
-    with_slots: bool,
-    hosts: dict[str, str] | None = None,
+    hosts: Mapping[str, str], ports: Mapping[str, int], token: str, with_slots: bool
 ) -> list[dict[str, Any]]:
+    """A snapshot of each ring (or the error that kept it from being read), in ring order."""
     snaps = []
     for ring in RING_NAMES:
         try:
             with connect(
                 "tcp",
-                (hosts or {}).get(ring, host),
+                hosts[ring],
                 ports[ring],
                 layout=None,
                 ring=ring,
@@ -179,10 +184,26 @@ def inspect_rings(
     return snaps
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rings inspect", description=__doc__)
-    parser.add_argument("--controller", default=None, help="controller address (127.0.0.1)")
-    parser.add_argument("--config", help="service config JSON; its disagg_config gives the ports")
+def main(
+    argv: list[str] | None = None,
+    *,
+    hosts: Mapping[str, str] | None = None,
+    ports: Mapping[str, int] | None = None,
+    token: str | None = None,
+    prog: str = "python -m rings inspect",
+) -> int:
+    """The command; ``hosts``, ``ports`` and ``token`` are the defaults its flags override
+    (a caller that read them from a service's configuration passes them)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" in argv:
+        print("python -m rings inspect reads no service configuration (the rings know no "
+              "services): run `diffring inspect --config FILE`, or give --controller, "
+              "--<ring>-port and --token", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--controller", default=None,
+                        help=f"address of every ring (default {DEFAULT_HOST})")
     for ring in RING_NAMES:
         parser.add_argument(f"--{ring}-port", type=int, default=None)
     parser.add_argument("--token", default=None, help="cluster token (or DIFFRING_CLUSTER_TOKEN)")
@@ -191,27 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watch", type=float, default=None, metavar="SECONDS")
     args = parser.parse_args(argv)
 
-    disagg = DisaggConfig()
-    if args.config:
-        with open(args.config) as f:
-            cfg = json.load(f)
-        disagg = DisaggConfig.from_dict(cfg.get("disagg_config"))
-    ports = {r: disagg.ring_address(r)[1] for r in RING_NAMES}
-    hosts = {r: disagg.ring_address(r)[0] for r in RING_NAMES}
+    where = dict(hosts or dict.fromkeys(RING_NAMES, DEFAULT_HOST))
+    if args.controller:
+        where = dict.fromkeys(RING_NAMES, args.controller)
+    at = dict(ports or DEFAULT_PORTS)
     for ring in RING_NAMES:
         override = getattr(args, f"{ring}_port")
         if override is not None:
-            ports[ring] = override
-    if args.controller:
-        hosts = dict.fromkeys(RING_NAMES, args.controller)
-    token = (
-        args.token
-        or disagg.cluster_token
-        or os.environ.get("DIFFRING_CLUSTER_TOKEN")
-        or DEFAULT_TOKEN
-    )
+            at[ring] = override
+    secret = args.token or token or os.environ.get("DIFFRING_CLUSTER_TOKEN")
+    if not secret:
+        print("no cluster token: pass --token, set DIFFRING_CLUSTER_TOKEN, or run "
+              "`diffring inspect [--config FILE]`, which uses the services' token (and their "
+              "development default)", file=sys.stderr)
+        return 2
     while True:
-        snaps = inspect_rings(hosts["request"], ports, token, args.slots, hosts)
+        snaps = inspect_rings(where, at, secret, args.slots)
         if args.json:
             print(json.dumps(snaps, indent=2))
         else:

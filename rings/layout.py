@@ -90,6 +90,9 @@ MAGIC = b"DIFFRING"
 LAYOUT_VERSION = 2  # 2: ticket counters, seats, ORPHANED
 HEADER_SIZE = 128
 NAME_BYTES = 32
+RING_NAMES = ("request", "phase1", "phase2")
+"""The controller's three rings, in pipeline order (each a region of its own, with this name
+in its header)."""
 
 # Header field offsets (bytes). Counters are 8-byte aligned because RDMA atomics and our
 # tcp atomics both demand natural alignment.

@@ -1,7 +1,9 @@
 """``python -m rings serve``: host one ring on its own, outside a controller.
 
 For soak runs, benchmarks and tests of the ring itself. Prints ``READY <port>`` on stdout
-once it listens (port 0 picks a free one); SIGINT/SIGTERM stop it.
+once it listens (port 0 picks a free one); SIGINT/SIGTERM stop it. The peers' token is
+``--token`` or ``DIFFRING_CLUSTER_TOKEN`` (the rings know no service configuration, hence no
+development default).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import os
 import signal
 import sys
 
-from rings.config import DEFAULT_TOKEN
 from rings.errors import TransportUnavailable
 from rings.host import RdmaJoin, RingHost
 from rings.layout import RingLayout
@@ -28,12 +29,12 @@ def _rdma_join() -> RdmaJoin:
     return join
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, token: str) -> None:
     host = RingHost(
         RingLayout(args.name, args.slots, args.slot_size),
         host=args.host,
         port=args.port,
-        token=args.token or os.environ.get("DIFFRING_CLUSTER_TOKEN") or DEFAULT_TOKEN,
+        token=token,
         claim_timeout_s=args.claim_timeout,
         scan_interval_s=args.scan_interval,
         rdma_join=_rdma_join() if args.rdma else None,
@@ -64,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    token = args.token or os.environ.get("DIFFRING_CLUSTER_TOKEN")
+    if not token:
+        print("python -m rings serve needs the peers' token: pass --token or set "
+              "DIFFRING_CLUSTER_TOKEN", file=sys.stderr)
+        return 2
     try:
         import uvloop
-
-        uvloop.run(_serve(args))
     except ImportError:
-        asyncio.run(_serve(args))
+        asyncio.run(_serve(args, token))
+    else:
+        uvloop.run(_serve(args, token))
     return 0

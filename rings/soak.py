@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rings.config import DEFAULT_TOKEN
 from rings.layout import RingLayout
 from rings.ring import Ring
 from rings.verbs import connect
 
 RING = "soak"
+SOAK_TOKEN = "diffring-ring-soak"
+"""The token of a soak's own ring host, which listens on 127.0.0.1 only (a cluster's token is
+the service configuration's business, not the rings')."""
 
 
 def start_ring_host(
@@ -35,7 +37,7 @@ def start_ring_host(
     *,
     claim_timeout: float = 30.0,
     scan_interval: float = 0.2,
-    token: str = DEFAULT_TOKEN,
+    token: str = SOAK_TOKEN,
     name: str = RING,
 ) -> tuple[subprocess.Popen[str], int]:
     """Start ``python -m rings serve`` on 127.0.0.1, port chosen by the OS; (process, port)."""
@@ -90,7 +92,7 @@ def stop_process(proc: subprocess.Popen[Any] | mp.process.BaseProcess, timeout: 
                 proc.join()
 
 
-def open_ring(port: int, slots: int, slot_size: int, token: str = DEFAULT_TOKEN) -> Ring:
+def open_ring(port: int, slots: int, slot_size: int, token: str = SOAK_TOKEN) -> Ring:
     verbs = connect(
         "tcp",
         "127.0.0.1",
@@ -116,7 +118,7 @@ def _producer(
     seconds: float | None,
     max_data: int,
     out: str,
-    token: str = DEFAULT_TOKEN,
+    token: str = SOAK_TOKEN,
 ) -> None:
     ring = open_ring(port, slots, slot_size, token)
     rng = random.Random(index)
@@ -131,7 +133,7 @@ def _producer(
     ring.verbs.close()
 
 
-def _consumer(port: int, slots: int, slot_size: int, out: str, token: str = DEFAULT_TOKEN) -> None:
+def _consumer(port: int, slots: int, slot_size: int, out: str, token: str = SOAK_TOKEN) -> None:
     ring = open_ring(port, slots, slot_size, token)
     ids = array.array("Q")
     bad = 0

@@ -218,7 +218,7 @@ TRANSPORTS: dict[str, str] = {
 
 RDMA_ONLY_OPTIONS = ("device_name", "ib_port", "gid_index", "self_test")
 """Options only the rdma transport uses. Callers pass them to whichever transport they get
-(``DisaggConfig.rdma_options()``; ``auto`` falls back to tcp with the same options), so the
+(a service's ``disagg_config`` names them; ``auto`` falls back to tcp with the same options), so the
 tcp transport accepts and ignores them."""
 
 

@@ -26,7 +26,8 @@ from controller.group import free_ports  # noqa: E402
 from rings.soak import stop_process as stop  # noqa: E402
 
 if TYPE_CHECKING:
-    from controller.coordinator import Coordinator, WorkerInfo
+    from controller.coordinator import Coordinator
+    from controller.registry import WorkerInfo
 
 coordinators: list[Coordinator] = []
 """Coordinators made in-process by a test: each has a task-store writer thread, closed after
@@ -56,6 +57,41 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest,
 
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
+class Clock:
+    """A monotonic clock a test drives instead of sleeping: ``clock()`` reads it,
+    ``clock.advance(s)`` moves it on (leases and liveness then expire on the test's word)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+def make_coordinator(output_dir: Path | None, ring: Any, *, pipeline: str = "qwen_t2i",
+                     census: Any = None, clock: Any = None, **config: Any) -> Coordinator:
+    """An in-process coordinator over ``ring`` with its task store in
+    ``<output_dir>/.journal`` (none without ``output_dir``), closed after the test."""
+    from controller.config import CoordinatorConfig
+    from controller.coordinator import Coordinator
+    from controller.table import open_table
+
+    co = Coordinator(
+        CoordinatorConfig(pipeline=pipeline, output_dir=output_dir or Path("/nonexistent"),
+                          **config),
+        open_table(output_dir / ".journal" if output_dir else None),
+        ring,
+        census=census,
+        clock=clock or time.monotonic,
+    )
+    coordinators.append(co)
+    return co
 
 
 def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:

@@ -34,8 +34,10 @@ def ring_of(ctl: Controller, name: str) -> Ring:
 
 
 def inspect_cli(ctl: Controller, *args: str) -> subprocess.CompletedProcess[str]:
+    """``diffring inspect --config``: the rings' own command, with the file's ports and token."""
     return subprocess.run(
-        [sys.executable, "-m", "rings", "inspect", "--config", str(ctl.config_path), *args],
+        [sys.executable, "-m", "diffring_cli", "inspect", "--config", str(ctl.config_path),
+         *args],
         capture_output=True,
         text=True,
         cwd=str(ROOT),
@@ -86,26 +88,23 @@ def test_inspect_unreachable_controller_fails_clearly() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rings",
-            "inspect",
-            "--request-port",
-            str(port),
-            "--phase1-port",
-            str(port),
-            "--phase2-port",
-            str(port),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=60,
-    )
+
+    def rings_inspect(*args: str) -> subprocess.CompletedProcess[str]:
+        ports = [f"--{ring}-port={port}" for ring in ("request", "phase1", "phase2")]
+        return subprocess.run(
+            [sys.executable, "-m", "rings", "inspect", *ports, *args],
+            capture_output=True, text=True, cwd=str(ROOT), timeout=60,
+            env={"PATH": "/usr/bin:/bin"},  # no DIFFRING_CLUSTER_TOKEN
+        )
+
+    out = rings_inspect("--token", TOKEN)
     assert out.returncode == 1
     assert "unreachable" in out.stdout
+    # The rings know no service configuration, hence no development token of their own.
+    out = rings_inspect()
+    assert out.returncode == 2 and "pass --token" in out.stderr
+    out = rings_inspect("--config", "x.json")
+    assert out.returncode == 2 and "diffring inspect --config FILE" in out.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -163,8 +162,8 @@ def test_controller_rings_use_the_verbs_the_hosts_start_with(
     controller's own rings must be built on what the hosts hold after starting."""
     import asyncio
 
+    from contracts.disagg import DisaggConfig
     from controller.rings_host import ControllerRings
-    from rings.config import DisaggConfig
     from rings.host import RingHost
     from rings.layout import HOLDER_LOCAL
     from rings.verbs import LocalVerbs

@@ -2,35 +2,24 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from controller.app import LocalQueue
-from controller.coordinator import Coordinator, QueueFull, WorkerInfo
+from controller.coordinator import Coordinator
+from controller.errors import QueueFull
+from controller.registry import WorkerInfo
 from controller.tasks import Stage, Task
-from tests.conftest import complete, coordinators
+from tests.conftest import Clock, complete, make_coordinator
 
 REQ = {"task": "qwen_t2i", "prompt": "x"}
 
 
-
-
-def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0) -> Coordinator:
-    co = Coordinator(
-        pipeline="qwen_t2i",
-        request_ring=LocalQueue(slots, 1024),  # type: ignore[arg-type]
-        output_dir=tmp_path or Path("/nonexistent"),
-        lease_timeout_s=lease,
-        heartbeat_interval_s=1.0,
-        max_pending=16,
-        journal=(tmp_path / ".journal") if tmp_path else None,
-    )
-    coordinators.append(co)
-    return co
-
-
+def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0,
+         clock: Clock | None = None) -> Coordinator:
+    return make_coordinator(tmp_path, LocalQueue(slots, 1024), lease_timeout_s=lease,
+                            max_pending=16, clock=clock)
 
 
 def task(tid: str) -> Task:
@@ -112,14 +101,16 @@ def test_running_task_cancel_reaches_the_worker(tmp_path: Path) -> None:
 
 
 def test_expired_leases_in_a_row_quarantine_the_task_as_poison(tmp_path: Path) -> None:
-    co = make(tmp_path, lease=0.01)
+    clock = Clock()
+    co = make(tmp_path, lease=10.0, clock=clock)
     enc, _, _ = workers(co)
     t = task("l")
     co.submit(t)
     for attempt in range(1, 4):
         assert co.on_claim(enc, "l", attempt)[0]
-        time.sleep(0.02)
-        co.sweep()
+        co.sweep(clock.advance(9.9))
+        assert t.attempt == attempt  # within the lease
+        co.sweep(clock.advance(0.2))
     assert t.stage == Stage.FAILED and t.error_type == "poison", t.error
     assert "quarantined as poison: its last 3 attempts each lost the worker" in (t.error or "")
     assert "lease of worker e expired while encoding" in (t.error or "")
@@ -203,7 +194,7 @@ def test_work_is_announced_and_only_live_tasks_are_scanned(tmp_path: Path) -> No
         if i < 2:
             complete(co, dec, tid, 1, b"PNG")
     assert rung == ["request", "phase1", "phase2"] * 3
-    assert co.table.in_flight() == 1 and [t.task_id for t in co.table.held_by(dec.worker_id)] \
+    assert co.table.in_flight() == 1 and [t.task_id for t in co.leases.held_by(dec.worker_id)] \
         == ["w2"]
     co.on_heartbeat(dec, ["w2"], [])
     assert co.table.get("w2").lease_expires is not None  # type: ignore[union-attr]

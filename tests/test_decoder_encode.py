@@ -65,7 +65,7 @@ class FakeStage:
 def decoder(tmp_path: Path) -> Any:
     cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=1)
     worker = DecoderWorker(cfg, "token", {})
-    worker.control = FakeControl(tmp_path)  # type: ignore[assignment]
+    worker.link.control = FakeControl(tmp_path)  # type: ignore[assignment]
     worker.stage = FakeStage()
     worker.encoder_pool = EncodePool(cfg.encode_queue)
     worker.fetch_inputs = lambda job: {}  # type: ignore[method-assign]
@@ -83,16 +83,16 @@ def run_step(worker: DecoderWorker, task_id: str) -> Job:
 
 def test_completion_waits_for_the_file(decoder: Any, tmp_path: Path) -> None:
     run_step(decoder, "t1")  # returns while the MP4 is still being encoded
-    assert Op.COMPLETE not in decoder.control.ops()
+    assert Op.COMPLETE not in decoder.link.control.ops()
     assert not (tmp_path / "t1.mp4").exists()
     assert decoder.encoder_pool.held == 1
     decoder.stage.release.set()
     assert decoder.encoder_pool.join(timeout=30)
-    assert decoder.control.ops() == [Op.COMPLETE]
-    _, fields = decoder.control.calls[0]
+    assert decoder.link.control.ops() == [Op.COMPLETE]
+    _, fields = decoder.link.control.calls[0]
     assert fields["task_id"] == "t1" and fields["data"] == b"MP4" * 1000
     # The file was complete (and in place, not a .part) when the completion went out.
-    assert decoder.control.files_at_complete == [b"MP4" * 1000]
+    assert decoder.link.control.files_at_complete == [b"MP4" * 1000]
     assert not list(tmp_path.glob("*.part"))
 
 
@@ -103,7 +103,7 @@ def test_full_pool_stops_claiming(decoder: Any) -> None:
     assert not decoder.encoder_pool.has_room()
     decoder.state = State.RUNNING
     claimed: list[Any] = []
-    decoder.in_ring = None
+    decoder.link.in_ring = None
 
     def real_claim() -> None:
         try:
@@ -132,8 +132,8 @@ def test_background_failure_is_reported(decoder: Any) -> None:
     run_step(decoder, "bad")
     decoder.stage.release.set()
     assert decoder.encoder_pool.join(timeout=30)
-    assert decoder.control.ops() == [Op.FAIL]
-    _, fields = decoder.control.calls[0]
+    assert decoder.link.control.ops() == [Op.FAIL]
+    _, fields = decoder.link.control.calls[0]
     assert fields["task_id"] == "bad" and "encoder exploded" in fields["error"]
 
 
@@ -145,13 +145,13 @@ def test_drain_reports_what_is_in_flight(decoder: Any) -> None:
     t0 = time.monotonic()
     decoder.run()  # the loop exits at once (draining); the pool is joined
     assert time.monotonic() - t0 >= 0.25
-    assert decoder.control.ops() == [Op.COMPLETE]
+    assert decoder.link.control.ops() == [Op.COMPLETE]
 
 
 def test_foreground_when_disabled(tmp_path: Path) -> None:
     cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=0)
     worker = DecoderWorker(cfg, "token", {})
-    worker.control = FakeControl(tmp_path)  # type: ignore[assignment]
+    worker.link.control = FakeControl(tmp_path)  # type: ignore[assignment]
     stage = FakeStage()
     stage.release.set()
 
@@ -162,7 +162,7 @@ def test_foreground_when_disabled(tmp_path: Path) -> None:
     worker.stage = Whole()
     worker.fetch_inputs = lambda job: {}  # type: ignore[method-assign]
     run_step(worker, "t2")
-    assert worker.control.ops() == [Op.COMPLETE]  # reported by the step itself
+    assert worker.link.control.ops() == [Op.COMPLETE]  # reported by the step itself
 
 
 def test_encode_pool_is_bounded() -> None:

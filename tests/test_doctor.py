@@ -182,7 +182,7 @@ def test_model_folder(tmp_path: Path, tiny_models: Path) -> None:
 def test_component_table_matches_what_the_stages_read(tiny_models: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """STAGE_COMPONENTS (what --check verifies) is exactly what each stage loads."""
-    from workers.models import base, components
+    from workers.models import components, get_family
     from workers.models.base import StageAdapter
     from workers.models.components import STAGE_COMPONENTS
 
@@ -200,7 +200,7 @@ def test_component_table_matches_what_the_stages_read(tiny_models: Path,
     monkeypatch.setattr(StageAdapter, "_component", rec_component)
     monkeypatch.setattr(StageAdapter, "_config", rec_config)
     for task, roles in STAGE_COMPONENTS.items():
-        family = base.get_family(task)
+        family = get_family(task)
         for role, needs in roles.items():
             read.clear()
             getattr(family, role).for_task(tiny_models / task, task, "cpu", "float32").load()

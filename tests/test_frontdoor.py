@@ -16,8 +16,9 @@ from fastapi.testclient import TestClient
 
 from contracts.config import ServerConfig
 from controller.app import LocalQueue
-from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
+from controller.webapp import build_app
+from tests.conftest import make_coordinator
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -25,15 +26,7 @@ KEY = "k" * 8 + "-front-door-key"
 
 
 def make_front(tmp_path: Path, pipeline: str = "qwen_i2i", **server: Any) -> FrontDoor:
-    co = Coordinator(
-        pipeline=pipeline,
-        request_ring=LocalQueue(64, 4096),  # type: ignore[arg-type]
-        output_dir=tmp_path,
-        lease_timeout_s=15.0,
-        heartbeat_interval_s=1.0,
-        max_pending=64,
-        journal=tmp_path / ".journal",
-    )
+    co = make_coordinator(tmp_path, LocalQueue(64, 4096), pipeline=pipeline, max_pending=64)
     return FrontDoor(co, status_extra=lambda: {}, service="controller",
                      server=ServerConfig(**server))
 
@@ -41,7 +34,7 @@ def make_front(tmp_path: Path, pipeline: str = "qwen_i2i", **server: Any) -> Fro
 @pytest.fixture
 def client(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TestClient]:
     front = make_front(tmp_path, **getattr(request, "param", {}))
-    with TestClient(front.app) as c:
+    with TestClient(build_app(front)) as c:
         c.front = front  # type: ignore[attr-defined]
         yield c
     front.close()
@@ -185,7 +178,7 @@ def test_list_pages_from_the_store_and_status_outlives_memory(client: TestClient
         assert post(client, {"image_path": image, "task_id": f"l{i}"}).status_code == 200
     for i in (1, 4):
         assert client.delete(f"/v1/tasks/l{i}").json()["stop_status"] == "success"
-    front.co.table.recent.clear()  # the cancelled ones leave memory
+    front.co.table.history.recent.clear()  # the cancelled ones leave memory
     assert front.co.table.get("l1") is None
     st = client.get("/v1/tasks/l1/status").json()
     assert st["status"] == "cancelled" and st["error_type"] == "cancelled"

@@ -19,14 +19,16 @@ import httpx
 import pytest
 
 from contracts.config import ServerConfig
-from controller import coordinator as coordinator_mod
 from controller import decoding as decoding_mod
+from controller import results as results_mod
 from controller.app import LocalQueue
 from controller.coordinator import Coordinator
 from controller.decoding import ImageDecoder
 from controller.frontdoor import FrontDoor
 from controller.store_check import completions
 from controller.tasks import Stage, Task
+from controller.webapp import build_app
+from tests.conftest import make_coordinator
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -34,9 +36,7 @@ SLOW_S = 0.4
 
 
 def make(tmp_path: Path, pipeline: str = "qwen_t2i") -> Coordinator:
-    return Coordinator(pipeline=pipeline, request_ring=LocalQueue(16, 4096),  # type: ignore[arg-type]
-                       output_dir=tmp_path, lease_timeout_s=15.0, heartbeat_interval_s=1.0,
-                       max_pending=16, journal=tmp_path / ".journal")
+    return make_coordinator(tmp_path, LocalQueue(16, 4096), pipeline=pipeline, max_pending=16)
 
 
 async def longest_stall(work: Awaitable[Any]) -> tuple[Any, float]:
@@ -61,10 +61,10 @@ async def longest_stall(work: Awaitable[Any]) -> tuple[Any, float]:
 
 
 def to_decoding(co: Coordinator, tid: str) -> Any:
-    workers = [co.on_register(r, r, 1, co.pipeline, "") for r in
+    workers = [co.on_register(r, r, 1, co.config.pipeline, "") for r in
                ("encoder", "transformer", "decoder")]
-    co.submit(Task(task_id=tid, kind="image", pipeline=co.pipeline,
-                   request={"task": co.pipeline, "prompt": "x"}, save_result_path=""))
+    co.submit(Task(task_id=tid, kind="image", pipeline=co.config.pipeline,
+                   request={"task": co.config.pipeline, "prompt": "x"}, save_result_path=""))
     for w in workers:
         assert co.on_claim(w, tid, 1)[0]
         if w is not workers[-1]:
@@ -74,13 +74,13 @@ def to_decoding(co: Coordinator, tid: str) -> Any:
 
 def test_slow_result_write_does_not_stall_the_loop(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    real = coordinator_mod._write_result
+    real = results_mod.write_result
 
     def slow_write(path: Path, data: bytes) -> None:
         time.sleep(SLOW_S)  # a slow disk, or a large MP4
         real(path, data)
 
-    monkeypatch.setattr(coordinator_mod, "_write_result", slow_write)
+    monkeypatch.setattr(results_mod, "write_result", slow_write)
     co = make(tmp_path)
     dec = to_decoding(co, "w")
 
@@ -116,7 +116,7 @@ def test_concurrent_completions_of_one_task_write_once(tmp_path: Path) -> None:
 
 def test_cancel_while_the_result_is_written_leaves_no_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = coordinator_mod._write_result
+    real = results_mod.write_result
     co = make(tmp_path)
     dec = to_decoding(co, "c")
     task = co.table.get("c")
@@ -126,7 +126,7 @@ def test_cancel_while_the_result_is_written_leaves_no_file(
         real(path, data)
         co.table.cancelled(task, "cancelled meanwhile")  # what the loop could do meanwhile
 
-    monkeypatch.setattr(coordinator_mod, "_write_result", write_then_cancelled)
+    monkeypatch.setattr(results_mod, "write_result", write_then_cancelled)
     assert asyncio.run(co.on_complete(dec, "c", 1, "png", "image/png", b"x")) is False
     assert not (tmp_path / "c.png").exists() and task.stage == Stage.CANCELLED
     co.close()
@@ -153,7 +153,7 @@ def test_image_decoding_does_not_stall_the_loop(tmp_path: Path,
     body = {"prompt": "p", "image_path": base64.b64encode(buf.getvalue()).decode()}
 
     async def main() -> tuple[Any, float]:
-        transport = httpx.ASGITransport(app=front.app)
+        transport = httpx.ASGITransport(app=build_app(front))
         async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
             return await longest_stall(client.post("/v1/tasks/image/", json=body))
 
@@ -220,7 +220,7 @@ def test_large_json_bodies_are_parsed_off_the_loop(
     body = json.dumps({"prompt": "p", "image_path": "A" * (2 << 20), "task_id": "big"})
 
     async def main() -> list[Any]:
-        transport = httpx.ASGITransport(app=front.app)
+        transport = httpx.ASGITransport(app=build_app(front))
         async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
             return list(await asyncio.gather(*(
                 client.post(kind, content=body, headers={"content-type": "application/json"})

@@ -1,23 +1,27 @@
 """Ownership without gaps and the retry budget, in-process: reconciliation against a real ring,
 dropped items, late results, which lost attempts count (controller.coordinator,
-controller.budget, controller.reconcile)."""
+controller.recovery, controller.budget, controller.reconcile).
+
+Time is the test's: every coordinator here runs on a :class:`~tests.conftest.Clock` that the
+test moves on, so a lease or a grace period expires exactly when the test says, never by
+sleeping (nor by chance on a slow machine)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from contracts.errors import PayloadCorrupt
 from contracts.messages import Fault
-from controller.coordinator import Coordinator, WorkerInfo
+from controller.coordinator import Coordinator
 from controller.reconcile import census, ring_items
+from controller.registry import WorkerInfo
 from controller.tasks import Stage, Task
 from rings.layout import HOLDER_LOCAL, RingLayout
 from rings.ring import Ring
 from rings.verbs import LocalVerbs, Region
-from tests.conftest import complete, coordinators
+from tests.conftest import Clock, complete, make_coordinator
 
 PIPE = "qwen_t2i"
 
@@ -39,18 +43,12 @@ class Rings:
         return Ring(LocalVerbs(self.regions[name], peer_id))
 
 
-def make(tmp: Path, rings: Rings | None = None, lease: float = 10.0, **kw: object
-         ) -> Coordinator:
+def make(tmp: Path, rings: Rings | None = None, lease: float = 10.0, clock: Clock | None = None,
+         **kw: object) -> Coordinator:
     rings = rings or Rings()
-    co = Coordinator(
-        pipeline=PIPE, request_ring=rings.local["request"], output_dir=tmp, lease_timeout_s=lease,
-        heartbeat_interval_s=1.0, max_pending=64, journal=tmp / ".journal",
-        census=lambda: census(rings.local), **kw)  # type: ignore[arg-type]
-    coordinators.append(co)
-    return co
-
-
-
+    return make_coordinator(tmp, rings.local["request"], pipeline=PIPE, lease_timeout_s=lease,
+                            max_pending=64, census=lambda: census(rings.local),
+                            clock=clock or Clock(), **kw)
 
 
 
@@ -70,11 +68,12 @@ def through(co: Coordinator, ws: tuple[WorkerInfo, ...], tid: str, attempt: int)
 def test_item_popped_and_never_claimed_is_put_back_after_the_grace(tmp_path: Path) -> None:
     """Window 2: the encoder pops the request and dies before its claim reaches us."""
     rings = Rings()
-    co = make(tmp_path, rings, lease=10.0)
+    clock = Clock()
+    co = make(tmp_path, rings, lease=10.0, clock=clock)
     t = task("gap")
     co.submit(t)
     assert ("gap", 1) in ring_items(rings.local["request"])[0]
-    now = time.monotonic()
+    now = clock()
     assert co.reconcile(co.census(), now) == 0  # type: ignore[misc]
     popped = rings.peer("request").try_pop()
     assert popped is not None and popped["task_id"] == "gap"  # ... and the popper dies
@@ -85,7 +84,7 @@ def test_item_popped_and_never_claimed_is_put_back_after_the_grace(tmp_path: Pat
     assert ("gap", 2) in ring_items(rings.local["request"])[0]  # back in its ring
     enc, _, _ = workers(co)
     assert co.on_claim(enc, "gap", 1)[0] is False  # a late claim of the old pop is refused
-    assert co.recovery["reconciled"] == 1
+    assert co.recovery.counts["reconciled"] == 1
 
 
 def test_claim_inside_the_grace_keeps_the_task(tmp_path: Path) -> None:
@@ -93,7 +92,7 @@ def test_claim_inside_the_grace_keeps_the_task(tmp_path: Path) -> None:
     co = make(tmp_path, rings)
     enc, _, _ = workers(co)
     co.submit(task("slow"))
-    now = time.monotonic()
+    now = 1000.0
     rings.peer("request").try_pop()
     co.reconcile(census(rings.local), now)
     assert co.on_claim(enc, "slow", 1)[0]  # the claim arrives: a lease owns it now
@@ -112,7 +111,7 @@ def test_phase_item_lost_is_put_back(tmp_path: Path) -> None:
     producer = rings.peer("phase1", 8)
     assert producer.try_push({"kind": "phase1", "task_id": "p1", "attempt": 1}) is None
     co.on_handoff(enc, "p1", 1)
-    now = time.monotonic()
+    now = 1000.0
     assert co.reconcile(census(rings.local), now + 5) == 0  # in the ring: owned by the slot
     rings.peer("phase1", 9).try_pop()
     co.reconcile(census(rings.local), now + 5)
@@ -135,11 +134,11 @@ def test_corrupt_slot_is_reported_and_reconciled(tmp_path: Path) -> None:
         rings.peer("request").try_pop()
     co.on_dropped(enc, "request", "corrupt payload", None, None)  # names nothing
     assert t.stage == Stage.QUEUED and t.attempt == 1
-    now = time.monotonic()
+    now = 1000.0
     co.reconcile(census(rings.local), now)
     assert co.reconcile(census(rings.local), now + 1.5) == 1
     assert t.attempt == 2 and rings.peer("request").try_pop()["task_id"] == "bad"  # type: ignore[index]
-    assert co.recovery["dropped_items"] == 1
+    assert co.recovery.counts["dropped_items"] == 1
 
 
 def test_dropped_item_that_names_its_task_is_retried_at_once(tmp_path: Path) -> None:
@@ -161,7 +160,8 @@ def test_system_faults_never_use_up_a_task(tmp_path: Path) -> None:
     """The reported failure mode: attempts lost to controller restarts, killed workers, lost
     items, dead producers and dropped items; the task still completes, charged nothing."""
     rings = Rings()
-    co = make(tmp_path, rings, lease=0.05)
+    clock = Clock()
+    co = make(tmp_path, rings, clock=clock)
     ws = workers(co)
     enc, dit, dec = ws
     t = task("unlucky")
@@ -171,7 +171,7 @@ def test_system_faults_never_use_up_a_task(tmp_path: Path) -> None:
     # dies with a killed process; here the old coordinator lets go of it).
     co.close()
     rings = Rings()
-    co = make(tmp_path, rings, lease=0.05)
+    co = make(tmp_path, rings, clock=clock)
     assert co.restore() == 1
     ws = enc, dit, dec = workers(co)
     t = co.table.get("unlucky")  # type: ignore[assignment]
@@ -183,8 +183,8 @@ def test_system_faults_never_use_up_a_task(tmp_path: Path) -> None:
     dit = co.on_register("transformer", "t2", 4, PIPE, "s4")
     # 3: the encoder stops heartbeating (SIGSTOP): its lease expires.
     assert co.on_claim(enc, "unlucky", 3)[0]
-    time.sleep(0.1)
-    co.sweep()
+    co.sweep(clock.advance(10.5))
+    assert t.attempt == 4
     # 4: the transformer's pull fails because its producer (the encoder) is gone.
     through(co, (enc,), "unlucky", 4)
     co.on_gone(enc, "control connection dropped")
@@ -198,14 +198,13 @@ def test_system_faults_never_use_up_a_task(tmp_path: Path) -> None:
     # 6: another controller restart, then the item is popped and never claimed.
     co.close()
     rings = Rings()
-    co = make(tmp_path, rings, lease=0.05)
+    co = make(tmp_path, rings, clock=clock)
     co.restore()
     enc, dit, dec = workers(co)
     t = co.table.get("unlucky")  # type: ignore[assignment]
     rings.peer("request").try_pop()
-    now = time.monotonic()
-    co.reconcile(census(rings.local), now)
-    co.reconcile(census(rings.local), now + 0.1)
+    co.sweep(clock())  # missing from its ring from now on ...
+    co.sweep(clock.advance(10.0))  # ... for the grace (lease_timeout_s): back in play
     n = t.attempt
     through(co, (enc, dit), "unlucky", n)
     assert co.on_claim(dec, "unlucky", n)[0]
@@ -265,14 +264,14 @@ def test_worker_that_comes_back_was_not_killed(tmp_path: Path) -> None:
 def test_a_slow_worker_that_heartbeats_again_was_not_killed(tmp_path: Path) -> None:
     """A starved machine: the worker's heartbeats come late, its leases expire, but it is
     alive; that never makes the task poison."""
-    co = make(tmp_path, lease=0.01, poison_worker_deaths=2)
+    clock = Clock()
+    co = make(tmp_path, clock=clock, poison_worker_deaths=2)
     enc, _, _ = workers(co)
     t = task("starved")
     co.submit(t)
     for attempt in (1, 2, 3):
         assert co.on_claim(enc, "starved", attempt)[0]
-        time.sleep(0.02)
-        co.sweep()  # lease expired
+        co.sweep(clock.advance(10.5))  # lease expired
         assert t.killers == ["e"]
         co.on_heartbeat(enc, [], [])  # ... and there it is again
         assert t.killers == []
@@ -299,14 +298,16 @@ def test_poison_needs_deaths_in_a_row(tmp_path: Path) -> None:
 def test_late_result_of_an_expired_lease_is_refused(tmp_path: Path) -> None:
     """A decoder SIGSTOPped past its lease wakes and sends its result: refused; the new
     attempt's result is the one completion."""
-    co = make(tmp_path, lease=0.05)
+    clock = Clock()
+    co = make(tmp_path, clock=clock)
     enc, dit, dec = workers(co)
     t = task("zombie")
     co.submit(t)
     through(co, (enc, dit), "zombie", 1)
     assert co.on_claim(dec, "zombie", 1)[0]
-    time.sleep(0.1)
-    co.sweep()  # lease expired
+    co.sweep(clock.advance(9.5))
+    assert t.attempt == 1  # the lease holds ...
+    co.sweep(clock.advance(1.0))  # ... until it expires
     assert t.attempt == 2
     assert co.on_heartbeat(dec, ["zombie"], []) == (["zombie"], [])  # wakes: told to stop
     assert complete(co, dec, "zombie", 1, b"late") is False

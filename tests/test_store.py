@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from controller.history import RECENT_FINISHED
 from controller.store import StoreConflict, StoreError, StoreLocked, TaskStore
 from controller.store_check import check
-from controller.tasks import RECENT_FINISHED, Stage, Task, TaskTable
+from controller.table import TaskTable, open_table
+from controller.tasks import Stage, Task
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -36,14 +38,14 @@ def finish(table: TaskTable, task: Task, stage: Stage = Stage.COMPLETED) -> None
 
 
 def test_rows_page_in_acceptance_order_with_status_filter(tmp_path: Path) -> None:
-    table = TaskTable(tmp_path)
+    table = open_table(tmp_path)
     tasks = [new_task(f"t{i:02d}") for i in range(12)]
     for t in tasks:
         table.add(t)
         table.queued(t)
     for t in tasks[::3]:
         finish(table, t)
-    table.flush().result()  # type: ignore[union-attr]
+    table.journal.flush().result()  # type: ignore[union-attr]
     total, page = table.page(None, 0, 5)
     assert total == 12 and [t.task_id for t in page] == ["t00", "t01", "t02", "t03", "t04"]
     total, page = table.page(None, 10, 5)
@@ -58,7 +60,7 @@ def test_rows_page_in_acceptance_order_with_status_filter(tmp_path: Path) -> Non
 
 
 def test_memory_keeps_only_unfinished_and_recent_finished(tmp_path: Path) -> None:
-    table = TaskTable(tmp_path)
+    table = open_table(tmp_path)
     n = RECENT_FINISHED + 50
     for i in range(n):
         t = new_task(f"m{i}")
@@ -66,9 +68,9 @@ def test_memory_keeps_only_unfinished_and_recent_finished(tmp_path: Path) -> Non
         finish(table, t, Stage.COMPLETED if i % 2 else Stage.FAILED)
     live = new_task("live")
     table.add(live)
-    assert len(table.tasks) == 1 and len(table.recent) == RECENT_FINISHED
+    assert len(table.tasks) == 1 and len(table.history.recent) == RECENT_FINISHED
     assert table.get("m0") is None  # left memory ...
-    flushed = table.flush(durable=False)  # (what the front door waits for before it reads)
+    flushed = table.journal.flush(durable=False)  # (what the front door waits for before it reads)
     assert flushed is not None
     flushed.result(timeout=30)
     old = table.lookup("m0")  # ... but the store still serves it
@@ -84,7 +86,7 @@ def test_retention_forgets_finished_tasks_and_optionally_their_results(tmp_path:
     results.mkdir()
     for delete in (False, True):
         folder = tmp_path / f"store-{delete}"
-        table = TaskTable(folder, retention_s=0.2, delete_results=delete)
+        table = open_table(folder, retention_s=0.2, delete_results=delete)
         done, running = new_task("done"), new_task("running")
         for t in (done, running):
             table.add(t)
@@ -92,9 +94,9 @@ def test_retention_forgets_finished_tasks_and_optionally_their_results(tmp_path:
         result = results / f"done-{delete}.png"
         result.write_bytes(b"png")
         table.complete(done, str(result), "image/png")
-        time.sleep(0.3)
-        gone = table.prune().result()  # type: ignore[union-attr]
-        table.pruned(gone)
+        later = time.time() + 0.3  # past the window: time is the caller's, no need to wait
+        gone = table.history.prune(later).result()  # type: ignore[union-attr]
+        table.history.pruned(gone, later)
         assert gone == {"completed": 1}
         assert table.lookup("done") is None  # gone from the store and from memory
         assert table.lookup("running") is not None  # unfinished tasks are never pruned
@@ -152,21 +154,22 @@ def test_accepted_task_survives_a_hard_kill_right_after_it_is_durable(tmp_path: 
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
-from controller.tasks import Task, TaskTable
-table = TaskTable(Path({str(tmp_path)!r}))
+from controller.table import open_table
+from controller.tasks import Task
+table = open_table(Path({str(tmp_path)!r}))
 for i in range(50):
     t = Task(task_id=f"k{{i}}", kind="image", pipeline="qwen_i2i", request={{"prompt": "x"}},
              save_result_path="")
     t.image_bytes = bytes([i]) * 1000
     table.add(t)
     table.queued(t)
-table.durable("k49").result()
+table.journal.durable("k49").result()
 os._exit(9)
 """
     proc = subprocess.run([sys.executable, "-c", script], timeout=120)
     assert proc.returncode == 9
-    table = TaskTable(tmp_path)
-    unfinished = table.replay()
+    table = open_table(tmp_path)
+    unfinished = table.restore()
     assert [t.task_id for t in unfinished] == [f"k{i}" for i in range(50)]
     assert unfinished[49].image_bytes == bytes([49]) * 1000 and unfinished[0].attempt == 2
     table.close()
@@ -185,8 +188,8 @@ def test_old_json_lines_journal_is_imported_once(tmp_path: Path) -> None:
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines)
                                           + '{"torn')
     (tmp_path / "images" / "old-running").write_bytes(b"IMG")
-    table = TaskTable(tmp_path)
-    unfinished = table.replay()
+    table = open_table(tmp_path)
+    unfinished = table.restore()
     assert [t.task_id for t in unfinished] == ["old-running"]
     assert unfinished[0].image_bytes == b"IMG" and unfinished[0].attempt == 2
     old = table.lookup("old-done")
@@ -212,18 +215,18 @@ def test_check_finds_double_completions_and_expired_rows(tmp_path: Path) -> None
     assert report.duplicated == ["b"] and report.expired == 1
     assert report.by_status["completed"] == 2
     # The command line: exit status 1 and a one-line verdict, while the store is open.
-    cli = subprocess.run([sys.executable, "-m", "controller.store", "--check", str(tmp_path)],
+    cli = subprocess.run([sys.executable, "-m", "controller.store_check", "--check", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert cli.returncode == 1 and cli.stdout.startswith("store: FAILED"), cli.stdout
     assert "completed more than once" in cli.stdout
     store.close()
     good = tmp_path / "good"
-    table = TaskTable(good)
+    table = open_table(good)
     t = new_task("g")
     table.add(t)
     finish(table, t)
     table.close()
-    cli = subprocess.run([sys.executable, "-m", "controller.store", "--check", str(good),
+    cli = subprocess.run([sys.executable, "-m", "controller.store_check", "--check", str(good),
                           "--json", "--max-bytes", str(10 << 20)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert cli.returncode == 0, cli.stdout + cli.stderr

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from contracts.disagg import DisaggConfig
 from rings import wire
-from rings.config import DisaggConfig
 from rings.errors import ConfigError, ConnectionLost, HandshakeError, VerbRangeError, VerbsError
 from rings.inspect import snapshot
 from rings.layout import OFF_HEAD, OFF_TAIL, RingLayout, SlotState, stamp

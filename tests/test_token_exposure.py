@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from contracts.cluster_token import DEFAULT_TOKEN, is_loopback, require_token
 from contracts.config import ServiceConfig
 from contracts.errors import ConfigError
-from rings.config import DEFAULT_TOKEN, is_loopback, require_token
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

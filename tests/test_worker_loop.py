@@ -52,9 +52,9 @@ class Worker(StageWorker):
 def worker() -> tuple[Worker, FakeControl, Ring]:
     w = Worker(CFG, "token", {})
     fake = FakeControl()
-    w.control = fake  # type: ignore[assignment]
+    w.link.control = fake  # type: ignore[assignment]
     region = Region(RingLayout("phase1", 4, 1024))
-    w.in_ring = Ring(LocalVerbs(region, 3))
+    w.link.in_ring = Ring(LocalVerbs(region, 3))
     return w, fake, Ring(LocalVerbs(region, 4))
 
 
@@ -62,9 +62,8 @@ def test_drain_does_not_turn_heartbeats_into_a_busy_loop() -> None:
     """drain() wakes the pull loop; the heartbeat thread must keep its own pace (it used to
     wait on the same event, which drain leaves set: heartbeats back to back)."""
     w, fake, _ = worker()
-    w.heartbeat_interval_s = w.idle_heartbeat_s = 0.2  # holding or not: the same pace
     w.state = State.RUNNING
-    w.start_heartbeats()
+    w.link.heartbeats.start(0.2, 0.2)  # holding or not: the same pace
     try:
         time.sleep(0.3)
         w.drain()  # a task is still running: heartbeats must go on, at their interval
@@ -109,7 +108,7 @@ def test_nothing_is_popped_while_the_control_channel_is_down() -> None:
     w, _, producer = worker()
     producer.push({"kind": "phase1", "task_id": "t", "attempt": 1, "pipeline": "qwen_t2i",
                    "request": {}, "tensors": []})
-    w._control_lost.set()  # what a failed heartbeat does
+    w.link.heartbeats.lost.set()  # what a failed heartbeat does
     with pytest.raises(ConnectionLost):
         w.claim()
     assert producer.try_pop() is not None  # still in its ring
@@ -183,7 +182,7 @@ def test_the_same_attempt_staged_again_frees_the_first_copy() -> None:
     try:
         w = EncoderWorker(CFG, "token", {})
         w.engine, w.pool = engine, pool
-        w.out_ring = Ring(LocalVerbs(Region(RingLayout("phase1", 4, 1024)), 3))
+        w.link.out_ring = Ring(LocalVerbs(Region(RingLayout("phase1", 4, 1024)), 3))
         job = Job("t", 2, {"pipeline": "qwen_t2i", "request": {}})
         outputs = {"prompt_embeds": torch.ones(8, 256)}
         w.publish(job, outputs)

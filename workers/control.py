@@ -41,6 +41,11 @@ class ControlClient:
     def where(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def connected(self) -> bool:
+        """Connected, as far as this end knows (a call finds out otherwise)."""
+        return self._sock is not None
+
     def connect(self, role: str) -> None:
         sock = open_socket(self.host, self.port, self.timeout)
         try:

@@ -71,6 +71,27 @@ class WorkerMetrics:
 
         self.registry.register(CallbackCollector(read))
 
+    def watch_memory(self, stage: Any) -> None:
+        """GPU memory of the stage (``stage.memory``, a MemoryWatch), read at scrape time:
+        resident after load, peak of the last request, largest request peak."""
+        if not getattr(stage, "torch_model", False):
+            return
+
+        def read() -> Iterable[Sample]:
+            mem = stage.memory
+            labels = {"role": self.role}
+            yield ("diffring_stage_resident_bytes",
+                   "GPU memory allocated by this stage's models after load", labels,
+                   float(mem.resident_bytes))
+            yield ("diffring_stage_peak_bytes",
+                   "Peak GPU memory allocated during the last request", labels,
+                   float(mem.last_peak_bytes))
+            yield ("diffring_stage_peak_max_bytes",
+                   "Largest per-request peak of GPU memory since start", labels,
+                   float(mem.max_peak_bytes))
+
+        self.registry.register(CallbackCollector(read))
+
     def watch_prompt_cache(self, cache_stats: Callable[[], Any]) -> None:
         """Hits, misses and evictions (counters), entries and bytes (gauges) of the
         encoder's prompt-embedding cache, read at scrape time."""

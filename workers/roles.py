@@ -33,6 +33,12 @@ def _request(job: Job) -> GenerationRequest:
     return GenerationRequest.from_dict(job.item["request"])
 
 
+def _size(req: GenerationRequest) -> str:
+    """A request's geometry as an out-of-memory error names it."""
+    size = f"{req.width}x{req.height}" if req.width and req.height else "the input's size"
+    return f"{size} x {req.num_frames} frames" if req.num_frames and req.num_frames > 1 else size
+
+
 class ProducerWorker(StageWorker):
     """A role whose outputs go to the next stage through a ring (encoder, transformer)."""
 
@@ -40,18 +46,11 @@ class ProducerWorker(StageWorker):
 
     def publish(self, job: Job, outputs: Mapping[str, Any]) -> None:
         """Stage the outputs and push their descriptors to the next ring (backpressure)."""
-        assert self.out_ring is not None
+        out_ring = self.link.out_ring
+        assert out_ring is not None
         with self.timed("stage"):
             descs = stage_tensors(self.pool, self.engine, dict(outputs), task_id=job.task_id)
-        key = (job.task_id, job.attempt)
-        with self._staged_lock:
-            # The same attempt again: a restarted controller numbers attempts from its
-            # journal, so it can hand out one this worker staged for its predecessor. That
-            # copy is nobody's now; keeping it unreferenced would leak it.
-            stale = self.staged.pop(key, [])
-            self.staged[key] = descs
-        if stale:
-            self.pool.free_staged(stale)
+        self.staged.put((job.task_id, job.attempt), descs)
         payload = {
             "kind": self.output_kind.value,
             "task_id": job.task_id,
@@ -61,20 +60,20 @@ class ProducerWorker(StageWorker):
             "tensors": [d.to_dict() for d in descs],
             "producer": self.name,
         }
-        body = self.out_ring.encode(payload)
+        body = out_ring.encode(payload)
         delay = 0.001
         with self.timed("publish"):
-            while not self.out_ring.try_push_body(body):
+            while not out_ring.try_push_body(body):
                 self.check_cancel(job)  # a cancelled task gives its place up
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-        self.metrics.claim_seconds.labels(self.out_ring.name, "push").observe(
-            self.out_ring.stats.last_claim_s
+        self.metrics.claim_seconds.labels(out_ring.name, "push").observe(
+            out_ring.stats.last_claim_s
         )
 
     def release(self, job: Job) -> None:
         """The next stage has the task: report the handoff (the lease ends)."""
-        self.control.call(
+        self.link.call(
             Op.HANDOFF, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
         )
 
@@ -83,6 +82,9 @@ class EncoderWorker(ProducerWorker):
     role = Role.ENCODER
     adapter = EncoderAdapter
     output_kind = Kind.PHASE1
+
+    def adapter_options(self) -> dict[str, Any]:
+        return {"options": self.cfg.encoder}
 
     def load_model(self) -> None:
         super().load_model()
@@ -104,7 +106,9 @@ class EncoderWorker(ProducerWorker):
         return data
 
     def compute(self, job: Job, inputs: bytes | None) -> dict[str, Any]:
-        return self.stage.encode(_request(job), inputs)
+        req = _request(job)
+        with self.stage.guarded(_size(req)):
+            return self.stage.encode(req, inputs)
 
 
 class TransformerWorker(ProducerWorker):
@@ -117,6 +121,8 @@ class TransformerWorker(ProducerWorker):
             "attention": self.cfg.attention_backend,
             "compile": self.cfg.compile,
             "cfg_batch": self.cfg.cfg_batch,
+            "options": self.cfg.transformer,
+            "budget_shapes": self.cfg.warmup_shapes,
         }
 
     def load_model(self) -> None:
@@ -136,11 +142,13 @@ class TransformerWorker(ProducerWorker):
         # Steps are reported in the background (workers.progress): no round trip between
         # two denoising steps. A cancel in a reply sets job.cancel, checked before each;
         # all reports are answered before the outputs are published.
-        out: dict[str, Any] = self.stage.denoise(
-            _request(job), inputs,
-            on_step=lambda k, n: self.progress.report(job, k, n),
-            should_stop=job.cancel.is_set,
-        )
+        req = _request(job)
+        with self.stage.guarded(_size(req)):
+            out: dict[str, Any] = self.stage.denoise(
+                req, inputs,
+                on_step=lambda k, n: self.progress.report(job, k, n),
+                should_stop=job.cancel.is_set,
+            )
         self.progress.flush(job)
         return out
 
@@ -156,7 +164,7 @@ class DecoderWorker(StageWorker):
     encoder_pool: EncodePool | None = None
 
     def adapter_options(self) -> dict[str, Any]:
-        return {"video": video_settings(self.cfg)}
+        return {"video": video_settings(self.cfg), "options": self.cfg.decoder}
 
     def start(self) -> None:
         if self.cfg.encode_queue > 0:
@@ -176,9 +184,11 @@ class DecoderWorker(StageWorker):
         return self.pull(job)
 
     def compute(self, job: Job, inputs: dict[str, Any]) -> Artifact | np.ndarray:
-        if self.encoder_pool is None:
-            return self.stage.decode(_request(job), inputs)
-        pixels: np.ndarray = self.stage.decode_pixels(_request(job), inputs)
+        req = _request(job)
+        with self.stage.guarded(_size(req)):
+            if self.encoder_pool is None:
+                return self.stage.decode(req, inputs)
+            pixels: np.ndarray = self.stage.decode_pixels(req, inputs)
         return pixels
 
     def publish(self, job: Job, outputs: Artifact | np.ndarray) -> None:
@@ -225,7 +235,7 @@ class DecoderWorker(StageWorker):
         self._complete(job, art, local)
 
     def _complete(self, job: Job, art: Artifact, local: Path) -> None:
-        reply = self.control.call(
+        reply = self.link.call(
             Op.COMPLETE,
             task_id=job.task_id,
             attempt=job.attempt,
@@ -241,7 +251,7 @@ class DecoderWorker(StageWorker):
                 job.attempt,
             )
 
-    def _wait_staged_pulled(self) -> None:
+    def wait_drained(self) -> None:
         # Draining, still heartbeating (the leases stay renewed): report every result the
         # pool is still writing before the worker stops.
         if self.encoder_pool is not None and not self.encoder_pool.join(
@@ -249,7 +259,7 @@ class DecoderWorker(StageWorker):
         ):
             log.warning("worker %s: results still being written after drain_timeout_s",
                         self.name)
-        super()._wait_staged_pulled()
+        super().wait_drained()
 
     def close(self) -> None:
         # After a fatal error the controller has put this worker's tasks back in play: a

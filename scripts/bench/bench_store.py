@@ -36,14 +36,17 @@ from typing import Any
 
 from contracts.roles import Role
 from controller.app import LocalQueue
+from controller.config import CoordinatorConfig
 from controller.coordinator import Coordinator
+from controller.journal import TaskJournal
 from controller.store_check import check
-from controller.tasks import TERMINAL, Task, TaskTable, _task_record
+from controller.table import TaskTable, open_table
+from controller.tasks import TERMINAL, Task, task_record
 
 PIPELINE = "qwen_i2i"
 
 
-class JsonLinesTable(TaskTable):
+class JsonLinesJournal(TaskJournal):
     """The journal the store replaced (controller/tasks.py before it), kept as the baseline:
     an accepted or finished task is appended to ``tasks.jsonl`` and fsync'd, on the caller's
     thread (the event loop), the input image written beside it."""
@@ -53,13 +56,13 @@ class JsonLinesTable(TaskTable):
         self.legacy = folder
         (folder / "images").mkdir(parents=True, exist_ok=True)
 
-    def _journal(self, event: str, task: Task) -> Any:
+    def record(self, event: str, task: Task) -> Any:
         if event not in ("accepted", "rejected") and task.stage not in TERMINAL:
             return None  # the old journal recorded only these events
         image = self.legacy / "images" / task.task_id
         if event == "accepted" and task.image_bytes is not None:
             image.write_bytes(task.image_bytes)
-        rec = {"event": event, "at": time.time(), "task": _task_record(task)}
+        rec = {"event": event, "at": time.time(), "task": task_record(task)}
         with (self.legacy / "tasks.jsonl").open("a") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -71,20 +74,11 @@ class JsonLinesTable(TaskTable):
 
 def coordinator(folder: Path, *, legacy: bool, capacity: int, retention: float = 86400.0
                 ) -> Coordinator:
-    co = Coordinator(
-        pipeline=PIPELINE,
-        request_ring=LocalQueue(capacity, 4096),  # type: ignore[arg-type]
-        output_dir=folder / "results",
-        lease_timeout_s=600.0,
-        heartbeat_interval_s=1.0,
-        max_pending=capacity,
-        journal=None if legacy else folder / ".journal",
-        retention_s=retention,
-        delete_results=True,
-    )
-    if legacy:
-        co.table = JsonLinesTable(folder / ".journal")
-    return co
+    table = (TaskTable(JsonLinesJournal(folder / ".journal")) if legacy else
+             open_table(folder / ".journal", retention_s=retention, delete_results=True))
+    config = CoordinatorConfig(pipeline=PIPELINE, output_dir=folder / "results",
+                               lease_timeout_s=600.0, max_pending=capacity)
+    return Coordinator(config, table, LocalQueue(capacity, 4096))  # type: ignore[arg-type]
 
 
 def new_task(i: int, image: bytes | None) -> Task:
@@ -96,7 +90,7 @@ def new_task(i: int, image: bytes | None) -> Task:
 
 async def submit_one(co: Coordinator, task: Task) -> None:
     co.submit(task)
-    fut = co.table.durable(task.task_id)
+    fut = co.table.journal.durable(task.task_id)
     if fut is not None:
         await asyncio.wrap_future(fut)
 
@@ -149,7 +143,7 @@ async def lifecycle_run(folder: Path, args: argparse.Namespace) -> None:
                      for role in Role)
     ring: LocalQueue = co.request_ring  # type: ignore[assignment]
     result = b"r" * args.result_bytes
-    store = co.table.store
+    store = co.table.journal.store
     assert store is not None
     done = 0
     t_start = time.perf_counter()
@@ -162,7 +156,7 @@ async def lifecycle_run(folder: Path, args: argparse.Namespace) -> None:
         size = sum(p.stat().st_size for p in (folder / ".journal").glob("tasks.db*"))
         el = time.perf_counter() - t_start
         print(f"| {done:,} | {el:.0f} | {done / max(el, 1e-9):,.0f} | {rss_mib():.1f} | "
-              f"{len(co.table.tasks)} / {len(co.table.recent)} | {rows:,} | "
+              f"{len(co.table.tasks)} / {len(co.table.history.recent)} | {rows:,} | "
               f"{size / 2**20:.1f} |", flush=True)
 
     async def lane(ids: Any) -> None:

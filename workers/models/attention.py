@@ -1,5 +1,9 @@
 """Attention backends of the DiT stage: ``sdpa`` (default), ``sdpa_cudnn``, ``sdpa_flash``,
-``flash_attn``, ``sage_attn``.
+``flash_attn``, ``sage_attn``, ``fp8_cudnn``.
+
+* ``fp8_cudnn`` (lossy, Hopper and newer): the self-attention through cuDNN's FP8 graph
+  (:mod:`workers.models.fp8_attention`) in the kernel processors below; cross-attention
+  stays on SDPA.
 
 * ``sdpa``, ``sdpa_cudnn``, ``sdpa_flash`` and ``flash_attn`` go through diffusers' own
   attention dispatch (``ModelMixin.set_attention_backend``): "native" is torch SDPA with
@@ -97,6 +101,14 @@ def apply_attention_backend(
     if backend in _PINNED_SDPA:
         _require_cuda_half(device, dtype, backend)
         _quiet_set_backend(model, _PINNED_SDPA[backend])
+        return
+    if backend == "fp8_cudnn":
+        from .fp8_attention import check_fp8_attention, cudnn_fp8_kernel
+
+        check_fp8_attention(device)
+        if dtype != torch.bfloat16:
+            raise ModelLoadError("attention backend 'fp8_cudnn' needs dtype bfloat16")
+        install_kernel_processors(model, cudnn_fp8_kernel())
         return
     if backend == "flash_attn":
         _require_package("flash_attn", "flash-attn", backend)

@@ -1,4 +1,5 @@
-"""The stage adapters' interfaces, the decoded artifact, and the family registry.
+"""The stage adapters' interfaces and the decoded artifact (the family registry:
+:mod:`workers.models.family`).
 
 Importing this module is cheap: a family module (and with it torch and diffusers) is imported
 when an adapter of that family is first asked for (:meth:`StageAdapter.for_task`).
@@ -15,22 +16,25 @@ run in its own process on its own device.
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar
 
 import numpy as np
 
-from contracts.errors import ModelLoadError, StageCancelled, StageInputError
-from contracts.pipelines import TASKS, parse_shape, task_spec
+from contracts.errors import ConfigError, ModelLoadError, StageCancelled, StageInputError
+from contracts.pipelines import parse_shape, task_spec
 from contracts.request import GenerationRequest
 from contracts.roles import Role
+from contracts.stage_options import StageOptions
 
 from .components import (
+    STAGE_COMPONENTS,
+    WEIGHTS,
     check_backend_name,
     check_request_task,
     check_stage_settings,
@@ -96,13 +100,16 @@ class StageAdapter(ABC):
         checked first, so a bad one is refused before the family (and torch) is imported.
         """
         check_stage_settings(task, device, dtype)
+        from .family import get_family
+
         impl = getattr(get_family(task), cls.role.value)
         assert issubclass(impl, cls)
         adapter: Self = impl(model_dir, task, device, dtype, **options)
         return adapter
 
     def __init__(
-        self, model_dir: str | Path, task: str, device: str = "cpu", dtype: str = "float32"
+        self, model_dir: str | Path, task: str, device: str = "cpu", dtype: str = "float32",
+        options: StageOptions | None = None,
     ) -> None:
         check_stage_settings(task, device, dtype)
         self.model_dir = Path(model_dir)
@@ -110,6 +117,12 @@ class StageAdapter(ABC):
         self.spec = task_spec(task)
         self.device_name = device
         self.dtype_name = dtype
+        self.options = options or StageOptions()
+        """Weight storage, offload, budget (all off: exact, as without options)."""
+        try:
+            self.options.check_role(self.role.value)
+        except ConfigError as exc:  # the options belong to another stage
+            raise ModelLoadError(str(exc)) from None
         self._loaded = False
 
     @property
@@ -123,14 +136,52 @@ class StageAdapter(ABC):
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist (task {self.task})")
         self._resolve_settings()
+        self._check_budget()
         self._load()
+        if self.torch_model:
+            self.memory.loaded()
         self._loaded = True
+
+    def _check_budget(self) -> None:
+        """Refuse, before any weight is read, a ``max_vram_gb`` this stage cannot fit; then
+        hold the process to it."""
+        if self.options.max_vram_gb is None or not self.torch_model:
+            return
+        from .memory import apply_budget, check_budget, estimate_weights
+
+        folders = [self.model_dir / c for c, kind in
+                   STAGE_COMPONENTS[self.spec.name][self.role.value].items() if kind == WEIGHTS]
+        weights = estimate_weights(folders, self.dtype.itemsize)
+        check_budget(self.role.value, self.options, weights, self.working_bytes())
+        apply_budget(self.device, self.options)
+
+    def working_bytes(self) -> int:
+        """GPU memory this stage needs beside its weights (activations, workspace) for the
+        requests it is sized for: the budget check's second term."""
+        return 2 << 30
+
+    @contextlib.contextmanager
+    def guarded(self, what: str) -> Iterator[None]:
+        """Around one request: record its peak memory, and turn a GPU out-of-memory into an
+        error naming ``what`` (its size) after freeing what it took."""
+        if not self.torch_model:
+            yield
+            return
+        from .memory import oom_guard
+
+        with self.memory.request(), oom_guard(self.role.value, what, self.device,
+                                              self.options):
+            yield
 
     def _resolve_settings(self) -> None:
         """Turn the device and dtype settings into torch objects (a torch-free stage
         overrides this)."""
+        from .memory import MemoryWatch, Placement
+
         self.device = resolve_device(self.device_name)
         self.dtype = resolve_dtype(self.dtype_name)
+        self.placement = Placement(self.device, self.dtype, self.options)
+        self.memory = MemoryWatch(self.device)
         if self.device.type == "cuda":
             import torch
 
@@ -257,8 +308,11 @@ class TransformerAdapter(StageAdapter):
         attention: str = "sdpa",
         compile: bool = False,
         cfg_batch: bool = False,
+        options: StageOptions | None = None,
+        budget_shapes: Sequence[str] = (),
     ) -> None:
-        super().__init__(model_dir, task, device, dtype)
+        super().__init__(model_dir, task, device, dtype, options)
+        self.budget_shapes = tuple(budget_shapes)
         check_backend_name(attention)
         self.attention = attention
         self.compile = compile
@@ -268,11 +322,39 @@ class TransformerAdapter(StageAdapter):
         if self._loaded:
             return
         super().load()
+        if self.options.linear == "fp8":
+            from .dit_options import apply_fp8_linear
+
+            apply_fp8_linear(self.transformer, self.device)
+            self.memory.loaded()
+        if self.options.compile_cache_dir is not None:
+            from .dit_options import configure_compile_cache
+
+            configure_compile_cache(self.options.compile_cache_dir)
         if self.compile:
             # Blocks only: the embeddings and RoPE tables around them change shape with the
             # request and are cheap; dynamic=None lets a second text length turn that
             # dimension symbolic instead of compiling once per prompt length.
             self.transformer.compile_repeated_blocks(dynamic=None)
+
+    def working_bytes(self) -> int:
+        """Activations of one DiT forward at the largest of ``budget_shapes`` (the worker's
+        ``warmup_shapes``; none: 480x832x81 for video, 1024x1024 for images): per token, the
+        hidden states and attention/feed-forward intermediates (``hidden x 12 + ffn x 2``
+        elements, from the forward's peak measured on an H200), times two for a batch-2
+        CFG forward, plus 1 GiB of kernel workspace."""
+        cfg = self._config("transformer")
+        hidden = int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
+        ffn = int(cfg.get("ffn_dim") or 4 * hidden)
+        shapes = self.budget_shapes or (
+            ("480x832x81",) if self.spec.output == "video" else ("1024x1024",))
+        tokens = 0
+        for shape in shapes:
+            dims = parse_shape(shape)
+            frames = (dims[2] - 1) // 4 + 1 if len(dims) == 3 else 1
+            tokens = max(tokens, frames * (dims[0] // 16) * (dims[1] // 16))
+        batch = 2 if self.cfg_batch else 1
+        return tokens * (hidden * 12 + ffn * 2) * self.dtype.itemsize * batch + (1 << 30)
 
     def warm_up(self, shapes: Sequence[str], steps: int = 2) -> float:
         """Run short denoising loops on synthetic inputs of each geometry ("HxW" for images,
@@ -343,9 +425,21 @@ class DecoderAdapter(StageAdapter):
         device: str = "cpu",
         dtype: str = "float32",
         video: VideoSettings | None = None,
+        options: StageOptions | None = None,
     ) -> None:
-        super().__init__(model_dir, task, device, dtype)
+        super().__init__(model_dir, task, device, dtype, options)
         self.video = video or VideoSettings()
+
+    def load(self) -> None:
+        if self._loaded:
+            return
+        super().load()
+        if self.options.vae_tiling:
+            vae = getattr(self, "vae", None)
+            if vae is None or not hasattr(vae, "enable_tiling"):
+                raise ModelLoadError(f"decoder.vae_tiling: the {self.task} decoder's VAE "
+                                     "offers no tiled decode")
+            vae.enable_tiling()
 
     @abstractmethod
     def decode_tensor(
@@ -391,43 +485,3 @@ class DecoderAdapter(StageAdapter):
     def decode(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]) -> Artifact:
         """Decode and encode the result as PNG (image) or MP4 (video)."""
         return self.encode_media(req, self.decode_pixels(req, tensors))
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """The adapters that serve one task."""
-
-    task: str
-    encoder: type[EncoderAdapter]
-    transformer: type[TransformerAdapter]
-    decoder: type[DecoderAdapter]
-    pipeline_class: str | None
-    """Name of diffusers' one-process pipeline for this task (the reference in tests); None
-    for the synthetic family, which has no model."""
-
-
-# task -> (module, encoder, transformer, decoder, diffusers pipeline class). Families are
-# imported on first use, so that importing this package does not import torch or diffusers.
-_FAMILIES: dict[str, tuple[str, str, str, str, str | None]] = {
-    "wan_t2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder", "WanPipeline"),
-    "wan_i2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder", "WanImageToVideoPipeline"),
-    "qwen_t2i": ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder", "QwenImagePipeline"),
-    "qwen_i2i": ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder", "QwenImageEditPipeline"),
-    "synthetic": (
-        "synthetic", "SyntheticEncoder", "SyntheticTransformer", "SyntheticDecoder", None
-    ),
-}
-assert set(_FAMILIES) == set(TASKS)
-
-
-def get_family(task: str) -> ModelFamily:
-    """The adapters serving ``task``. Imports the family module, and with it torch."""
-    module_name, enc, dit, dec, pipeline = _FAMILIES[task_spec(task).name]
-    module = importlib.import_module(f"{__package__}.{module_name}")
-    return ModelFamily(
-        task=task,
-        encoder=getattr(module, enc),
-        transformer=getattr(module, dit),
-        decoder=getattr(module, dec),
-        pipeline_class=pipeline,
-    )

@@ -10,17 +10,20 @@ import torch
 
 from contracts.errors import InvalidRequestError, ModelLoadError
 
-
-def load_diffusers_model(cls: Any, path: str, dtype: torch.dtype, device: torch.device) -> Any:
-    """A diffusers model (DiT or VAE) in eval mode on ``device``."""
-    model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return model.to(device).eval()
+from .memory import Placement, place
 
 
-def load_transformers_model(cls: Any, path: str, dtype: torch.dtype, device: torch.device) -> Any:
-    """A transformers model (text / image encoder) in eval mode on ``device``."""
-    model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return model.to(device).eval()
+def load_diffusers_model(cls: Any, path: str, placement: Placement) -> Any:
+    """A diffusers model (DiT or VAE) in eval mode, placed on the stage's device with its
+    memory options (:func:`workers.models.memory.place`)."""
+    model = cls.from_pretrained(path, dtype=placement.dtype, local_files_only=True)
+    return place(model.eval(), placement)
+
+
+def load_transformers_model(cls: Any, path: str, placement: Placement) -> Any:
+    """A transformers model (text / image encoder) in eval mode, placed likewise."""
+    model = cls.from_pretrained(path, dtype=placement.dtype, local_files_only=True)
+    return place(model.eval(), placement)
 
 
 def load_scheduler(path: str) -> Any:

@@ -3,9 +3,11 @@ baseline's model side."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from contracts.request import GenerationRequest
+from contracts.stage_options import StageOptions
 
 from .base import (
     Artifact,
@@ -35,15 +37,24 @@ class LocalPipeline:
         cfg_batch: bool = False,
         video: VideoSettings | None = None,
         prompt_cache_bytes: int = 0,
+        stage_options: Mapping[str, StageOptions] | None = None,
+        budget_shapes: Sequence[str] = (),
     ) -> None:
-        self.encoder = EncoderAdapter.for_task(model_dir, task, device, dtype)
+        """``stage_options``: each stage's memory and precision options by role name
+        ("encoder", "transformer", "decoder"; a missing one: all off). One process has one
+        memory cap: each stage's ``max_vram_gb`` is checked against its own estimate, and
+        the process is capped at the largest of them."""
+        opts = stage_options or {}
+        self.encoder = EncoderAdapter.for_task(
+            model_dir, task, device, dtype, options=opts.get("encoder"))
         if prompt_cache_bytes:
             self.encoder.cache = PromptCache(prompt_cache_bytes)
         self.transformer = TransformerAdapter.for_task(
             model_dir, task, device, dtype, attention=attention, compile=compile,
-            cfg_batch=cfg_batch,
+            cfg_batch=cfg_batch, options=opts.get("transformer"), budget_shapes=budget_shapes,
         )
-        self.decoder = DecoderAdapter.for_task(model_dir, task, device, dtype, video=video)
+        self.decoder = DecoderAdapter.for_task(
+            model_dir, task, device, dtype, video=video, options=opts.get("decoder"))
         self.task = task
 
     def load(self) -> None:

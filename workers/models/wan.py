@@ -74,7 +74,7 @@ class WanEncoder(EncoderAdapter):
             lambda p: AutoTokenizer.from_pretrained(p, local_files_only=True), "tokenizer"
         )
         self.text_encoder: Any = self._component(
-            lambda p: load_transformers_model(UMT5EncoderModel, p, self.dtype, self.device),
+            lambda p: load_transformers_model(UMT5EncoderModel, p, self.placement),
             "text_encoder",
         )
         if self.spec.needs_image:
@@ -87,11 +87,11 @@ class WanEncoder(EncoderAdapter):
                 "image_processor",
             )
             self.image_encoder: Any = self._component(
-                lambda p: load_transformers_model(CLIPVisionModel, p, self.dtype, self.device),
+                lambda p: load_transformers_model(CLIPVisionModel, p, self.placement),
                 "image_encoder",
             )
             self.vae: Any = self._component(
-                lambda p: load_diffusers_model(AutoencoderKLWan, p, self.dtype, self.device),
+                lambda p: load_diffusers_model(AutoencoderKLWan, p, self.placement),
                 "vae",
             )
             self.video_processor = VideoProcessor(
@@ -143,7 +143,7 @@ class WanEncoder(EncoderAdapter):
         ids, mask = tokens.input_ids, tokens.attention_mask
         length = int(mask.gt(0).sum())
         hidden = self.text_encoder(ids.to(self.device), mask.to(self.device)).last_hidden_state
-        hidden = hidden.to(dtype=self.text_encoder.dtype, device=self.device)
+        hidden = hidden.to(dtype=self.dtype, device=self.device)
         # Wan's DiT sees padding positions as exact zeros, not as the encoder's pad outputs.
         embeds = torch.zeros_like(hidden)
         embeds[:, :length] = hidden[:, :length]
@@ -211,7 +211,7 @@ class WanTransformer(TransformerAdapter):
         self.z_dim = int(vae_config.get("z_dim", 16))
 
         self.transformer: Any = self._component(
-            lambda p: load_diffusers_model(WanTransformer3DModel, p, self.dtype, self.device),
+            lambda p: load_diffusers_model(WanTransformer3DModel, p, self.placement),
             "transformer",
         )
         self.scheduler: Any = self._component(load_scheduler, "scheduler")
@@ -381,7 +381,7 @@ class WanDecoder(DecoderAdapter):
         from diffusers.video_processor import VideoProcessor
 
         self.vae: Any = self._component(
-            lambda p: load_diffusers_model(AutoencoderKLWan, p, self.dtype, self.device), "vae"
+            lambda p: load_diffusers_model(AutoencoderKLWan, p, self.placement), "vae"
         )
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae.config.scale_factor_spatial)
 

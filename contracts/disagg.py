@@ -1,102 +1,29 @@
-"""Metadata-plane configuration: where the controller's rings and control channel are and
-how peers reach them (``disagg_config`` of a service's file), plus the strict JSON-object to
-frozen-dataclass reader every configuration section uses.
-
-The rest of a service's file (model, device, Mooncake, front door) is
-:class:`contracts.config.ServiceConfig`; it embeds :class:`DisaggConfig`.
+"""Metadata-plane configuration of a service: where the controller's rings and control
+channel are and how peers reach them (``disagg_config`` of a service's file).
 
 Field names follow LightX2V's ``disagg_config`` so existing config files keep working; the
 keys LightX2V needs for its static rooms and ranks are accepted and ignored with a warning,
 because diffring's workers are pull-based and need none. Any other unknown key is an error
-that names it.
+that names it (:func:`contracts.configio.from_mapping`).
+
+The rest of a service's file is :class:`contracts.config.ServiceConfig`, which embeds
+:class:`DisaggConfig`. The rings themselves (:mod:`rings`) know no services: they take the
+plain values (layout, host, port, token) that this section resolves to.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import ipaddress
 import logging
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from rings.errors import ConfigError
-from rings.layout import RingLayout
+from contracts.cluster_token import DEFAULT_TOKEN
+from contracts.configio import from_mapping
+from contracts.errors import ConfigError
+from rings.layout import RING_NAMES, RingLayout
 
 log = logging.getLogger("diffring.config")
-
-T = TypeVar("T")
-
-DEFAULT_TOKEN = "diffring-dev-token"
-RING_NAMES = ("request", "phase1", "phase2")
-
-
-def _check_type(value: Any, hint: Any, where: str) -> Any:
-    """Loose type check of one JSON value against a dataclass field annotation."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _check_type(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, str, bool):
-        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-            raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return tuple(value) if origin is tuple else list(value)
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected an object, got {value!r}")
-        return value
-    return value
-
-
-def from_mapping(
-    cls: type[T],
-    data: Mapping[str, Any] | None,
-    where: str,
-    ignored: Mapping[str, str] | None = None,
-) -> T:
-    """Build frozen dataclass ``cls`` from a JSON object, naming any unknown key.
-
-    ``ignored``: keys accepted for compatibility and dropped, with the reason to log.
-    """
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected an object, got {data!r}")
-    data = dict(data)
-    assert dataclasses.is_dataclass(cls)
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key in fields:
-            kwargs[key] = _check_type(value, hints[key], f"{where}.{key}")
-        elif ignored and key in ignored:
-            log.warning("config %s.%s is ignored: %s", where, key, ignored[key])
-        else:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown config key {where}.{key} (known keys: {known})")
-    try:
-        return cls(**kwargs)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
 
 
 _LIGHTX2V_IGNORED = {
@@ -220,35 +147,3 @@ class DisaggConfig:
             "DIFFRING_CLUSTER_TOKEN); using the development default"
         )
         return DEFAULT_TOKEN
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1); every other
-    name counts as reachable from elsewhere (nothing is resolved here)."""
-    h = host.strip().lower().strip("[]")
-    if h == "localhost" or h.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
-
-
-def require_token(token: str, addresses: Mapping[str, str], service: str) -> None:
-    """Refuse the development token on a service reachable from other machines.
-
-    ``addresses``: config key -> address the service binds, advertises or joins. The
-    default token is public (it is in this file), so with it anyone who reaches a ring or
-    the control channel could join as a peer.
-    """
-    if token != DEFAULT_TOKEN:
-        return
-    exposed = {k: v for k, v in addresses.items() if not is_loopback(v)}
-    if exposed:
-        where = ", ".join(f"{k}={v!r}" for k, v in exposed.items())
-        raise ConfigError(
-            f"{service}: {where} is not a loopback address, and the cluster token is the "
-            "public development default. Give every service of the group the same secret "
-            "token: export DIFFRING_CLUSTER_TOKEN=$(python -c 'import secrets; "
-            "print(secrets.token_hex(32))') (or set disagg_config.cluster_token)"
-        )

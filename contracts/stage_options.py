@@ -1,0 +1,115 @@
+"""Per-stage options of the work inside a stage: weight storage, offload, a memory budget,
+and the DiT's precision (``encoder`` / ``transformer`` / ``decoder`` sections of a service's
+file).
+
+Every option is off by default, and with every option off a stage computes exactly what it
+computed before they existed (bit-identical outputs). The options name diffusers' and
+torch's own mechanisms:
+
+* ``weight_storage: "fp8"``: weights stored as ``float8_e4m3fn`` and upcast layer by layer
+  to the stage's dtype for compute (diffusers' layerwise casting). Lossy (the weights are
+  rounded to FP8); the compute stays in the stage's dtype.
+* ``offload: "block" | "leaf"``: weights live in pinned host memory and are moved to the
+  GPU ahead of use on a copy stream (diffusers' group offloading, block or leaf level).
+  Exact (the same weights, moved).
+* ``max_vram_gb``: the stage's GPU memory budget: checked against an estimate at load (the
+  stage refuses to start when it cannot fit, naming the options that would) and enforced
+  for the process (``torch.cuda.set_per_process_memory_fraction``).
+* ``vae_tiling`` (decoder): tiled VAE decode where the VAE class offers it (less memory for
+  large videos; tile seams are blended, so not bit-identical).
+* ``linear: "fp8"`` (transformer): the DiT's linear layers as FP8 matmuls with rowwise
+  dynamic activation scales (torchao), fused by ``compile``. Lossy.
+* ``compile_cache_dir`` (transformer): where torch's compile caches live, so that a second
+  start of a worker with ``compile`` reuses the first start's compiled kernels.
+
+The attention kernel (``attention_backend``, e.g. ``"fp8_cudnn"``), ``compile``,
+``cfg_batch`` and ``warmup_shapes`` stay top-level keys of the file, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from contracts.errors import ConfigError
+
+__all__ = ["LINEAR_MODES", "OFFLOAD_MODES", "WEIGHT_STORAGE", "StageOptions"]
+
+WEIGHT_STORAGE: Final[tuple[str, ...]] = ("dtype", "fp8")
+OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
+LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
+_TRANSFORMER_ONLY = ("linear", "compile_cache_dir")
+_DECODER_ONLY = ("vae_tiling",)
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """What one stage holds on its GPU and how its model computes."""
+
+    weight_storage: str = "dtype"
+    """'dtype': weights in the stage's dtype (exact); 'fp8': float8_e4m3fn storage, compute
+    in the stage's dtype (diffusers' layerwise casting; about half the weight memory)."""
+    offload: str = "none"
+    """'none': weights on the GPU; 'block': blocks of layers in pinned host memory, each
+    moved in ahead of use on a copy stream; 'leaf': the same per layer (least memory,
+    slowest)."""
+    offload_blocks: int = 1
+    """With offload 'block': blocks per group moved in at once."""
+    max_vram_gb: float | None = None
+    """GPU memory budget of this stage in GiB (None: the whole device)."""
+    vae_tiling: bool = False
+    """Decoder: tiled VAE decode (where the VAE class offers it)."""
+    linear: str = "dtype"
+    """Transformer: 'fp8' runs the DiT's linear layers as FP8 matmuls (torchao float8,
+    rowwise dynamic activation scaling); needs a CUDA GPU of compute capability 8.9+."""
+    compile_cache_dir: str | None = None
+    """Transformer: folder of torch's compile caches (Inductor, AOTAutograd, Triton) kept
+    across worker starts; None leaves torch's default (a per-user temporary folder)."""
+
+    def __post_init__(self) -> None:
+        if self.weight_storage not in WEIGHT_STORAGE:
+            raise ConfigError(
+                f"weight_storage must be one of {', '.join(WEIGHT_STORAGE)}, got "
+                f"{self.weight_storage!r}"
+            )
+        if self.offload not in OFFLOAD_MODES:
+            raise ConfigError(
+                f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}"
+            )
+        if self.linear not in LINEAR_MODES:
+            raise ConfigError(f"linear must be one of {', '.join(LINEAR_MODES)}, got "
+                              f"{self.linear!r}")
+        if self.offload_blocks < 1:
+            raise ConfigError("offload_blocks must be at least 1")
+        if self.max_vram_gb is not None and not self.max_vram_gb > 0:
+            raise ConfigError(f"max_vram_gb must be positive (GiB), got {self.max_vram_gb}")
+        if self.linear == "fp8" and self.weight_storage == "fp8":
+            raise ConfigError(
+                "linear 'fp8' already stores the DiT's linear weights in FP8; drop "
+                "weight_storage 'fp8' (layerwise casting) or use one of the two"
+            )
+        if self.linear == "fp8" and self.offload != "none":
+            raise ConfigError("linear 'fp8' cannot be combined with offload; use "
+                              "weight_storage 'fp8' with offload instead")
+
+    def check_role(self, role: str) -> None:
+        """Refuse options that mean nothing for ``role`` (named in the error)."""
+        defaults = StageOptions()
+        misplaced = [
+            name for name in (*_TRANSFORMER_ONLY, *_DECODER_ONLY)
+            if getattr(self, name) != getattr(defaults, name)
+            and not (name in _TRANSFORMER_ONLY and role == "transformer")
+            and not (name in _DECODER_ONLY and role == "decoder")
+        ]
+        if misplaced:
+            raise ConfigError(
+                f"{role}: {', '.join(misplaced)} apply to the "
+                f"{'transformer' if misplaced[0] in _TRANSFORMER_ONLY else 'decoder'} stage "
+                "only"
+            )
+
+    @property
+    def exact(self) -> bool:
+        """Whether outputs stay bit-identical to the stage without options."""
+        return (self.weight_storage == "dtype" and self.linear == "dtype"
+                and not self.vae_tiling)

@@ -1,0 +1,132 @@
+"""The DiT's speed options: FP8 linear layers (torchao) and the compile cache.
+
+FP8 linear layers (``transformer.linear: "fp8"``): every ``nn.Linear`` inside the DiT's
+repeated blocks (attention projections, feed-forward) becomes an FP8 matmul with rowwise
+weight scales and rowwise *dynamic* activation scales (torchao's
+``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``, the configuration
+peers ship for these models). Eager, the activation quantisation is a separate pass and
+costs more than the FP8 matmul saves (measured on an H200, Wan2.1-14B: 3.39 s per forward
+against 3.26 s bf16); compiled, Inductor fuses it into the neighbouring kernels (1.91 s with
+the FP8 attention too). So the option is meant with ``compile``.
+
+Left in their dtype, as the model classes intend: the patch embedding and the condition
+embedders (timestep, text, image: small, and their inputs are not activations of the
+trained range), every norm (fp32 by design in Wan), the modulation tables and layers
+(Wan's ``scale_shift_table``, Qwen's ``img_mod`` / ``txt_mod``: they scale every token of a
+block and an error there is an error everywhere), and the final projection ``proj_out``
+(the velocity itself). :func:`fp8_linear_targets` is the list, tested on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from contracts.errors import ModelLoadError
+
+__all__ = ["apply_fp8_linear", "check_fp8_linear", "configure_compile_cache",
+           "fp8_linear_targets"]
+
+log = logging.getLogger(__name__)
+
+_MIN_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards."""
+_MODULATION = ("img_mod", "txt_mod", "norm", "modulation")
+"""Names of the layers inside a block that produce modulation (scale / shift / gate)."""
+_ALIGN = 16
+"""torch._scaled_mm needs both matrix dimensions to be multiples of 16."""
+
+
+def fp8_linear_targets(model: Any) -> list[str]:
+    """Qualified names of the linear layers :func:`apply_fp8_linear` converts: those inside
+    the model's repeated blocks (diffusers' ``_repeated_blocks``), minus modulation layers
+    and layers whose sizes FP8 matmuls cannot take."""
+    blocks = set(getattr(model, "_repeated_blocks", ()) or ())
+    if not blocks:
+        raise ModelLoadError(f"{type(model).__name__} declares no repeated blocks for FP8")
+    names: list[str] = []
+    for block_name, block in model.named_modules():
+        if type(block).__name__ not in blocks:
+            continue
+        for name, module in block.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            if any(part in name for part in _MODULATION):
+                continue
+            if module.in_features % _ALIGN or module.out_features % _ALIGN:
+                continue
+            names.append(f"{block_name}.{name}")
+    return names
+
+
+def check_fp8_linear(device: torch.device) -> None:
+    """Refuse (at load) a device or install FP8 matmuls cannot use, saying what to do."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ModelLoadError(
+            "transformer.linear 'fp8' needs a CUDA GPU of compute capability 8.9 or newer "
+            f"(Ada, Hopper); this stage runs on {device}. Use linear 'dtype'."
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < _MIN_CAPABILITY:
+        raise ModelLoadError(
+            f"transformer.linear 'fp8' needs compute capability 8.9 or newer; "
+            f"{torch.cuda.get_device_name(device)} ({device}) has "
+            f"{capability[0]}.{capability[1]}. Use linear 'dtype'."
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ModelLoadError(
+            "transformer.linear 'fp8' needs torchao: pip install torchao==0.18.0 (the "
+            "offline bundle's `fp8` extra carries it)"
+        )
+
+
+def apply_fp8_linear(model: Any, device: torch.device) -> int:
+    """Convert :func:`fp8_linear_targets` to torchao float8 (rowwise, dynamic activations)
+    in place; returns how many layers were converted."""
+    check_fp8_linear(device)
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        PerRow,
+        quantize_,
+    )
+
+    targets = set(fp8_linear_targets(model))
+
+    def chosen(_module: torch.nn.Module, fqn: str) -> bool:
+        return fqn in targets
+
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=chosen)
+    log.info("FP8 linear layers: %d of the DiT's linear layers converted", len(targets))
+    return len(targets)
+
+
+def configure_compile_cache(folder: str | Path) -> Path:
+    """Point torch's compile caches at ``folder`` (created if missing) and make sure they
+    are on, so that a second start of a worker finds the first start's compiled graphs
+    (Inductor's FX graph cache, AOTAutograd's cache, Triton's kernels).
+
+    Torch reads the folder from ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` when it
+    first compiles, and offers no other switch for its local cache: setting them here, from
+    the stage's config, before the first compile, is the one place they are set.
+    """
+    path = Path(folder).expanduser().resolve()
+    try:
+        (path / "triton").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelLoadError(f"compile_cache_dir {path} cannot be created: {exc}") from exc
+    if not os.access(path, os.W_OK):
+        raise ModelLoadError(f"compile_cache_dir {path} is not writable")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+    return path

@@ -1,0 +1,147 @@
+"""Qwen-Image and Qwen-Image-Edit, stage 1: the prompt (and, for Edit, the condition image)
+encoded as :mod:`workers.models.qwen` lays out the tensors to the transformer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from contracts.errors import InvalidRequestError
+from contracts.request import GenerationRequest
+
+from .base import EncoderAdapter
+from .diffusers_glue import latent_stats, load_diffusers_model, load_transformers_model
+from .media import decode_image
+from .qwen_text import QwenEditProcessor, prompt_template
+
+# Qwen-Image-Edit sizes its condition image to this many pixels (diffusers: 1024 * 1024).
+_EDIT_CONDITION_AREA = 1024 * 1024
+
+
+class QwenEncoder(EncoderAdapter):
+    """Qwen2.5-VL prompt encoding; for Edit also the vision-language prompt with the input
+    image and the VAE latents of that image."""
+
+    def _load(self) -> None:
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        self.edit = self.spec.needs_image
+        self.text_sees_image = self.edit  # the VL prompt embeds the input image
+        self.template, self.drop, self.max_tokens = prompt_template(self.edit)
+        if self.edit:
+            from diffusers import AutoencoderKLQwenImage
+            from diffusers.image_processor import VaeImageProcessor
+
+            self.processor: Any = self._component(
+                lambda p: QwenEditProcessor.from_pretrained(p, local_files_only=True),
+                "processor",
+            )
+            self.vae: Any = self._component(
+                lambda p: load_diffusers_model(AutoencoderKLQwenImage, p, self.placement),
+                "vae",
+            )
+            self.vae_scale_factor = 2 ** len(self.vae.temperal_downsample)
+            self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        else:
+            self.tokenizer: Any = self._component(
+                lambda p: Qwen2Tokenizer.from_pretrained(p, local_files_only=True), "tokenizer"
+            )
+        self.text_encoder: Any = self._component(
+            lambda p: load_transformers_model(
+                Qwen2_5_VLForConditionalGeneration, p, self.placement
+            ),
+            "text_encoder",
+        )
+
+    def load_image(self, req: GenerationRequest, image_bytes: bytes | None) -> Any:
+        """Edit: (the condition image resized to ~1 megapixel, its VAE input pixels)."""
+        if not self.edit:
+            return super().load_image(req, image_bytes)
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        image = decode_image(image_bytes, self.task)
+        width, height = image.size
+        cond_w, cond_h, _ = calculate_dimensions(_EDIT_CONDITION_AREA, width / height)
+        image = self.image_processor.resize(image, cond_h, cond_w)
+        pixels = self.image_processor.preprocess(image, cond_h, cond_w).unsqueeze(2)
+        return image, pixels
+
+    def guidance_on(self, req: GenerationRequest) -> bool:
+        assert req.true_cfg_scale is not None
+        return req.true_cfg_scale > 1.0
+
+    def encode_text(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        assert req.negative_prompt is not None and req.max_sequence_length is not None
+        cfg = self.guidance_on(req)
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            if self.edit:
+                cond_image = image[0]
+                out["prompt_embeds"], out["prompt_embeds_mask"] = self._embeds(
+                    req.prompt, cond_image)
+                if cfg:
+                    neg, neg_mask = self._embeds(req.negative_prompt, cond_image)
+                    out["negative_prompt_embeds"] = neg
+                    out["negative_prompt_embeds_mask"] = neg_mask
+            else:
+                limit = req.max_sequence_length
+                embeds, mask = self._embeds(req.prompt, None)
+                out["prompt_embeds"], out["prompt_embeds_mask"] = embeds[:, :limit], mask[:, :limit]
+                if cfg:
+                    neg, neg_mask = self._embeds(req.negative_prompt, None)
+                    out["negative_prompt_embeds"] = neg[:, :limit]
+                    out["negative_prompt_embeds_mask"] = neg_mask[:, :limit]
+        return out
+
+    def encode_image(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
+        if not self.edit:
+            return {}
+        pixels = image[1]
+        with torch.no_grad():
+            latents = self._image_latents(pixels.to(self.device, self.dtype))
+        return {"image_latents": latents}
+
+    def _embeds(self, prompt: str, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        text = [self.template.format(prompt)]
+        if self.edit:
+            inputs = self.processor(text=text, images=image, padding=True, return_tensors="pt")
+            inputs = inputs.to(self.device)
+            result = self.text_encoder(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                pixel_values=inputs.get("pixel_values"),
+                image_grid_thw=inputs.get("image_grid_thw"),
+                output_hidden_states=True,
+            )
+            attention = inputs["attention_mask"]
+        else:
+            inputs = self.tokenizer(
+                text,
+                max_length=self.max_tokens + self.drop,
+                padding=True,
+                truncation=True,
+                return_tensors="pt",
+            ).to(self.device)
+            result = self.text_encoder(
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                output_hidden_states=True,
+            )
+            attention = inputs.attention_mask
+        hidden = result.hidden_states[-1]
+        # Keep the valid positions of the one prompt, minus the system prompt the pipeline cuts.
+        valid = hidden[attention.bool()]
+        kept = valid[self.drop :]
+        if kept.shape[0] == 0:
+            raise InvalidRequestError(f"{self.task} prompt left no tokens after the template cut")
+        embeds = kept.unsqueeze(0).to(dtype=self.dtype, device=self.device)
+        mask = torch.ones(1, kept.shape[0], dtype=torch.long, device=kept.device)
+        return embeds, mask
+
+    def _image_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import retrieve_latents
+
+        latents = retrieve_latents(self.vae.encode(pixels), generator=None, sample_mode="argmax")
+        mean, std = latent_stats(self.vae.config, latents)
+        return (latents - mean) / std
