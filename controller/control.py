@@ -262,6 +262,7 @@ class ControlServer:
             raise ControlError(f"{op!r} before register")
         if op == Op.HEARTBEAT:
             staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
+            worker.stats = _stats(msg.get("stats"))
             cancel, drop = co.on_heartbeat(worker, list(msg.get("tasks", [])), staged)
             return {"cancel": cancel, "drop": drop}, worker
         if op == Op.CLAIM:
@@ -314,3 +315,16 @@ def _ticket(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"ticket must be a ring position (int >= 0), got {value!r}")
     return value
+
+
+def _stats(value: Any) -> dict[str, float]:
+    """A worker's reported figures (name -> number), at most 16 of them; anything else is
+    ignored rather than trusted into the status page."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, float] = {}
+    for key, number in list(value.items())[:16]:
+        if isinstance(key, str) and len(key) <= 64 and isinstance(number, int | float) \
+                and not isinstance(number, bool):
+            out[key] = float(number)
+    return out

@@ -128,6 +128,10 @@ def test_many_to_many(tiny_models: Path, workdir: Path) -> None:
         status = httpx.get(f"{group.url}/v1/service/status", timeout=10).json()
         ctl_log = group.services[0].log()
     assert status["counts"]["completed"] == n
+    # Every model stage's heartbeats carry its GPU memory figures (zeros on a CPU).
+    for role in ("encoder", "transformer", "decoder"):
+        for w in status["workers"][role]:
+            assert set(w["stats"]) == {"resident_bytes", "last_peak_bytes", "max_peak_bytes"}
     workers_used = set()
     for seed, st, data in results:
         assert st["status"] == "completed" and st["attempt"] == 1, st

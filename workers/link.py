@@ -69,6 +69,8 @@ class Heartbeats:
         self._name = name
         self.lost = threading.Event()
         """The heartbeat failed: reconnect before taking anything from a ring."""
+        self.report: Callable[[], dict[str, float]] = dict
+        """Figures each heartbeat carries to the controller's status (the stage's memory)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -99,7 +101,8 @@ class Heartbeats:
             staged = [[t, a] for t, a in self._staged.keys()]
             try:
                 reply = self._call(
-                    Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged
+                    Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged,
+                    stats=self.report(),
                 )
             except DiffringError as exc:
                 if self._active() and not stop.is_set():

@@ -352,6 +352,15 @@ class StageWorker:
         faults.hit("worker.load", ModelLoadError)
         self.stage.load()
         self.metrics.watch_memory(self.stage)
+        if self.stage.torch_model:
+            self.link.heartbeats.report = self._memory_report
+
+    def _memory_report(self) -> dict[str, float]:
+        """The stage's GPU memory for the controller's status (zeros on a CPU)."""
+        mem = self.stage.memory
+        return {"resident_bytes": float(mem.resident_bytes),
+                "last_peak_bytes": float(mem.last_peak_bytes),
+                "max_peak_bytes": float(mem.max_peak_bytes)}
 
     def adapter_options(self) -> dict[str, Any]:
         """Role-specific settings of the stage adapter."""
