@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -17,7 +16,7 @@ from contracts.metrics import CLAIM_BUCKETS, DURATION_BUCKETS, CallbackCollector
 
 class WorkerMetrics:
     """What a worker measures: stage durations, claims, transfers, pool occupancy and
-    device, the memory torch allocated on its GPU."""
+    device, its stage's GPU memory."""
 
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -41,7 +40,6 @@ class WorkerMetrics:
         self.heartbeats = Counter(
             "diffring_worker_heartbeats", "Heartbeats sent to the controller", ["role"],
             registry=r)
-        r.register(_DeviceMemoryCollector(role))
 
     @contextlib.contextmanager
     def timed(self, role: str, step: str) -> Iterator[None]:
@@ -96,34 +94,6 @@ class WorkerMetrics:
         """Hits, misses and evictions (counters), entries and bytes (gauges) of the
         encoder's prompt-embedding cache, read at scrape time."""
         self.registry.register(_PromptCacheCollector(cache_stats, self.role))
-
-
-class _DeviceMemoryCollector(Collector):
-    """Peak and current memory torch allocated on each CUDA device this process uses, read
-    at scrape time. torch is looked up, not imported: a process that never imported it, or
-    never touched CUDA, exports nothing (and a scrape never initialises CUDA)."""
-
-    def __init__(self, role: str) -> None:
-        self.role = role
-
-    def collect(self) -> Iterable[Metric]:
-        torch: Any = sys.modules.get("torch")
-        if torch is None or not torch.cuda.is_initialized():
-            return []
-        peak = GaugeMetricFamily(
-            "diffring_device_memory_peak_bytes", "Most memory torch had allocated on the "
-            "device at once since the process started (torch.cuda.max_memory_allocated)",
-            labels=["role", "device"])
-        now = GaugeMetricFamily(
-            "diffring_device_memory_allocated_bytes", "Memory torch has allocated on the "
-            "device (torch.cuda.memory_allocated)", labels=["role", "device"])
-        for index in range(torch.cuda.device_count()):
-            most = torch.cuda.max_memory_allocated(index)
-            if most:  # devices this process never allocated on are left out
-                peak.add_metric([self.role, f"cuda:{index}"], float(most))
-                now.add_metric([self.role, f"cuda:{index}"],
-                               float(torch.cuda.memory_allocated(index)))
-        return [peak, now]
 
 
 class _PromptCacheCollector(Collector):

@@ -31,8 +31,8 @@ Everything is measured through what the services export; nothing in them is patc
   worker pulled over Mooncake (``diffring_transfer_bytes`` / ``diffring_transfer_seconds``
   with ``direction="pull"``: the transformer's pull is Phase1, the decoder's Phase2), the
   staging pool's device and checksum algorithm (``diffring_staging_pool_info``; ``wsum64``:
-  hashed on the GPU) and the peak memory torch allocated
-  (``diffring_device_memory_peak_bytes``);
+  hashed on the GPU) and the peak GPU memory of the request (``diffring_stage_peak_bytes``,
+  the stage's ``torch.cuda.max_memory_allocated`` over its last request, pool included);
 * the controller's event stream (``GET /v1/events``, opened before the first request): the
   time of each denoising step, from its ``progress`` event's ``at`` (step 1 from the
   transformer's claim, so it includes the Phase1 pull);
@@ -136,7 +136,7 @@ def worker_figures(before: list[Sample], after: list[Sample]) -> dict[str, Any]:
         out["pool"] = {"device": pools[0]["device"], "checksum_algo": pools[0]["checksum_algo"],
                        "capacity_mib": int(_total(after, "diffring_staging_pool_capacity_bytes"))
                        >> 20}
-    peaks = [v for n, _, v in after if n == "diffring_device_memory_peak_bytes"]
+    peaks = [v for n, _, v in after if n == "diffring_stage_peak_bytes"]
     out["peak_gib"] = round(max(peaks) / 2**30, 3) if peaks else None
     return out
 
