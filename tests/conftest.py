@@ -41,6 +41,24 @@ def _close_coordinators() -> Iterator[None]:
         coordinators.pop().close()
 
 
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast half (``pytest -m "not integration"``) stays in-process: a test whose module
+    is not marked ``integration`` fails as soon as it starts a process."""
+    import multiprocessing.process
+
+    if request.node.get_closest_marker("integration") is not None:
+        return
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts a process: give its module "
+                             "`pytestmark = pytest.mark.integration`")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
 class Clock:
     """A monotonic clock a test drives instead of sleeping: ``clock()`` reads it,
     ``clock.advance(s)`` moves it on (leases and liveness then expire on the test's word)."""
@@ -192,24 +210,14 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
         stop(ctl.proc)
 
 
-def _load_tiny_builder() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_models", ROOT / "scripts" / "make_tiny_models.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random-weight models of the four pipelines, built once per session (offline)."""
     env = os.environ.get("DIFFRING_TINY_MODELS")
     out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
-    _load_tiny_builder().build_all(out, seed=0)
+    from modelkit.tiny import build_all
+
+    build_all(out, seed=0)
     return out
 
 

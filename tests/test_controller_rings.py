@@ -24,6 +24,8 @@ from tests.conftest import (
     stop,
 )
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 
 def ring_of(ctl: Controller, name: str) -> Ring:
     d = ctl.config["disagg_config"]

@@ -34,6 +34,8 @@ from tests.test_controller_rings import ring_of
 from workers.control import DoorbellClient
 from workers.models.synthetic import write_config
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 
 def local_ring(name: str) -> Ring:
     return Ring(LocalVerbs(Region(RingLayout(name, 4, 256)), HOLDER_LOCAL))

@@ -23,6 +23,8 @@ import pytest
 from controller.group import LocalGroup, group_config, submit, wait_task
 from tests.conftest import wait_log
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 REQUESTS: dict[str, dict[str, Any]] = {
     "wan_t2v": {"height": 32, "width": 32, "target_video_length": 5, "infer_steps": 2,
                 "target_fps": 8},

@@ -16,6 +16,8 @@ from contracts.config import ServiceConfig
 from contracts.errors import ConfigError, ConnectionLost, FaultInjected
 from run_service import _parse, build_config
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -10,8 +10,11 @@ import struct
 from pathlib import Path
 
 import msgpack
+import pytest
 
 from controller.group import LocalGroup, group_config, submit
+
+pytestmark = pytest.mark.integration  # starts processes or servers
 
 SILENT_PER_PORT = 24
 

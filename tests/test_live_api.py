@@ -35,7 +35,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 # The openai package marks the video calls deprecated (the hosted API's schedule); the
 # protocol is what is tested here.
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [  # starts processes or servers
+    pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 @contextlib.contextmanager
@@ -295,7 +297,7 @@ def test_request_script_follows_the_events(t2i: tuple[LocalGroup, int], tmp_path
     out = tmp_path / "script.png"
     t0 = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "post_qwen_t2i.py"), "--url", group.url,
+        [sys.executable, "-m", "scripts.post.post_qwen_t2i", "--url", group.url,
          "--height", "32", "--width", "32", "--steps", "3", "--poll-interval", "600",
          "--out", str(out)],
         capture_output=True, text=True, timeout=180)

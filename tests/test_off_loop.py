@@ -31,6 +31,8 @@ from controller.tasks import Stage, Task
 from controller.webapp import build_app
 from tests.conftest import make_coordinator
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 TICKS = 5
 """Loop wake-ups to see while the slow step is blocked before releasing it."""
 

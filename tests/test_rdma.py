@@ -50,6 +50,8 @@ from rings.verbs import CAS, FAA, RDMA_ONLY_OPTIONS, READ, WRITE, transport_opti
 from rings.verbs import connect as verbs_connect
 from tests.conftest import TOKEN
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 RING = "rdmatest"
 SLOTS = 3
 SLOT_SIZE = 32768  # region ~96 KiB: a whole-region READ outgrows the 64 KiB local buffer

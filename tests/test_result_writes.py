@@ -37,6 +37,8 @@ from workers.models import Artifact
 from workers.roles import DecoderWorker
 from workers.worker import Job
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 
 def test_which_write_errors_are_the_storages() -> None:
     for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT):

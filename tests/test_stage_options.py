@@ -28,6 +28,8 @@ from workers.models.memory import (  # noqa: E402
     oom_guard,
 )
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 FP8 = torch.float8_e4m3fn
 
 

@@ -25,6 +25,8 @@ from controller.group import LocalGroup, Service, group_config
 from tests.conftest import wait_log
 from workers.startup import StartupAborted, StopSignal
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 PIPELINE = "wan_t2v"
 STOPPED = "stopped before it was ready"
 STARTING = "worker starting (pid"

@@ -37,6 +37,8 @@ from rings.tcp import handshake, open_socket
 from rings.verbs import FAA, RDMA_ONLY_OPTIONS, READ, WRITE, connect
 from tests.conftest import ROOT, TOKEN
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 SLOTS, SLOT_SIZE = 3, 512
 LAYOUT = RingLayout(RING, SLOTS, SLOT_SIZE)
 

@@ -26,6 +26,8 @@ import msgpack
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the producer runs this file as a script
     sys.path.insert(0, str(REPO))
