@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default="3.12", help="target Python, e.g. 3.12")
     ap.add_argument("--platform", default="manylinux_2_28_x86_64")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--extras", default="sage", help="pyproject extras to add (comma list)")
+    ap.add_argument("--extras", default="sage,fp8", help="pyproject extras to add (comma list)")
     ap.add_argument("--mooncake", default="mooncake-transfer-engine-cuda13",
                     help="Mooncake wheel: mooncake-transfer-engine-cuda13 (CUDA 13 torch), "
                          "mooncake-transfer-engine (CUDA 12), "
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--debs", default=",".join(DEFAULT_DEBS))
     ap.add_argument("--no-debs", action="store_true")
     ap.add_argument("--deb-arch", default="amd64")
-    ap.add_argument("--max-mb", type=float, default=60.0)
+    ap.add_argument("--max-mb", type=float, default=64.0)
     args = ap.parse_args(argv)
 
     out: Path = args.out
