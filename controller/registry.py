@@ -35,6 +35,8 @@ class WorkerInfo:
     """A transformer worker's LoRA adapters (its ``lora_dir``'s files at registration)."""
     caches: tuple[str, ...] = ()
     """The step-cache kinds a transformer worker's model runs."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """What its last heartbeat reported (a model stage: resident and peak GPU bytes)."""
 
     def public(self) -> dict[str, Any]:
         return {
@@ -49,6 +51,7 @@ class WorkerInfo:
             "segment": self.segment,
             **({"loras": list(self.loras), "caches": list(self.caches)}
                if self.role == Role.TRANSFORMER else {}),
+            "stats": dict(self.stats),
         }
 
 

@@ -33,6 +33,9 @@ from tests.test_models import (  # noqa: E402
 )
 from workers.models import TransformerAdapter  # noqa: E402
 
+# Builds the tiny models and starts processes (the benchmark).
+pytestmark = pytest.mark.integration
+
 DIT_TASKS = ("wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i")
 ADAPTERS: dict[str, dict[str, Any]] = {
     # alpha != rank: the metadata's lora_alpha must reach the scaling

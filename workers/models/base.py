@@ -127,6 +127,9 @@ class StageAdapter(ABC):
         except ConfigError as exc:  # the options belong to another stage
             raise ModelLoadError(str(exc)) from None
         self._loaded = False
+        self.on_component: Callable[[str], None] | None = None
+        """Called with a component's name after it loaded (the worker's start-up boundary:
+        a stop asked for during a long load ends it there)."""
 
     @property
     def loaded(self) -> bool:
@@ -209,7 +212,10 @@ class StageAdapter(ABC):
             raise ModelLoadError(f"{self.role} stage of {self.task}: call load() first")
 
     def _component(self, loader: Callable[[str], T], component: str) -> T:
-        return load_component(loader, self.model_dir, component, self.task, self.role)
+        loaded = load_component(loader, self.model_dir, component, self.task, self.role)
+        if self.on_component is not None:
+            self.on_component(component)
+        return loaded
 
     def _config(self, component: str) -> dict[str, Any]:
         return read_component_config(self.model_dir, component, self.task, self.role)
@@ -398,19 +404,14 @@ class TransformerAdapter(StageAdapter):
             return self._denoise(req, tensors, on_step, should_stop)
 
     def offers(self) -> dict[str, list[str]]:
-        """What requests may ask of this stage, reported when its worker registers: the
-        adapters of its ``lora_dir`` and the step-cache kinds its model runs."""
+        """What requests may ask of this stage (its adapters, its cache kinds)."""
         r = self.requests
         return {"loras": r.lora_names(), "caches": r.cache_kinds()} if r else {}
 
     @abstractmethod
-    def _denoise(
-        self,
-        req: GenerationRequest,
-        tensors: Mapping[str, torch.Tensor],
-        on_step: StepCallback | None = None,
-        should_stop: StopCheck | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def _denoise(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor],
+                 on_step: StepCallback | None = None, should_stop: StopCheck | None = None
+                 ) -> dict[str, torch.Tensor]:
         """The family's denoising loop (:meth:`denoise` around it)."""
 
     @staticmethod
