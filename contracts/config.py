@@ -247,6 +247,13 @@ class ServiceConfig:
             raise ConfigError("transformer.linear 'fp8' needs dtype 'bfloat16'")
         if self.transformer.compile_cache_dir is not None and not self.compile:
             raise ConfigError("transformer.compile_cache_dir needs compile: true")
+        if self.transformer.cache is not None and self.compile:
+            raise ConfigError("transformer.cache (a step cache) cannot be combined with "
+                              "compile: its hooks skip blocks by data-dependent branches; "
+                              "drop one of them")
+        if self.transformer.lora_max_rank is not None and not self.compile:
+            raise ConfigError("transformer.lora_max_rank applies with compile: true only "
+                              "(the rank of the compiled adapter slots)")
         if not self.task_retention_s > 0:
             raise ConfigError(
                 f"task_retention_s must be positive (seconds), got {self.task_retention_s}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,9 +104,11 @@ def wire(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def diffusers_reference(
-    models: Path, req: GenerationRequest, image_png: bytes | None, dtype: str
+    models: Path, req: GenerationRequest, image_png: bytes | None, dtype: str,
+    setup: Callable[[Any], None] | None = None,
 ) -> np.ndarray:
-    """diffusers' own one-process pipeline on the same folder, seed and sizes."""
+    """diffusers' own one-process pipeline on the same folder, seed and sizes;
+    ``setup(pipe)`` may change the pipeline first (load adapters, enable a cache)."""
     import diffusers
     from PIL import Image
 
@@ -120,6 +122,8 @@ def diffusers_reference(
     pipeline_cls = getattr(diffusers, get_family(task).pipeline_class)
     pipe = pipeline_cls.from_pretrained(models / task, dtype=torch_dtype, **extra)
     pipe.set_progress_bar_config(disable=True)
+    if setup is not None:
+        setup(pipe)
     kwargs: dict[str, Any] = {
         "prompt": req.prompt,
         "negative_prompt": req.negative_prompt,

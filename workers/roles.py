@@ -138,6 +138,9 @@ class TransformerWorker(ProducerWorker):
             log.info("worker %s: warm-up of %s took %.1f s (compile=%s)", self.name,
                      ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
 
+    def offers(self) -> dict[str, Any]:
+        return dict(self.stage.offers())
+
     def fetch_inputs(self, job: Job) -> dict[str, Any]:
         return self.pull(job)
 

@@ -108,7 +108,7 @@ class QwenTransformer(TransformerAdapter):
             )
         return height, width
 
-    def denoise(
+    def _denoise(
         self,
         req: GenerationRequest,
         tensors: Mapping[str, torch.Tensor],

@@ -236,7 +236,7 @@ class WanTransformer(TransformerAdapter):
         frames = (req.num_frames - 1) // self.temporal + 1
         return frames, req.height // self.spatial, req.width // self.spatial
 
-    def denoise(
+    def _denoise(
         self,
         req: GenerationRequest,
         tensors: Mapping[str, torch.Tensor],
