@@ -94,6 +94,10 @@ class ServiceConfig:
     """Local diffusers-format model folder (workers and ``all``)."""
     device: str = "cpu"
     """Torch device of a worker's model stage: 'cpu' or 'cuda:N'."""
+    devices: tuple[str, ...] = ()
+    """Transformer group: one device per rank (``--devices cuda:0,cuda:1``), as many as
+    ``transformer.parallel`` has ranks; rank 0's is the worker's ``device``. Empty: one
+    process on ``device``."""
     dtype: str = "float32"
     """Model dtype: 'float32' or 'bfloat16'."""
     attention_backend: str = "sdpa"
@@ -190,6 +194,7 @@ class ServiceConfig:
             )
         if not check_device(self.device):
             raise ConfigError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        self._check_group()
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
         for shape in self.warmup_shapes:
@@ -234,6 +239,40 @@ class ServiceConfig:
             raise ConfigError(
                 f"task_retention_s must be positive (seconds), got {self.task_retention_s}"
             )
+
+    def _check_group(self) -> None:
+        """A transformer group's devices against its layout (contracts/parallel.py)."""
+        layout = self.transformer.layout
+        bad = [d for d in self.devices if not check_device(d)]
+        if bad:
+            raise ConfigError(f"devices must be 'cpu' or 'cuda:N', got {', '.join(bad)}")
+        if len({d.partition(":")[0] for d in self.devices}) > 1:
+            raise ConfigError(f"devices {', '.join(self.devices)}: a group is all cpu or all "
+                              "cuda")
+        cuda = [d for d in self.devices if d.startswith("cuda")]
+        if len(set(cuda)) != len(cuda):
+            raise ConfigError(f"devices {', '.join(self.devices)}: each rank needs a GPU of "
+                              "its own")
+        if layout.size > 1 and len(self.devices) != layout.size:
+            raise ConfigError(
+                f"transformer.parallel {layout} is a group of {layout.size} ranks: give one "
+                f"device per rank, e.g. --devices "
+                + ",".join(f"cuda:{i}" for i in range(layout.size))
+            )
+        if layout.size == 1 and len(self.devices) > 1:
+            raise ConfigError(
+                f"devices lists {len(self.devices)} devices but transformer.parallel is unset: "
+                f'set it, e.g. "parallel": "cfg=2" or "ulysses={len(self.devices)}" in the '
+                "transformer section"
+            )
+        if layout.cfg == 2 and self.cfg_batch:
+            raise ConfigError("cfg_batch runs both guidance branches as one batch on one "
+                              "device, transformer.parallel cfg=2 runs them on two: choose one")
+
+    @property
+    def group_devices(self) -> tuple[str, ...]:
+        """The devices of this service's ranks: ``devices``, else just ``device``."""
+        return self.devices or (self.device,)
 
     def addresses(self, service: str) -> dict[str, str]:
         """The addresses ``service`` binds, advertises or joins, by config key (what the

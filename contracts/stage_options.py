@@ -21,6 +21,9 @@ torch's own mechanisms:
   dynamic activation scales (torchao), fused by ``compile``. Lossy.
 * ``compile_cache_dir`` (transformer): where torch's compile caches live, so that a second
   start of a worker with ``compile`` reuses the first start's compiled kernels.
+* ``parallel`` (transformer): the layout of a transformer group, one DiT worker over several
+  devices (``"cfg=2,ulysses=2"``: :mod:`contracts.parallel`; the devices are the service's
+  ``devices``), with ``group_timeout_s`` and ``group_restarts`` for its faults.
 
 The attention kernel (``attention_backend``, e.g. ``"fp8_cudnn"``), ``compile``,
 ``cfg_batch`` and ``warmup_shapes`` stay top-level keys of the file, as before.
@@ -32,13 +35,15 @@ from dataclasses import dataclass
 from typing import Final
 
 from contracts.errors import ConfigError
+from contracts.parallel import ParallelLayout
 
 __all__ = ["LINEAR_MODES", "OFFLOAD_MODES", "WEIGHT_STORAGE", "StageOptions"]
 
 WEIGHT_STORAGE: Final[tuple[str, ...]] = ("dtype", "fp8")
 OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
 LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
-_TRANSFORMER_ONLY = ("linear", "compile_cache_dir")
+_TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "parallel", "group_timeout_s",
+                     "group_restarts")
 _DECODER_ONLY = ("vae_tiling",)
 
 
@@ -65,8 +70,21 @@ class StageOptions:
     compile_cache_dir: str | None = None
     """Transformer: folder of torch's compile caches (Inductor, AOTAutograd, Triton) kept
     across worker starts; None leaves torch's default (a per-user temporary folder)."""
+    parallel: str | None = None
+    """Transformer: the layout of a transformer group (``"cfg=2"``, ``"ulysses=2"``,
+    ``"cfg=2,ulysses=2"``, ...; :mod:`contracts.parallel`); None: one device."""
+    group_timeout_s: float = 120.0
+    """Transformer group: the longest any rank waits in a collective for the others, and the
+    longest a rank may go without a heartbeat, before the group is taken down (and restarted).
+    Must exceed the longest step of one rank between two collectives (a DiT forward)."""
+    group_restarts: int = 3
+    """Transformer group: restarts of the whole group after a rank died or hung, before its
+    supervisor gives up and exits with an error naming the rank."""
 
     def __post_init__(self) -> None:
+        ParallelLayout.parse(self.parallel)  # a bad layout is refused by name
+        if not self.group_timeout_s > 0 or self.group_restarts < 0:
+            raise ConfigError("group_timeout_s must be positive and group_restarts >= 0")
         if self.weight_storage not in WEIGHT_STORAGE:
             raise ConfigError(
                 f"weight_storage must be one of {', '.join(WEIGHT_STORAGE)}, got "
@@ -109,7 +127,12 @@ class StageOptions:
             )
 
     @property
+    def layout(self) -> ParallelLayout:
+        """The transformer group's layout (size 1: one device, no group)."""
+        return ParallelLayout.parse(self.parallel)
+
+    @property
     def exact(self) -> bool:
         """Whether outputs stay bit-identical to the stage without options."""
         return (self.weight_storage == "dtype" and self.linear == "dtype"
-                and not self.vae_tiling)
+                and not self.vae_tiling and self.layout.sequence == 1)
