@@ -302,14 +302,14 @@ class ServiceConfig:
         data = dict(data)
         disagg = DisaggConfig.from_dict(data.pop("disagg_config", None))
         server = from_mapping(ServerConfig, data.pop("server", None), "server")
-        encoder, transformer, decoder = (
-            from_mapping(StageOptions, data.pop(role, None), role) for role in STAGE_SECTIONS
-        )
-        base = from_mapping(cls, data, "config")
-        return dataclasses.replace(
-            base, disagg_config=disagg, server=server, encoder=encoder,
-            transformer=transformer, decoder=decoder,
-        )
+        sections: dict[str, Any] = {
+            role: from_mapping(StageOptions, data.pop(role, None), role)
+            for role in STAGE_SECTIONS
+        }
+        # The sections go in with the rest, so that checks across them (a group's devices
+        # against transformer.parallel) see the file's values, not the defaults.
+        return from_mapping(cls, {**data, **sections, "disagg_config": disagg,
+                                  "server": server}, "config")
 
     @classmethod
     def load(cls, path: str | None) -> ServiceConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -22,7 +22,15 @@ class StartupAborted(Exception):
     """SIGTERM / SIGINT arrived before the worker was ready."""
 
 
-def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
+def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str],
+               make: Callable[..., StageWorker] | None = None) -> int:
+    """Run one worker until it is drained. ``make(cfg, token, env)`` builds it (default: the
+    role's class); a transformer whose layout spans devices runs as a group instead
+    (:mod:`workers.group.supervisor`)."""
+    if make is None and role is Role.TRANSFORMER and cfg.transformer.layout.size > 1:
+        from workers.group.supervisor import run_group
+
+        return run_group(cfg, token, env)
     worker: StageWorker | None = None
     starting = True
 
@@ -41,7 +49,7 @@ def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str
     try:
         from workers.roles import WORKERS
 
-        worker = WORKERS[Role(role)](cfg, token, env)
+        worker = (make or WORKERS[Role(role)])(cfg, token, env)
         try:
             worker.start()
         except (DiffringError, StartupAborted):
