@@ -1,7 +1,8 @@
 """One rank of a CPU transformer group that runs a list of layouts (tests/test_group_layouts.py).
 
     python tests/group_layouts.py --rank R --world G --rendezvous DIR --models DIR --out DIR
-        --cases CASE[,CASE...]      CASE = pipeline:layout, e.g. wan_t2v:cfg=2,ulysses=2
+        --cases CASE[;CASE...]      CASE = pipeline:layout, e.g. wan_t2v:cfg=2,ulysses=2
+        [--timeout S] [--then-hang]
 
 Every rank joins one gloo process group through the product's code
 (:func:`workers.group.dist.init_group`: the same process group, mesh and timeout a
@@ -9,7 +10,10 @@ Every rank joins one gloo process group through the product's code
 rank (:func:`workers.models.parallel.attach_group`: diffusers' context parallelism over that
 mesh) and denoises fixed synthetic inputs (the adapter's own ``warmup_inputs``, seed 7).
 Each rank saves its latents as ``OUT/<i>-rank<R>.pt``; rank 0 also saves the single-process
-output of the same inputs as ``OUT/<i>-ref.pt``.
+output of the same inputs as ``OUT/<i>-ref.pt``. With ``--then-hang``, the last rank then
+stops taking part (it sleeps past the timeout, heartbeat or not) while the others enter one
+more collective, and each of those writes how long it waited and what it raised to
+``OUT/hang-rank<R>.txt``: no rank waits in a collective for longer than ``--timeout``.
 
 What stands in for what, because this machine has no GPU:
 
@@ -99,6 +103,8 @@ def main() -> int:
     ap.add_argument("--models", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cases", required=True)
+    ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--then-hang", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from workers.group.dist import init_group, serve_store
@@ -107,7 +113,7 @@ def main() -> int:
     port_file = args.rendezvous / "port"
     store = None
     if args.rank == 0:
-        store = serve_store(world, 120)
+        store = serve_store(world, args.timeout)
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(str(store.port))
         tmp.replace(port_file)
@@ -116,12 +122,29 @@ def main() -> int:
         while not port_file.exists():  # rank 0 writes it once its store listens
             time.sleep(0.05)
         port = int(port_file.read_text())
-    init_group(args.rank, world, torch.device("cpu"), port, 120, leader_store=store)
+    init_group(args.rank, world, torch.device("cpu"), port, args.timeout, leader_store=store)
     stand_in_ring_kernel()
     for i, case in enumerate(args.cases.split(";")):
         pipeline, _, text = case.partition(":")
         run_case(i, pipeline, ParallelLayout.parse(text), args.rank, args.models, args.out)
+    if args.then_hang:
+        hang(args.rank, args.world, args.timeout, args.out)
     return 0
+
+
+def hang(rank: int, world: int, timeout: float, out: Path) -> None:
+    import torch.distributed as dist
+
+    if rank == world - 1:
+        time.sleep(timeout + 15)  # alive, but not in the collective
+        return
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        what = "completed"
+    except Exception as exc:
+        what = f"{type(exc).__name__}: {exc}"
+    (out / f"hang-rank{rank}.txt").write_text(f"{time.monotonic() - t0:.1f}\n{what}")
 
 
 if __name__ == "__main__":

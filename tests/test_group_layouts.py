@@ -41,7 +41,13 @@ FOUR = ["wan_t2v:cfg=2,ulysses=2", "qwen_t2i:cfg=2,ulysses=2", "wan_t2v:ring=2,u
         "qwen_i2i:cfg=2,ring=2"]
 
 
-def run_group(world: int, cases: list[str], models: Path, tmp: Path) -> list[dict[str, Any]]:
+HANG_TIMEOUT_S = 30.0
+"""The process-group timeout of the two-rank run, which ends with a rank that stops taking
+part: the others must give up on the collective after it, not wait for ever."""
+
+
+def run_group(world: int, cases: list[str], models: Path, tmp: Path,
+              *extra: str) -> list[dict[str, Any]]:
     """Start ``world`` rank processes, wait for all (each has the process group's timeout on
     every collective), and load what each saved."""
     import torch
@@ -55,7 +61,7 @@ def run_group(world: int, cases: list[str], models: Path, tmp: Path) -> list[dic
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "group_layouts.py"), "--rank", str(rank),
              "--world", str(world), "--rendezvous", str(rendezvous), "--models", str(models),
-             "--out", str(out), "--cases", ";".join(cases)],
+             "--out", str(out), "--cases", ";".join(cases), *extra],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}))
     try:
@@ -78,7 +84,8 @@ def test_layouts_against_one_process(world: int, cases: list[str], tiny_models: 
                                      tmp_path: Path) -> None:
     import torch
 
-    results = run_group(world, cases, tiny_models, tmp_path)
+    extra = ("--timeout", str(HANG_TIMEOUT_S), "--then-hang") if world == 2 else ()
+    results = run_group(world, cases, tiny_models, tmp_path, *extra)
     for case, res in zip(cases, results, strict=True):
         ref, first = res["ref"], res["ranks"][0]
         for other in res["ranks"][1:]:
@@ -90,6 +97,10 @@ def test_layouts_against_one_process(world: int, cases: list[str], tiny_models: 
             assert diff == 0.0, f"{case}: CFG-parallel must be exact, max abs diff {diff}"
         else:
             assert diff <= TOL, f"{case}: max abs diff {diff} > {TOL}"
+    if extra:
+        waited, what = (tmp_path / "out" / "hang-rank0.txt").read_text().split("\n", 1)
+        assert "Timed out" in what, what
+        assert HANG_TIMEOUT_S - 1 <= float(waited) < HANG_TIMEOUT_S + 60, waited
 
 
 # -- refusals, by name, without a group ----------------------------------------------------
