@@ -140,7 +140,7 @@ def parse_placement(spec: str, n_devices: int, dit_span: int = 1) -> list[tuple[
     missing = [r for r in ROLES if have[r] == 0]
     if missing:
         raise SystemExit(f"--placement {spec!r} has no {' and no '.join(missing)}")
-    used = set()
+    used: set[int] = set()
     for role, dev in workers:
         span = dit_span if role == "transformer" else 1
         if dev + span > n_devices:

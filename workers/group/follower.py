@@ -57,7 +57,11 @@ def follow(cfg: ServiceConfig, group: GroupMesh, leader: Channel) -> int:
             _, error = outcome(partial(_denoise, stage, msg))
         else:
             error = ValueError(f"unknown command {op!r} from rank 0")
-        report(leader, error)
+        try:
+            report(leader, error)
+        except ConnectionLost:
+            log.info("rank %d: rank 0 is gone; stopping", group.rank)
+            return 0
 
 
 def _denoise(stage: Any, msg: dict[str, Any]) -> None:

@@ -15,8 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from contracts.config import ServiceConfig
+from contracts.errors import ConnectionLost, ModelLoadError
 from workers.group.dist import Channel, broadcast_tensors, tensor_specs
-from workers.group.steps import outcome, settle, step_gate
+from workers.group.steps import GroupBroken, outcome, settle, step_gate
 from workers.models.parallel import GroupMesh
 from workers.roles import TransformerWorker, _request, _size, transformer_options
 from workers.worker import Job, StageWorker
@@ -35,6 +36,9 @@ class GroupLeader(TransformerWorker):
         self.group = group
         self.peers = list(peers)
         self.timeout_s = cfg.transformer.group_timeout_s
+        self.broken = False
+        """The ranks fell out of step: the others are not told to stop (the supervisor takes
+        them down with this one, and names this rank's exit as the cause)."""
 
     def adapter_options(self) -> dict[str, Any]:
         return {**transformer_options(self.cfg), "group": self.group}
@@ -46,8 +50,6 @@ class GroupLeader(TransformerWorker):
         for rank, channel in self.peers:
             msg = channel.recv()  # a rank that dies or hangs while loading: the supervisor
             if msg.get("error"):
-                from contracts.errors import ModelLoadError
-
                 raise ModelLoadError(f"transformer group rank {rank}: {msg['error']}")
         log.info("worker %s: all %d ranks of the group (%s) loaded", self.name,
                  self.group.layout.size, self.group.layout)
@@ -83,21 +85,27 @@ class GroupLeader(TransformerWorker):
         """Send ``command`` to every other rank, run this rank's part, settle the outcome
         (:func:`~workers.group.steps.settle`). A broken group is reported to the controller
         here, at once (the task goes back in play, not charged), before it unwinds."""
-        for _rank, channel in self.peers:
-            channel.send(**command)
-        result, error = outcome(run)
         try:
+            for _rank, channel in self.peers:
+                channel.send(**command)
+            result, error = outcome(run)
             return settle(what, result, error, self.peers, self.timeout_s + 30)
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # GroupBroken
-                self.report_fatal(str(exc))
-            raise
+        except ConnectionLost as exc:  # a rank is gone before it got the command
+            raise self._broken(GroupBroken(f"transformer group: {exc} ({what})")) from None
+        except GroupBroken as exc:
+            raise self._broken(exc) from None
+
+    def _broken(self, exc: GroupBroken) -> GroupBroken:
+        self.broken = True
+        self.report_fatal(str(exc))
+        return exc
 
     def close(self) -> None:
         for _rank, channel in self.peers:
-            try:
-                channel.send(op="stop")
-            except Exception as exc:  # that rank is gone already: the supervisor knows
-                log.debug("stop to a rank: %s", exc)
+            if not self.broken:
+                try:
+                    channel.send(op="stop")
+                except ConnectionLost as exc:  # that rank is gone already: the supervisor knows
+                    log.debug("stop to a rank: %s", exc)
             channel.close()
         super().close()

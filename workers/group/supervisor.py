@@ -44,7 +44,7 @@ from contracts.errors import DiffringError
 log = logging.getLogger("diffring.group")
 
 ROOT = Path(__file__).resolve().parents[2]
-EXIT_REFUSED = 2  # as workers.group.rank's
+EXIT_REFUSED, EXIT_BROKEN = 2, 3  # as workers.group.rank's
 RESTART_PAUSE_S = 1.0
 
 
@@ -67,6 +67,8 @@ class Rank:
 
 
 def _exit_text(code: int) -> str:
+    if code == EXIT_BROKEN:
+        return "found the group out of step (exit status 3; its log says why)"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -174,8 +176,11 @@ class GroupSupervisor:
                     continue
                 r.exited = True
                 if r.rank == 0 and code == 0:  # drained: the others were told to stop
-                    return self._wait_stopped()
-                if code == 0 and self.draining:
+                    self._wait_stopped()
+                    return None
+                if code == 0:
+                    # Only rank 0's word stops a rank: its exit (in this pass or soon)
+                    # decides; a rank lost without it breaks the next collective.
                     continue
                 return f"{r.describe()} {_exit_text(code)}", code == EXIT_REFUSED
             for r in self.ranks:
@@ -190,7 +195,6 @@ class GroupSupervisor:
                 r.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("transformer group: %s did not stop; killing it", r.describe())
-        return None
 
     def _kill_all(self) -> None:
         for r in self.ranks:

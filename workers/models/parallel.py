@@ -228,8 +228,8 @@ def _cpu_as_device(device: torch.device) -> Iterator[None]:
         yield
         return
     real = torch.accelerator.device_count
-    torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+    torch.accelerator.device_count = lambda: 1
     try:
         yield
     finally:
-        torch.accelerator.device_count = real  # type: ignore[assignment]
+        torch.accelerator.device_count = real
