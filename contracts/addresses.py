@@ -5,7 +5,7 @@ metrics endpoint to its own address; a worker binds its metrics / probe endpoint
 address and *advertises* an address for its Mooncake segment, which other workers (and the
 controller, for its preflight connect-back) use to reach it.
 
-Settings involved (README "Running on a cluster" explains them for operators):
+Settings involved (docs/cluster.md explains them for operators):
 
 - ``server.host``: what a service binds its HTTP endpoints to (front door, metrics, probes).
 - ``disagg_config.bootstrap_addr`` (and the ``rdma_*_host`` ring hosts): on the controller,

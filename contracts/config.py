@@ -125,6 +125,19 @@ class ServiceConfig:
     """Decoder: results being encoded and written in the background at most; the decoder
     claims its next task meanwhile and reports each completion after its file is written.
     0 = encode in the foreground."""
+    result_write_retry_s: float = 600.0
+    """Decoder: how long a result whose file cannot be written for the storage's reasons (a
+    full disk, a read-only, missing or forbidden output folder, here or at the controller)
+    is held and its write retried, with back-off. Meanwhile the task stays this decoder's,
+    uncharged, and the front door refuses new tasks (503). Past it the decoder drops the
+    result and hands the task back, uncharged: the controller runs it again (from the
+    start, the decoded result is gone), so no accepted task fails for a full disk; cancel
+    those you no longer want."""
+    max_held_results: int = 4
+    """Decoder: results it holds at most while their files cannot be written (each held in
+    memory, encoded). While it holds this many it claims nothing new, so the next stage's
+    outputs wait in its pool and the ring (backpressure); a write failing beyond the bound
+    (a result already being encoded) hands its task back at once, uncharged."""
     torch_threads: int | None = None
     """CPU threads torch may use in this process (None: torch's default). Many CPU workers
     sharing few cores want 1."""
@@ -222,6 +235,10 @@ class ServiceConfig:
             raise ConfigError("video_threads and encode_queue must be >= 0")
         if self.drain_timeout_s < 0:
             raise ConfigError("drain_timeout_s must not be negative")
+        if not self.result_write_retry_s >= 0 or self.max_held_results < 1:
+            raise ConfigError(
+                "result_write_retry_s must be >= 0 (seconds) and max_held_results at least 1"
+            )
         if self.prompt_cache_mb < 0:
             raise ConfigError("prompt_cache_mb must be 0 (off) or a positive number of MiB")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:

@@ -23,6 +23,8 @@ Nobody invents a new root.
     │   └── LayoutMismatch          a region header does not describe the expected layout
     ├── ControlRefused              the controller answered a control request with an error
     ├── FaultInjected               a fault point fired with action ``raise`` (contracts.faults)
+    ├── ResultWriteBlocked          a result file cannot be written for the storage's reasons
+    │                               (full, read-only, missing or forbidden folder): held
     └── TaskError                   a task-level failure (carries the task id)
         ├── TransferError           moving a tensor between stages failed (task, tensor,
         │   │                       peer named); subclasses in tensorplane.errors
@@ -35,6 +37,8 @@ Nobody invents a new root.
 """
 
 from __future__ import annotations
+
+import errno
 
 from rings.errors import (
     ConfigError,
@@ -67,6 +71,7 @@ __all__ = [
     "PayloadCorrupt",
     "PayloadTooLarge",
     "PreflightFailed",
+    "ResultWriteBlocked",
     "RingEmpty",
     "RingError",
     "RingFull",
@@ -94,6 +99,26 @@ class ControlRefused(DiffringError):
 class FaultInjected(DiffringError):
     """A fault point armed with ``raise`` fired where the real failure has no error of its own
     (:mod:`contracts.faults`); it counts as the system's fault, never the task's."""
+
+
+STORAGE_ERRNOS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
+    errno.EIO, errno.ESTALE, errno.ENOTCONN,
+})
+"""``errno`` of a write that failed for the storage's reasons: no space or quota, a read-only,
+forbidden or vanished folder, a lost network mount. None is the task's doing, and each clears
+when someone fixes the storage. (A name too long, a path that is a folder: not listed; those
+come from the task's own ``save_result_path``.)"""
+
+
+def storage_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write failure of the storage (:data:`STORAGE_ERRNOS`)."""
+    return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
+
+
+class ResultWriteBlocked(DiffringError):
+    """A result file cannot be written now for the storage's reasons (:func:`storage_fault`):
+    the decoder holds the result and retries; the task is not charged."""
 
 
 class TaskError(DiffringError):

@@ -26,12 +26,17 @@ actions
     ``stop``      SIGSTOP this process (a frozen one: no thread runs, no socket closes;
                   SIGKILL or SIGCONT ends it)
     ``sleep=S``   pause S seconds, then go on
+    ``signal=SIG`` raise signal SIG (``TERM``, ``INT``) in this thread and go on: it arrives
+                  at exactly this step (on the main thread its handler has run when the
+                  point returns)
 
 when (default: every hit)
     ``once``      the first hit only (same as ``nth=1``)
     ``nth=K``     the K-th hit only
     ``every=K``   every K-th hit
     ``p=F``       each hit with probability F
+    ``while=PATH`` every hit while the file PATH exists (a fault a test clears by deleting
+                  the file; PATH holds no ``:`` or ``,``)
 
 rank (transformer groups)
     ``point@R:action[:when]`` arms the entry in rank R of a transformer group only, and in
@@ -45,6 +50,7 @@ Every firing is logged (``fault point ... fired``) before it acts, and counted
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -57,6 +63,11 @@ from dataclasses import dataclass
 from typing import Final
 
 from contracts.errors import ConfigError, FaultInjected
+
+
+def no_space(message: str) -> OSError:
+    """The error of a full disk, for fault points at a file write (``raise``)."""
+    return OSError(errno.ENOSPC, f"No space left on device ({message})")
 
 log = logging.getLogger("diffring.faults")
 
@@ -76,14 +87,36 @@ POINTS: Final[dict[str, str]] = {
     "transfer.pull": "during a Mooncake pull: a tensor arrived, the producer is not released",
     "transfer.read": "a Mooncake read (raise: TransferFailed, as a failed read)",
     "decoder.result_write": "the decoder wrote the result's temporary file, not yet renamed",
+    "decoder.before_write": "the decoder is about to write a result file (raise: OSError "
+    "ENOSPC, a full disk: the result is held and the write retried)",
+    "controller.result_write": "the controller is about to write a result file a decoder "
+    "sent (raise: OSError ENOSPC, a full disk: the decoder holds the result and retries)",
     "control.drop": "a control-channel call (raise: the connection drops before the request "
     "is sent: ConnectionLost)",
+    # Start-up boundaries of a worker (workers/startup.py): where a stop asked for during
+    # start-up is acted on. ``signal=TERM`` delivers one at exactly that step.
+    "startup.imported": "a worker process imported its role's code (the model stack is "
+    "imported by the model load); nothing is built yet",
+    "startup.transport": "the worker's Mooncake engine and staging pool are up; the "
+    "controller is not reached yet",
+    "startup.connected": "the controller connected back to the worker's Mooncake address; "
+    "the model is not loaded yet",
+    "startup.retry_wait": "start-up (or a reconnect) is about to wait for an absent "
+    "controller before trying again",
+    "startup.component": "one model component (tokenizer, text encoder, DiT, VAE, ...) is "
+    "loaded, the next one is not",
+    "startup.model": "the model stage is loaded (and warmed up); the worker has not joined "
+    "the rings",
+    "startup.ready": "the worker joined the rings and registered; its pull loop has not "
+    "started",
     "group.step": "every rank of a transformer group, before each denoising step, after the "
     "group agreed to go on (raise: FaultInjected in that rank alone)",
 }
 """Every fault point compiled into the code, with where exactly it sits."""
 
-ACTIONS: Final = ("exit", "raise", "hang", "stop", "sleep")
+ACTIONS: Final = ("exit", "raise", "hang", "stop", "sleep", "signal")
+SIGNALS: Final = {"TERM": signal.SIGTERM, "INT": signal.SIGINT}
+"""Signals the ``signal=`` action may send (the stop signals)."""
 
 ON = False
 """True once :func:`configure` armed at least one fault: the only cost of a disarmed point."""
@@ -96,9 +129,11 @@ class Fault:
     point: str
     action: str
     seconds: float = 0.0
+    signum: int = 0
     nth: int | None = None
     every: int | None = None
     probability: float | None = None
+    while_path: str | None = None
     rank: int | None = None
     """Armed in this rank of a transformer group only (``point@R``); None: everywhere."""
     hits: int = 0
@@ -112,6 +147,8 @@ class Fault:
             return self.hits % self.every == 0
         if self.probability is not None:
             return rng.random() < self.probability
+        if self.while_path is not None:
+            return os.path.exists(self.while_path)
         return True
 
 
@@ -144,9 +181,16 @@ def parse(spec: str | None) -> dict[str, Fault]:
             fault.rank = int(_number(entry, rank, int, 0))
         if action.startswith("sleep="):
             fault.action, fault.seconds = "sleep", _number(entry, action[6:], float, 0)
-        elif action not in ACTIONS or action == "sleep":
+        elif action.startswith("signal="):
+            if action[7:] not in SIGNALS:
+                raise ConfigError(
+                    f"fault {entry!r}: signal must be one of {', '.join(SIGNALS)}"
+                )
+            fault.action, fault.signum = "signal", SIGNALS[action[7:]]
+        elif action not in ACTIONS or action in ("sleep", "signal"):
             raise ConfigError(
-                f"fault {entry!r}: unknown action {action!r} (exit, raise, hang, stop, sleep=S)"
+                f"fault {entry!r}: unknown action {action!r} (exit, raise, hang, stop, sleep=S, "
+                "signal=TERM|INT)"
             )
         if len(parts) == 3:
             when = parts[2]
@@ -160,9 +204,12 @@ def parse(spec: str | None) -> dict[str, Fault]:
                 fault.probability = _number(entry, when[2:], float, 0)
                 if fault.probability > 1:
                     raise ConfigError(f"fault {entry!r}: p must be in 0..1")
+            elif when.startswith("while=") and len(when) > 6:
+                fault.while_path = when[6:]
             else:
                 raise ConfigError(
-                    f"fault {entry!r}: unknown condition {when!r} (once, nth=K, every=K, p=F)"
+                    f"fault {entry!r}: unknown condition {when!r} (once, nth=K, every=K, p=F, "
+                    "while=PATH)"
                 )
         key = point if fault.rank is None else f"{point}@{fault.rank}"
         if key in out:
@@ -235,3 +282,7 @@ def hit(point: str, error: Callable[[str], BaseException] = FaultInjected) -> No
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.action == "sleep":
         time.sleep(fault.seconds)
+    elif fault.action == "signal":
+        # raise(3), not kill(2): delivered to this thread, and on the main thread Python runs
+        # its handler before raise_signal returns.
+        signal.raise_signal(fault.signum)

@@ -21,14 +21,19 @@ Control channel (worker -> controller; every request gets one reply with the sam
               what failed) when one cannot be reached; sent before register
     register  {role, name, pid, pipeline, segment}  -> {worker_id, heartbeat_interval_s,
                                                           lease_timeout_s}
-    heartbeat {tasks: [task_id], staged: [[task_id, attempt]]}
+    heartbeat {tasks: [task_id], staged: [[task_id, attempt]], storage}
                                                     -> {cancel: [task_id], drop: [task_id]}
               cancel: tasks to stop (cancelled, over, or no longer this worker's: its lease
-              expired); drop: staged outputs nobody will pull any more
+              expired); drop: staged outputs nobody will pull any more; storage (decoders
+              only): None, or {error, held, since} while results are held because their
+              files cannot be written (the front door refuses new tasks meanwhile)
     claim     {task_id, attempt, stage}             -> {proceed: bool, reason}
     progress  {task_id, attempt, step, steps}       -> {cancel: bool}
     handoff   {task_id, attempt, stage}             -> {}
-    complete  {task_id, attempt, extension, media_type, data, worker_path} -> {accepted}
+    complete  {task_id, attempt, extension, media_type, data, worker_path}
+                                                    -> {accepted, storage_error}
+              storage_error: the controller cannot write its copy for the storage's reasons
+              (full, read-only, ...): the decoder holds the result and sends it again later
     fail      {task_id, attempt, stage, error, error_type, retryable, fault} -> {}
     dropped   {ring, slot, reason, task_id, attempt}  -> {}   a ring item the worker took but
                                                     cannot run (corrupt, wrong kind, malformed);

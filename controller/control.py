@@ -15,6 +15,7 @@ import secrets
 import struct
 from typing import Any
 
+from contracts.errors import ResultWriteBlocked
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from controller.coordinator import Coordinator
 from controller.doorbell import Doorbell
@@ -226,14 +227,17 @@ class ControlServer:
             await writer.drain()
 
     async def _complete(self, msg: dict[str, Any], worker: WorkerInfo) -> dict[str, Any]:
-        accepted = await self.coordinator.on_complete(
-            worker,
-            str(msg["task_id"]),
-            int(msg["attempt"]),
-            str(msg["extension"]),
-            str(msg["media_type"]),
-            bytes(msg["data"]),
-        )
+        try:
+            accepted = await self.coordinator.on_complete(
+                worker,
+                str(msg["task_id"]),
+                int(msg["attempt"]),
+                str(msg["extension"]),
+                str(msg["media_type"]),
+                bytes(msg["data"]),
+            )
+        except ResultWriteBlocked as exc:  # the decoder holds the result and retries
+            return {"accepted": False, "storage_error": str(exc)}
         return {"accepted": accepted}
 
     def _dispatch(
@@ -261,7 +265,10 @@ class ControlServer:
         if worker is None:
             raise ControlError(f"{op!r} before register")
         if op == Op.HEARTBEAT:
+            if "storage" in msg:  # a decoder: the results it holds, or None
+                co.result_writes.report(worker.name, msg["storage"])
             staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
+            worker.stats = _stats(msg.get("stats"))
             cancel, drop = co.on_heartbeat(worker, list(msg.get("tasks", [])), staged)
             return {"cancel": cancel, "drop": drop}, worker
         if op == Op.CLAIM:
@@ -314,3 +321,16 @@ def _ticket(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"ticket must be a ring position (int >= 0), got {value!r}")
     return value
+
+
+def _stats(value: Any) -> dict[str, float]:
+    """A worker's reported figures (name -> number), at most 16 of them; anything else is
+    ignored rather than trusted into the status page."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, float] = {}
+    for key, number in list(value.items())[:16]:
+        if isinstance(key, str) and len(key) <= 64 and isinstance(number, int | float) \
+                and not isinstance(number, bool):
+            out[key] = float(number)
+    return out

@@ -70,7 +70,11 @@ process inside each is named; ``tests/test_fault_points.py`` fires every one of 
    (``decoder.result_write``; ``on_complete`` writes the file off the loop, records the
    completion only if the lease still holds, and removes the file otherwise); completions of
    one task are serialised, so only the winner's file stays. A decoder encoding its result
-   in the background (:mod:`workers.encode_pool`) keeps the lease until it reports.
+   in the background (:mod:`workers.encode_pool`) keeps the lease until it reports; so does
+   one holding a result whose file the storage refuses (``decoder.before_write``,
+   ``controller.result_write``: a full disk, here or at the decoder), which retries the
+   write uncharged and, past ``result_write_retry_s``, hands the task back as a system fault
+   (:mod:`controller.result_writes`: new tasks are refused meanwhile).
 5. *Published, handoff in flight* (``worker.after_publish``). A producer publishes to the
    next ring, then reports the handoff: meanwhile both its lease and the slot name the task
    (an overlap, not a gap). The next stage may claim first (``CLAIMABLE_FROM``); the late
@@ -104,6 +108,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from contracts.errors import ResultWriteBlocked
 from contracts.messages import Fault
 from contracts.roles import ROLE_RINGS
 from controller.budget import Cause, RetryBudget
@@ -156,6 +161,8 @@ class Coordinator:
         self.leases = Leases(table.tasks, config.lease_timeout_s)
         self.registry = WorkerRegistry(config.pipeline, config.heartbeat_interval_s)
         self.results = Results(config.output_dir)
+        self.result_writes = self.results.writes
+        """Whether results can be written (the front door refuses new tasks while not)."""
         self.budget = RetryBudget(config.max_task_failures, config.poison_worker_deaths)
         self.rates = CompletionRate()
         self.requeue = Requeue(request_ring, table, self._announce,
@@ -327,7 +334,11 @@ class Coordinator:
                          task_id, attempt, worker.name)
                 return False
             path = self.results.path(task, extension)
-            await self.results.write(path, data)
+            try:
+                await self.results.write(path, data)
+            except ResultWriteBlocked:  # the decoder holds the result and sends it again
+                worker.tasks.add(task_id)
+                raise
             if task.stage in TERMINAL or not self.table.holds(task, attempt, worker.worker_id):
                 # Cancelled, failed or its lease lost while the file was written: no result.
                 await self.results.remove(path)
@@ -391,6 +402,7 @@ class Coordinator:
         it holds is revoked at once (window 4)."""
         if not self.registry.drop(worker):
             return
+        self.result_writes.forget(worker.name)
         held = self.leases.held_by(worker.worker_id)
         log.warning("worker %d (%s %s) gone: %s; %d task(s) back in play", worker.worker_id,
                     worker.role, worker.name, reason, len(held))

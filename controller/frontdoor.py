@@ -119,6 +119,9 @@ class FrontDoor:
     async def create_task(self, body: TaskRequest, kind: str) -> Task:
         """Validate, decode and stage the input image (off the loop), queue the task, and
         return once it is durable in the task store."""
+        refusal = self.co.result_writes.refusal()
+        if refusal is not None:  # accepted tasks wait for the storage: take no more
+            raise http_error(503, refusal, {"Retry-After": "30"})
         spec = task_spec(self.pipeline)
         served = spec.output
         if kind != served:

@@ -1,12 +1,13 @@
 """Start a whole group on this machine — a controller and its workers as subprocesses.
 
-Used by the demo, the tests and ``python -m controller.group`` (which the start scripts
-wrap). Every process is started here and stopped here, by its pid.
+The one launcher of the repository: the tests, the demo, the benchmarks and the start scripts
+(through :mod:`controller.launch`, ``python -m controller.launch``) all start their services
+with :class:`LocalGroup`. Every process is started here and stopped here, by its pid: workers
+first (they drain), then the controller.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,10 +114,26 @@ class Service:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def status(self) -> int | None:
+        """None while running; else the exit status as a shell reports it (128 + N when
+        killed by signal N)."""
+        rc = self.proc.poll()
+        return None if rc is None else (128 - rc if rc < 0 else rc)
+
+
+class ServiceExited(RuntimeError):
+    """A service of the group exited; the message carries its log tail."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        super().__init__(
+            f"{service.role} exited with {service.proc.returncode}:\n{service.log()[-3000:]}")
+
 
 @dataclass
 class LocalGroup:
-    """A controller and workers started from one config file."""
+    """A controller and workers: each started from :attr:`config` (with its own settings
+    merged in), or from a role file of its own (:attr:`files`)."""
 
     config: dict[str, Any]
     workdir: Path
@@ -130,6 +147,19 @@ class LocalGroup:
     worker given an address binds its metrics endpoint there, advertises its Mooncake
     segment there, and keeps its results in a folder of its own (``<workdir>/<address>/``),
     as on a host of its own; it gets a metrics port too."""
+    files: Mapping[str, Path] = field(default_factory=dict)
+    """Role -> a config file its services start from as it is (the start scripts' role
+    files); the other roles get one written from :attr:`config`."""
+    args: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    """Role -> more ``run_service.py`` arguments (e.g. ``--model_path``, ``--device``)."""
+    log_dir: Path | None = None
+    """Logs as ``<log_dir>/<role>.log`` (an earlier one kept as ``.log.prev``); default
+    ``<workdir>/<role>-<n>.log``, beside the config written for it."""
+    detached: bool = False
+    """Each service in a session of its own, so a Ctrl+C in the terminal reaches only the
+    launcher (which stops the group in order), and SIGTERMed should the launcher die
+    (``setpriv --pdeathsig``, where util-linux has it). For a launcher started from a
+    terminal: the parent-death signal follows the thread that started the service."""
 
     @property
     def url(self) -> str:
@@ -149,55 +179,71 @@ class LocalGroup:
             "output_dir": str(self.workdir / host / f"{role}-{n}-results"),
         }
 
-    def _config_path(self, role: str, extra: Mapping[str, Any] | None) -> Path:
+    def _config_path(self, role: str, n: int, extra: Mapping[str, Any] | None) -> Path:
+        if role in self.files and not extra:
+            return self.files[role]
         cfg = merged(self.config, self.own_settings(role))
         if extra:
             cfg = merged(cfg, extra)
-        path = self.workdir / f"{role}-{self.started}.json"
-        self.started += 1
+        path = self.workdir / f"{role}-{n}.json"
         path.write_text(json.dumps(cfg, indent=2))
         return path
 
+    def _log_path(self, role: str, n: int) -> Path:
+        if self.log_dir is None:
+            return self.workdir / f"{role}-{n}.log"
+        path = self.log_dir / f"{role}.log"
+        if path.exists():
+            path.replace(path.with_name(path.name + ".prev"))
+        return path
+
     def start(self, role: str, extra: Mapping[str, Any] | None = None) -> Service:
-        path = self._config_path(role, extra)
-        log_path = path.with_suffix(".log")
+        n = self.started
+        self.started += 1
+        path = self._config_path(role, n, extra)
+        log_path = self._log_path(role, n)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        cmd = [sys.executable, str(ROOT / "run_service.py"), "--service", role,
+               "--config", str(path), *self.args.get(role, ())]
+        if self.detached and _pdeathsig_works():
+            cmd = ["setpriv", "--pdeathsig", "TERM", "--", *cmd]  # setpriv execs: same pid
         with log_path.open("wb") as out:
             proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(ROOT / "run_service.py"),
-                    "--service",
-                    role,
-                    "--config",
-                    str(path),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=str(ROOT),
-                env=env,
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                cwd=str(ROOT), env=env, start_new_session=self.detached,
             )
         svc = Service(role, proc, log_path)
         self.services.append(svc)
         return svc
 
     def check_alive(self) -> None:
-        """Raise, with its log tail, if any service of the group has exited."""
+        """Raise :class:`ServiceExited`, with its log tail, if any service has exited."""
         for svc in self.services:
             if svc.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{svc.role} exited with {svc.proc.returncode}:\n{svc.log()[-3000:]}"
-                )
+                raise ServiceExited(svc)
+
+    def healthy(self) -> bool:
+        """Whether the front door answers ``/health`` now."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def registered(self) -> dict[str, int] | None:
+        """Workers registered with the controller, by role (None: it did not answer)."""
+        try:
+            status = httpx.get(f"{self.url}/v1/service/status", timeout=5,
+                               headers=self.headers).json()
+        except (httpx.HTTPError, ValueError):
+            return None  # e.g. a busy controller, many workers joining at once: ask again
+        return {r: len(ws) for r, ws in status.get("workers", {}).items()}
 
     def wait_http(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.healthy():
+                return
             time.sleep(0.1)
         raise TimeoutError(f"front door {self.url} did not answer within {timeout} s")
 
@@ -211,13 +257,8 @@ class LocalGroup:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            try:
-                status = httpx.get(f"{self.url}/v1/service/status", timeout=5,
-                                   headers=self.headers).json()
-            except httpx.TimeoutException:
-                continue  # a busy controller (many workers joining at once): ask again
-            have = {r: len(ws) for r, ws in status["workers"].items()}
-            if all(have.get(r, 0) >= n for r, n in counts.items()):
+            have = self.registered()
+            if have is not None and all(have.get(r, 0) >= n for r, n in counts.items()):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"workers {dict(counts)} did not all register within {timeout} s")
@@ -231,21 +272,29 @@ class LocalGroup:
                 self.start(role)
         self.wait_workers({role.value: n for role, n in counts.items()})
 
-    def stop(self, timeout: float = 30) -> None:
-        """SIGTERM workers first (they drain), then the controller; kill what lingers."""
-        order = sorted(self.services, key=lambda s: s.role == "controller")
-        for svc in order:
-            if svc.proc.poll() is None:
-                svc.proc.send_signal(signal.SIGTERM)
-            if svc.role == "controller":
+    def stop(self, timeout: float = 30, say: Callable[[str], None] | None = None) -> None:
+        """SIGTERM the workers (they drain: each finishes its claimed task, which needs the
+        controller), wait for them, then the controller; SIGKILL what is still running
+        after ``timeout`` seconds of its phase. ``say`` hears what is done."""
+        workers = [s for s in self.services if s.role != "controller"]
+        controllers = [s for s in self.services if s.role == "controller"]
+        for what, phase in (("workers", workers), ("controller", controllers)):
+            running = [s for s in phase if s.proc.poll() is None]
+            if not running:
                 continue
-        deadline = time.monotonic() + timeout
-        for svc in order:
-            try:
-                svc.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            pids = " ".join(str(s.proc.pid) for s in running)
+            if say is not None:
+                say(f"stopping workers (SIGTERM, they finish their claimed task): {pids}"
+                    if what == "workers" else f"stopping controller: {pids}")
+            _terminate(running, timeout, what, say)
+        if say is not None:
+            say("group stopped")
+
+    def kill(self) -> None:
+        """SIGKILL every service still running, now."""
+        for svc in self.services:
+            if svc.proc.poll() is None:
                 svc.proc.kill()
-                svc.proc.wait()
 
     def __enter__(self) -> LocalGroup:
         return self
@@ -273,35 +322,35 @@ def wait_task(url: str, task_id: str, timeout: float = 600) -> dict[str, Any]:
         time.sleep(0.1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="run a local group until Ctrl+C")
-    ap.add_argument("--pipeline", choices=sorted(TASK_SPECS), required=True)
-    ap.add_argument("--model-path", required=True)
-    ap.add_argument("--workdir", default="out/group")
-    ap.add_argument("--encoders", type=int, default=1)
-    ap.add_argument("--transformers", type=int, default=1)
-    ap.add_argument("--decoders", type=int, default=1)
-    args = ap.parse_args(argv)
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    group = LocalGroup(group_config(args.pipeline, args.model_path, workdir), workdir)
-    stop = False
-
-    def on_signal(_s: int, _f: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        group.start_all(args.encoders, args.transformers, args.decoders)
-        print(f"group ready: {group.url}  (docs: {group.url}/docs)", flush=True)
-        while not stop:
-            time.sleep(0.2)
-    finally:
-        group.stop()
-    return 0
+def _terminate(services: list[Service], timeout: float, what: str,
+               say: Callable[[str], None] | None) -> None:
+    for svc in services:
+        svc.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    left = []
+    for svc in services:
+        try:
+            svc.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            left.append(svc)
+    if left and say is not None:
+        say(f"{what} still running after {timeout:g} s: SIGKILL "
+            + " ".join(str(s.proc.pid) for s in left))
+    for svc in left:
+        svc.proc.kill()
+        svc.proc.wait()
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+_PDEATHSIG: list[bool] = []
+
+
+def _pdeathsig_works() -> bool:
+    """Whether ``setpriv --pdeathsig`` runs here (util-linux; asked once)."""
+    if not _PDEATHSIG:
+        try:
+            ok = subprocess.run(["setpriv", "--pdeathsig", "TERM", "true"],
+                                capture_output=True).returncode == 0
+        except OSError:
+            ok = False
+        _PDEATHSIG.append(ok)
+    return _PDEATHSIG[0]

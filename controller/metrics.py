@@ -97,6 +97,12 @@ class ControllerMetrics:
             yield ("diffring_tasks", "Tasks by status", {"status": status}, float(n))
         yield ("diffring_tasks_in_flight", "Tasks accepted and not finished", {},
                float(self.co.table.in_flight()))
+        blocked = self.co.result_writes.blocked
+        yield ("diffring_result_writes_blocked", "Places (the controller, decoders) whose "
+               "result writes fail for the storage's reasons; new tasks get 503 while > 0",
+               {}, float(len(blocked)))
+        yield ("diffring_results_held", "Finished results held by decoders until their "
+               "files can be written", {}, float(sum(b.held for b in blocked)))
         now = time.time()
         roles: dict[str, int] = dict.fromkeys(Role, 0)
         for w in self.co.registry:

@@ -31,6 +31,8 @@ class WorkerInfo:
     """When it was last heard from, on the registry's monotonic clock."""
     state: str = "running"
     tasks: set[str] = field(default_factory=set)
+    stats: dict[str, float] = field(default_factory=dict)
+    """What its last heartbeat reported (a model stage: resident and peak GPU bytes)."""
 
     def public(self) -> dict[str, Any]:
         return {
@@ -43,6 +45,7 @@ class WorkerInfo:
             "last_heartbeat": self.last_heartbeat,
             "current_tasks": sorted(self.tasks),
             "segment": self.segment,
+            "stats": dict(self.stats),
         }
 
 

@@ -14,6 +14,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from contracts import faults
+from contracts.errors import ResultWriteBlocked, storage_fault
+from controller.result_writes import ResultWrites
 from controller.tasks import Task
 
 
@@ -24,6 +27,8 @@ class Results:
         self.output_dir = output_dir
         self.io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="results")
         """Result-file writes: off the loop that serves the ring verbs and the control channel."""
+        self.writes = ResultWrites()
+        """Whether this folder takes results now (and each decoder's own, as reported)."""
         self._turns: dict[str, asyncio.Future[None]] = {}
 
     def path(self, task: Task, extension: str) -> Path:
@@ -46,7 +51,16 @@ class Results:
             done.set_result(None)
 
     async def write(self, path: Path, data: bytes) -> None:
-        await asyncio.get_running_loop().run_in_executor(self.io, write_result, path, data)
+        """Write ``data`` to ``path``; ResultWriteBlocked when the storage refuses it (a
+        full disk, a read-only or missing folder: not the task's fault)."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.io, write_result, path, data)
+        except OSError as exc:
+            if not storage_fault(exc):
+                raise
+            self.writes.failed(f"cannot write {path}: {exc}")
+            raise ResultWriteBlocked(f"cannot write {path}: {exc}") from exc
+        self.writes.written()
 
     async def remove(self, path: Path) -> None:
         await asyncio.get_running_loop().run_in_executor(self.io, remove_result, path)
@@ -57,10 +71,16 @@ class Results:
 
 
 def write_result(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        faults.hit("controller.result_write", faults.no_space)
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a partial file takes the room a retry needs
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def remove_result(path: Path) -> None:

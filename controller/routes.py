@@ -156,6 +156,7 @@ async def service_status(front: Front) -> dict[str, Any]:
         "pipeline": front.pipeline,
         "counts": counts,
         "workers": front.co.registry.by_role(),
+        "result_writes": front.co.result_writes.public(),
         **front.status_extra(),
     }
 

@@ -5,7 +5,7 @@ Progress comes from the task's server-sent events (``GET /v1/tasks/{id}/events``
 A stream that drops before the task is over (a controller restart) is opened again — its
 first event is the task's current status, so nothing is missed — and a controller without
 the events route is polled instead. Used by ``diffring submit`` and the request scripts
-(``scripts/post_*.py``). Talks HTTP only: it imports nothing of the services.
+(``scripts/post/post_*.py``). Talks HTTP only: it imports nothing of the services.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Producers push their items; when all producers are done the driver pushes one st
 per consumer (FIFO puts them behind every item); each consumer records what it popped.
 The driver then checks that every pushed id was delivered exactly once with intact bytes.
 
-Used by ``scripts/soak_rings.py`` (long runs) and by the test-suite (quick runs).
+Used by ``scripts/chaos/soak_rings.py`` (long runs) and by the test-suite (quick runs).
 """
 
 from __future__ import annotations

@@ -17,22 +17,21 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from contracts.pipelines import task_spec
+from controller.group import LocalGroup, group_config, submit
+from scripts import ROOT
 
-from controller.group import LocalGroup, group_config, submit  # noqa: E402
-
-REQUESTS = {
-    "wan_t2v": ("video", {"prompt": "a paper boat drifting on a pond", "height": 32,
-                          "width": 32, "target_video_length": 9, "infer_steps": 4,
-                          "target_fps": 8}),
-    "wan_i2v": ("video", {"prompt": "the picture comes alive", "height": 32, "width": 32,
-                          "target_video_length": 9, "infer_steps": 4, "target_fps": 8}),
-    "qwen_t2i": ("image", {"prompt": "a lighthouse at dusk", "height": 64, "width": 64,
-                           "infer_steps": 4}),
-    "qwen_i2i": ("image", {"prompt": "make it winter", "height": 32, "width": 32,
-                           "infer_steps": 4}),
+# One small request per pipeline; whether it is a video and takes an input image is the
+# pipeline's own (contracts.pipelines).
+REQUESTS: dict[str, dict[str, Any]] = {
+    "wan_t2v": {"prompt": "a paper boat drifting on a pond", "height": 32, "width": 32,
+                "target_video_length": 9, "infer_steps": 4, "target_fps": 8},
+    "wan_i2v": {"prompt": "the picture comes alive", "height": 32, "width": 32,
+                "target_video_length": 9, "infer_steps": 4, "target_fps": 8},
+    "qwen_t2i": {"prompt": "a lighthouse at dusk", "height": 64, "width": 64, "infer_steps": 4},
+    "qwen_i2i": {"prompt": "make it winter", "height": 32, "width": 32, "infer_steps": 4},
 }
 
 
@@ -56,18 +55,15 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     models = ROOT / "out" / "tiny-models"
     print(f"building tiny models in {models} ...", flush=True)
-    import importlib.util
+    from modelkit.tiny import build_all
 
-    spec = importlib.util.spec_from_file_location("mtm", ROOT / "scripts" / "make_tiny_models.py")
-    assert spec is not None and spec.loader is not None
-    mtm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mtm)
-    mtm.build_all(models, seed=0)
+    build_all(models, seed=0)
 
     results: list[tuple[str, str, float]] = []
     for pipeline in args.pipelines.split(","):
-        kind, body = REQUESTS[pipeline]
-        if pipeline in ("wan_i2v", "qwen_i2i"):
+        spec, body = task_spec(pipeline), REQUESTS[pipeline]
+        kind = spec.output
+        if spec.needs_image:
             body = {**body, "image_path": input_image()}
         workdir = out / "work" / pipeline
         shutil.rmtree(workdir, ignore_errors=True)

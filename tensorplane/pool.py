@@ -74,6 +74,11 @@ class PoolStats:
     alloc_timeouts: int
     release_failures: int
     oldest_block_age_s: float
+    device: str = "cpu"
+    """Where the buffer lives: the device of the allocated tensor (``cuda:N``) once started,
+    else the one asked for."""
+    checksum_algo: str = ""
+    """How tensors staged here are checksummed (``wsum64``: hashed on the GPU)."""
 
 
 class StagingPool:
@@ -397,7 +402,8 @@ class StagingPool:
                 live_blocks=len(self._live), max_blocks=self.max_blocks,
                 quarantined_blocks=len(self._quarantined),
                 oldest_block_age_s=max((now - t for _, t in self._live.values()), default=0.0),
-                **self._counts,
+                device=self.device if self._tensor is None else str(self._tensor.device),
+                checksum_algo=self.checksum_algo, **self._counts,
             )
 
 

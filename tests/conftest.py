@@ -41,6 +41,24 @@ def _close_coordinators() -> Iterator[None]:
         coordinators.pop().close()
 
 
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast half (``pytest -m "not integration"``) stays in-process: a test whose module
+    is not marked ``integration`` fails as soon as it starts a process."""
+    import multiprocessing.process
+
+    if request.node.get_closest_marker("integration") is not None:
+        return
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts a process: give its module "
+                             "`pytestmark = pytest.mark.integration`")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
 class Clock:
     """A monotonic clock a test drives instead of sleeping: ``clock()`` reads it,
     ``clock.advance(s)`` moves it on (leases and liveness then expire on the test's word)."""
@@ -96,7 +114,10 @@ def run_controller_to_exit(
     )
 
 
-def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 30) -> None:
+def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 120
+              ) -> None:
+    """Until something listens on ``port`` (a generous bound: a process starting on a loaded
+    2-core machine may take tens of seconds); raise if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -189,24 +210,14 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
         stop(ctl.proc)
 
 
-def _load_tiny_builder() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_models", ROOT / "scripts" / "make_tiny_models.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random-weight models of the four pipelines, built once per session (offline)."""
     env = os.environ.get("DIFFRING_TINY_MODELS")
     out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
-    _load_tiny_builder().build_all(out, seed=0)
+    from modelkit.tiny import build_all
+
+    build_all(out, seed=0)
     return out
 
 
@@ -223,3 +234,17 @@ def input_png() -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def wait_log(svc: Any, text: str, timeout: float = 120) -> None:
+    """Wait until ``text`` is in the log of ``svc`` (a started service: ``log()`` and
+    ``proc``); raise, with the log, if the process exits first or ``timeout`` passes (a
+    generous bound: this waits for an event, it does not time one)."""
+    deadline = time.monotonic() + timeout
+    while text not in svc.log():
+        if svc.proc.poll() is not None:
+            raise AssertionError(f"exited with {svc.proc.returncode} before logging "
+                                 f"{text!r}:\n{svc.log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {text!r} after {timeout:g} s:\n{svc.log()[-3000:]}")
+        time.sleep(0.05)

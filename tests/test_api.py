@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.group import LocalGroup, free_ports, group_config, wait_task
 from tests.conftest import run_controller_to_exit
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 SMALL = {"height": 32, "width": 48, "infer_steps": 2}
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 NUMBER = r"\d+(\.\d+)?"
 
@@ -27,7 +29,7 @@ def run(args: list[str], timeout: float) -> str:
 @pytest.mark.timeout(400)
 def test_bench_scale_quick(tmp_path: Path) -> None:
     md, js, png = tmp_path / "scale.md", tmp_path / "scale.json", tmp_path / "scale.png"
-    run(["scripts/bench_scale.py", "--ks", "1,2", "--steps", "2", "--step-s", "0.05",
+    run(["-m", "scripts.bench.bench_scale", "--ks", "1,2", "--steps", "2", "--step-s", "0.05",
          "--waves", "3", "--md", str(md), "--json", str(js), "--plot", str(png)], 360)
     lines = [ln for ln in md.read_text().splitlines() if ln.startswith("|")]
     assert lines[0] == ("| K | tasks | QPS | ideal K/t | efficiency | DiT s/task | "
@@ -48,7 +50,7 @@ def test_bench_scale_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(400)
 def test_bench_idle_quick(tmp_path: Path) -> None:
     md = tmp_path / "idle.md"
-    run(["scripts/bench_idle.py", "--workers", "3", "--window", "1", "--settle", "0.5",
+    run(["-m", "scripts.bench.bench_idle", "--workers", "3", "--window", "1", "--settle", "0.5",
          "--probes", "3", "--gap", "0.05", "--min-free-mb", "500", "--md", str(md)], 360)
     text = md.read_text()
     assert re.search(r"controller CPU while idle: \*\*" + NUMBER + r" % of one core\*\*", text)

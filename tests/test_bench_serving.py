@@ -1,5 +1,5 @@
-"""scripts/bench_serving.py, quick CPU runs on the tiny models: a well-formed table, JSON and
-plot for both modes, on one device and scaled out over two (no speed is asserted: the machine
+"""scripts/bench/bench_serving.py, quick CPU runs on the tiny models: a well-formed table, JSON
+and plot for both modes, on one device and scaled out over two (no speed is asserted: the machine
 is shared); its device and placement parsing, and its refusal of missing GPUs."""
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_serving_quick_run(tiny_models: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--pipeline", "qwen_t2i",
+        [sys.executable, "-m", "scripts.bench.bench_serving", "--pipeline", "qwen_t2i",
          "--models", str(tiny_models), "--concurrency", "1,2", "--requests", "1,2",
          "--steps", "2", "--out", str(out), "--workdir", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
@@ -63,7 +65,7 @@ def test_bench_serving_scale_out_quick_run(tiny_models: Path, tmp_path: Path) ->
     G x the one-replica baseline measured in the same run."""
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--pipeline", "qwen_t2i",
+        [sys.executable, "-m", "scripts.bench.bench_serving", "--pipeline", "qwen_t2i",
          "--models", str(tiny_models), "--gpus", "2", "--concurrency", "2", "--requests", "2",
          "--single-requests", "2", "--steps", "2", "--out", str(out),
          "--workdir", str(tmp_path / "work")],
@@ -118,7 +120,7 @@ def test_bench_serving_scale_out_quick_run(tiny_models: Path, tmp_path: Path) ->
 def test_bench_serving_refuses_missing_gpus(tmp_path: Path) -> None:
     """More CUDA devices than torch sees (none here): refused before anything is built."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--arch", "wan-1.3b",
+        [sys.executable, "-m", "scripts.bench.bench_serving", "--arch", "wan-1.3b",
          "--devices", "cuda:0,cuda:1", "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
@@ -129,8 +131,7 @@ def test_bench_serving_refuses_missing_gpus(tmp_path: Path) -> None:
 
 
 def test_placements() -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_serving_layout as layout
+    from scripts.bench import bench_serving_layout as layout
 
     assert layout.default_placement(1, 1, 1, 1) == "0:e+t+d"
     assert layout.default_placement(2, 1, 1, 1) == "0:e+t+d,1:t"
@@ -160,10 +161,10 @@ def test_placements() -> None:
 def test_dit_group_plan() -> None:
     """--dit-parallel: each DiT worker spans the layout's devices from its own; the baseline
     is one device (the figure a group is compared to). The run itself is a CPU toy away:
-    ``bench_serving.py --devices cpu,cpu --dit-parallel cfg=2`` (docs/parallel.md)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_serving
-    import bench_serving_layout as layout
+    ``python -m scripts.bench.bench_serving --devices cpu,cpu --dit-parallel cfg=2``
+    (docs/parallel.md)."""
+    from scripts.bench import bench_serving
+    from scripts.bench import bench_serving_layout as layout
 
     assert layout.default_placement(3, 1, 1, 1, dit_span=2) == "0:e+d,1:t"
     assert layout.default_placement(2, 1, 1, 1, dit_span=2) == "0:e+t+d"

@@ -1,5 +1,5 @@
-"""The chaos soak's quick mode (scripts/chaos_soak.py --quick): ~100 tasks on 8 workers of
-the synthetic pipeline while workers are SIGKILLed and replaced, the controller is killed and
+"""The chaos soak's quick mode (scripts/chaos/chaos_soak.py --quick): ~100 tasks on 8 workers
+of the synthetic pipeline while workers are SIGKILLed and replaced, the controller is killed and
 restarted, a worker is SIGSTOPped past its lease, Mooncake reads fail, control connections
 drop and ring items are corrupted; every task must complete exactly once."""
 
@@ -9,12 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_chaos_quick(tiny_models: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "chaos_soak.py"), "--quick", "--pipeline",
+        [sys.executable, "-m", "scripts.chaos.chaos_soak", "--quick", "--pipeline",
          "synthetic", "--models", str(tiny_models), "--workdir", str(tmp_path / "chaos")],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     lines = proc.stdout.strip().splitlines()

@@ -27,6 +27,8 @@ from contracts.errors import ControlRefused, PreflightFailed
 from contracts.messages import Op
 from controller.group import MULTI_HOST, LocalGroup, group_config, submit
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE = "wan_i2v"  # image-conditioned: the controller's own Mooncake segment is used too
 SMALL = {"height": 32, "width": 32, "target_video_length": 5, "infer_steps": 2,

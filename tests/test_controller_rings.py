@@ -24,6 +24,8 @@ from tests.conftest import (
     stop,
 )
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 
 def ring_of(ctl: Controller, name: str) -> Ring:
     d = ctl.config["disagg_config"]
@@ -110,7 +112,7 @@ def test_signal_shuts_down_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
     ctl = start_controller(tmp_path, controller_config(tmp_path))
     ring = ring_of(ctl, "phase1")
     ctl.proc.send_signal(sig)
-    assert ctl.proc.wait(15) == 0
+    assert ctl.proc.wait(60) == 0
     assert "controller shutting down" in ctl.log()
     for port in ctl.ports.values():  # every port is released
         with socket.socket() as s:

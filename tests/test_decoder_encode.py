@@ -7,8 +7,10 @@ event, so every ordering below is forced, not timed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,10 @@ class FakeStage:
         self.release = threading.Event()
         self.fail = False
         self.encoded: list[str] = []
+
+    @contextlib.contextmanager
+    def guarded(self, what: str) -> Iterator[None]:  # no GPU memory to watch
+        yield
 
     def decode_pixels(self, req: Any, inputs: Any) -> np.ndarray:
         return np.full((5, 32, 32, 3), 7, np.uint8)
@@ -111,10 +117,20 @@ def test_full_pool_stops_claiming(decoder: Any) -> None:
         except AssertionError:  # reached the ring: only after room was made
             claimed.append("ring")
 
+    looked = threading.Event()
+    wait_for_room = decoder.encoder_pool.wait_for_room
+
+    def watched(timeout: float) -> bool:
+        room: bool = wait_for_room(timeout)
+        if not room:
+            looked.set()
+        return room
+
+    decoder.encoder_pool.wait_for_room = watched
     waiter = threading.Thread(target=real_claim)
     waiter.start()
-    time.sleep(0.4)
-    assert waiter.is_alive() and claimed == []  # waiting for room
+    assert looked.wait(30)  # it looked for room, found none, and waits on
+    assert waiter.is_alive() and claimed == []
     decoder.stage.release.set()
     waiter.join(30)
     assert claimed == ["ring"]
@@ -172,14 +188,28 @@ def test_encode_pool_is_bounded() -> None:
     for i in range(2):
         pool.submit(lambda i=i: (gate.wait(30), done.append(i)))
     assert pool.held == 2 and not pool.has_room()
-    third = threading.Thread(target=pool.submit, args=(lambda: done.append(2),))
+    entered = threading.Event()
+    acquire = pool._slots.acquire
+
+    def watched(*args: Any, **kwargs: Any) -> bool:
+        entered.set()
+        return acquire(*args, **kwargs)
+
+    pool._slots.acquire = watched  # type: ignore[method-assign]
+
+    def submit_third() -> None:
+        pool.submit(lambda: done.append(2))
+        done.append(-1)  # submit() returned
+
+    third = threading.Thread(target=submit_third)
     third.start()
-    time.sleep(0.2)
-    assert third.is_alive()  # waits for room
+    assert entered.wait(30)
+    assert third.is_alive() and done == []  # waits for room: 0 and 1 wait on the gate
     gate.set()
     third.join(30)
     assert pool.join(timeout=30)
-    assert done == [0, 1, 2]  # one thread, in order
+    # One thread, in order; the third was queued only once the first had made room.
+    assert [d for d in done if d >= 0] == [0, 1, 2] and done.index(-1) > done.index(0)
     pool.close()
     with pytest.raises(ValueError):
         EncodePool(0)

@@ -31,6 +31,8 @@ from contracts.metrics import LIVE_PATH, READY_PATH
 from contracts.pipelines import check_device
 from controller.group import MULTI_HOST, LocalGroup, free_ports, group_config, submit, wait_task
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.33.0"

@@ -21,6 +21,8 @@ from contracts.config import DEFAULT_TOKEN, ServiceConfig
 from controller.group import free_ports
 from doctor import Check, format_report, run_checks
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 GOOD_TOKEN = "0123456789abcdef0123456789abcdef"
 

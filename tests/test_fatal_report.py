@@ -23,6 +23,8 @@ from controller.group import LocalGroup, group_config
 from rings import wire
 from workers.models.synthetic import write_config
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 
 class FrameCounter:
     """A TCP proxy in front of the control port that records the op of every frame a worker

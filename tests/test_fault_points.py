@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from controller.group import LocalGroup, Service, group_config, wait_task
+
+pytestmark = pytest.mark.integration  # starts processes or servers
 
 PIPELINE = "synthetic"
 BODY = {"prompt": "a fault test"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import re
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ConfigError, ConnectionLost, FaultInjected
 from run_service import _parse, build_config
+
+pytestmark = pytest.mark.integration  # starts processes or servers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,6 +64,22 @@ def test_conditions() -> None:
                               "worker.after_claim": 6}
 
 
+def test_a_fault_that_lasts_while_a_file_exists(tmp_path: Path) -> None:
+    flag = tmp_path / "full"
+    faults.configure(f"decoder.before_write:raise:while={flag}")
+    faults.hit("decoder.before_write", faults.no_space)  # no file: nothing fires
+    flag.touch()
+    for _ in range(3):
+        with pytest.raises(OSError, match="No space left") as info:
+            faults.hit("decoder.before_write", faults.no_space)
+        assert info.value.errno == errno.ENOSPC
+    flag.unlink()
+    faults.hit("decoder.before_write", faults.no_space)
+    assert faults.fired() == {"decoder.before_write": 3}
+    with pytest.raises(ConfigError, match="while=PATH"):
+        faults.parse("decoder.before_write:raise:while=")
+
+
 def test_raise_defaults_to_fault_injected() -> None:
     faults.configure("worker.before_publish:raise")
     with pytest.raises(FaultInjected):
@@ -101,4 +120,6 @@ def test_every_point_is_compiled_in_exactly_once() -> None:
     sources = "\n".join(p.read_text() for pkg in ("workers", "tensorplane", "controller")
                         for p in (ROOT / pkg).rglob("*.py"))
     for point in faults.POINTS:
-        assert sources.count(f'faults.hit("{point}"') == 1, point
+        # A start-up boundary passes its point on: StopSignal.boundary("startup...").
+        hits = sources.count(f'faults.hit("{point}"') + sources.count(f'boundary("{point}"')
+        assert hits == 1, point

@@ -20,6 +20,8 @@ from controller.frontdoor import FrontDoor
 from controller.webapp import build_app
 from tests.conftest import make_coordinator
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 KEY = "k" * 8 + "-front-door-key"
 
 

@@ -22,6 +22,8 @@ from hypothesis.errors import Unsatisfiable
 
 from controller.group import LocalGroup, group_config
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 MAX_EXAMPLES = 20
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from controller.group import LocalGroup, Service, group_config, wait_task
 
+pytestmark = pytest.mark.integration  # starts processes
 PIPELINE = "qwen_t2i"
 # 2 x 3 image tokens; prompts of 13 and 6 tokens (tiny tokenizer): Ulysses-2 splits the
 # prompt unevenly (diffusers' "anything" split).

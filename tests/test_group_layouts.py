@@ -32,6 +32,7 @@ import pytest
 from contracts.errors import ConfigError, InvalidRequestError, ModelLoadError
 from contracts.parallel import ParallelLayout, head_refusal
 
+pytestmark = pytest.mark.integration  # starts processes
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-4
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import time
 from pathlib import Path
 
 import msgpack
+import pytest
 
 from controller.group import LocalGroup, group_config, submit
+
+pytestmark = pytest.mark.integration  # starts processes or servers
 
 SILENT_PER_PORT = 24
 
@@ -31,8 +33,9 @@ def _frame(obj: object) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def hostile(port: int) -> list[socket.socket]:
-    """Every kind of bad connection once, plus a crowd of silent ones; all kept open."""
+def hostile(port: int) -> tuple[list[socket.socket], list[socket.socket]]:
+    """Every kind of bad connection once, plus a crowd of silent ones; all kept open.
+    Returns (those the controller must answer and close, those it must wait out)."""
     weird_maps = [
         {"proto": "diffring-ring", "version": 1, "ring": "request", "client_nonce": b"n",
          "mac": 5, "layout": [1, 2], "role": {"x": 1}, "transport": ["tcp"]},
@@ -44,19 +47,31 @@ def hostile(port: int) -> list[socket.socket]:
         [1, 2, 3],
         "a string",
     ]
-    out = [
+    answered = [
         _send(port, os.urandom(64 << 10)),                   # garbage
         _send(port, struct.pack("<I", 0xFFFFFFFF) + b"x" * 100),  # oversized frame
-        _send(port, struct.pack("<I", 1000) + b"y" * 10),    # half a frame, then nothing
-        _send(port, b"\x00\x00"),                            # half a length header
         _send(port, b"", shut_wr=True),                      # half-closed at once
         _send(port, _frame({"a": 1})[:-1] + b"\xc1"),        # invalid msgpack byte
     ]
-    out += [_send(port, _frame(m)) for m in weird_maps]
+    answered += [_send(port, _frame(m)) for m in weird_maps]
     # A map whose key is an array: msgpack itself refuses it (unhashable key).
-    out.append(_send(port, struct.pack("<I", 4) + b"\x81\x91\x01\x02"))
-    out += [_send(port, b"") for _ in range(SILENT_PER_PORT)]  # connect, say nothing
-    return out
+    answered.append(_send(port, struct.pack("<I", 4) + b"\x81\x91\x01\x02"))
+    waited = [
+        _send(port, struct.pack("<I", 1000) + b"y" * 10),    # half a frame, then nothing
+        _send(port, b"\x00\x00"),                            # half a length header
+    ]
+    waited += [_send(port, b"") for _ in range(SILENT_PER_PORT)]  # connect, say nothing
+    return answered, waited
+
+
+def wait_closed(s: socket.socket, timeout: float = 120) -> None:
+    """Until the controller has dealt with ``s``: it closed it (after its refusal, if any)."""
+    s.settimeout(timeout)
+    try:
+        while s.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass  # closed with our garbage unread: a reset
 
 
 def test_hostile_connections_do_not_crash_or_stall_the_controller(
@@ -75,9 +90,13 @@ def test_hostile_connections_do_not_crash_or_stall_the_controller(
         group.start("transformer")
         group.wait_workers({"encoder": 1, "transformer": 1}, timeout=180)
         try:
+            answered = []
             for port in ports:
-                held += hostile(port)
-            time.sleep(1.0)  # let the controller chew on all of it
+                bad, silent = hostile(port)
+                held += bad + silent
+                answered += bad
+            for s in answered:  # the controller has chewed on all of it
+                wait_closed(s)
             # A worker that joins now (new connections on its ports), then a normal request.
             group.start("decoder")
             group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1}, timeout=180)

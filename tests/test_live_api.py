@@ -15,10 +15,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 # The openai package marks the video calls deprecated (the hosted API's schedule); the
 # protocol is what is tested here.
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [  # starts processes or servers
+    pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 @contextlib.contextmanager
@@ -160,13 +161,17 @@ def test_cached_prompt_output_is_bit_identical_across_processes(
 
 
 # -- progress events ------------------------------------------------------------------------------
-def read_events(url: str, task_id: str) -> list[tuple[str, dict[str, Any]]]:
+def read_events(url: str, task_id: str, on_open: Callable[[], object] | None = None
+                ) -> list[tuple[str, dict[str, Any]]]:
+    """Every event of the task's stream; ``on_open`` runs once its first event arrived."""
     out = []
     with httpx.Client(timeout=httpx.Timeout(30, read=120)) as c, \
             connect_sse(c, "GET", f"{url}/v1/tasks/{task_id}/events") as source:
         assert source.response.headers["content-type"].startswith("text/event-stream")
         for sse in source.iter_sse():
             out.append((sse.event, json.loads(sse.data)))
+            if on_open is not None and len(out) == 1:
+                on_open()
     return out  # the server ended the stream
 
 
@@ -187,11 +192,9 @@ def test_task_events_stream_stages_steps_and_completion(t2i: tuple[LocalGroup, i
         while httpx.get(f"{group.url}/v1/tasks/ev-1/status").json()["stage"] != "phase1":
             assert time.monotonic() < deadline, "the task never reached phase1"
             time.sleep(0.05)
-        release = threading.Timer(
-            0.5, lambda: [os.kill(pid, signal.SIGCONT) for pid in transformers])
-        release.start()
-        events = read_events(group.url, "ev-1")
-        release.join()
+        # Released once the stream is open (its first event came), not after a guess.
+        events = read_events(group.url, "ev-1",
+                             lambda: [os.kill(pid, signal.SIGCONT) for pid in transformers])
     finally:
         for pid in transformers:
             os.kill(pid, signal.SIGCONT)
@@ -249,9 +252,10 @@ def test_status_page_in_a_browser(t2i: tuple[LocalGroup, int], tmp_path: Path) -
                 "prompt": "live", "task_id": "page-2", "height": 32, "width": 32, **SMALL})
             page.wait_for_selector('#tasks tr[data-task-id="page-2"] .stage-completed',
                                    timeout=120_000)
-            page.wait_for_selector('#gallery img.thumb[data-task-id="page-2"]',
-                                   timeout=30_000)
-            time.sleep(0.5)  # let the last thumbnail paint
+            last = '#gallery img.thumb[data-task-id="page-2"]'
+            page.wait_for_function(  # the last thumbnail loaded, so it paints in the shot
+                f"() => {{ const i = document.querySelector('{last}'); "
+                "return i && i.complete && i.naturalWidth > 0; }", timeout=30_000)
             page.screenshot(path=str(shot), full_page=True)
             rings = page.locator("#rings tbody tr").count()
         finally:
@@ -293,7 +297,7 @@ def test_request_script_follows_the_events(t2i: tuple[LocalGroup, int], tmp_path
     out = tmp_path / "script.png"
     t0 = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "post_qwen_t2i.py"), "--url", group.url,
+        [sys.executable, "-m", "scripts.post.post_qwen_t2i", "--url", group.url,
          "--height", "32", "--width", "32", "--steps", "3", "--poll-interval", "600",
          "--out", str(out)],
         capture_output=True, text=True, timeout=180)
@@ -324,7 +328,7 @@ def test_diffring_serve_starts_a_controller(tmp_path: Path) -> None:
         assert httpx.get(f"{url}/v1/service/status").json()["pipeline"] == "qwen_t2i"
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(60) == 0
 
 
 def test_ui_assets_are_served_locally(t2i: tuple[LocalGroup, int]) -> None:

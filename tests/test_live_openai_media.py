@@ -19,7 +19,9 @@ from controller.group import LocalGroup, wait_task
 from tests.test_live_api import SMALL, client, png, start_group
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [  # starts processes or servers
+    pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 # -- OpenAI image edits (I2I) -----------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Stage adapters against diffusers' own pipelines, on tiny random-weight models.
 
 The session fixtures ``tiny_models`` and ``input_png`` live in ``conftest.py``: the tiny
-models are built once per session by ``scripts/make_tiny_models.py`` (into a temp dir, or
+models are built once per session by ``modelkit.tiny`` (into a temp dir, or
 into ``$DIFFRING_TINY_MODELS`` when set, where an up-to-date build is reused).
 """
 
@@ -38,6 +38,8 @@ from workers.models import (  # noqa: E402
 )
 from workers.models.media import to_uint8  # noqa: E402
 
+pytestmark = pytest.mark.integration  # builds and runs the tiny models
+
 ROOT = Path(__file__).resolve().parent.parent
 # The pipelines with a diffusers reference (the synthetic one has no model: test_synthetic.py).
 DIFFUSERS_TASKS = tuple(t for t in TASKS if task_spec(t).family != "synthetic")
@@ -71,15 +73,6 @@ def small_request(task: str, **changes: Any) -> GenerationRequest:
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
-def _load_script() -> Any:
-    path = ROOT / "scripts" / "make_tiny_models.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_models", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 _STAGES: dict[tuple[str, str, str], Any] = {}
 ADAPTERS: dict[str, Any] = {
     "encoder": EncoderAdapter, "transformer": TransformerAdapter, "decoder": DecoderAdapter
@@ -505,7 +498,8 @@ def test_request_defaults_and_round_trip() -> None:
 
 
 def test_tiny_model_build_is_idempotent(tiny_models: Path) -> None:
-    script = _load_script()
+    from modelkit import tiny as script
+
     marker = tiny_models / "wan_t2v" / script.MARKER_NAME
     before = marker.stat().st_mtime_ns
     script.build_task(tiny_models, "wan_t2v", seed=0)

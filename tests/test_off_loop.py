@@ -1,6 +1,7 @@
 """The controller's blocking work runs off the event loop that serves the ring verbs and the
-control channel: result-file writes, input-image decoding, store writes. Each test makes the
-blocking step slow on purpose and measures the loop's longest stall meanwhile."""
+control channel: result-file writes, input-image decoding, store writes. Each test blocks
+the slow step on purpose until the loop has shown it keeps running meanwhile (a step run on
+the loop would block the very ticks that release it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import base64
 import concurrent.futures
 import io
 import os
-import time
+import threading
 from collections.abc import Awaitable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -30,32 +31,49 @@ from controller.tasks import Stage, Task
 from controller.webapp import build_app
 from tests.conftest import make_coordinator
 
-SLOW_S = 0.4
+pytestmark = pytest.mark.integration  # starts processes or servers
+
+TICKS = 5
+"""Loop wake-ups to see while the slow step is blocked before releasing it."""
 
 
 def make(tmp_path: Path, pipeline: str = "qwen_t2i") -> Coordinator:
     return make_coordinator(tmp_path, LocalQueue(16, 4096), pipeline=pipeline, max_pending=16)
 
 
-async def longest_stall(work: Awaitable[Any]) -> tuple[Any, float]:
-    """Run ``work`` while a ticker measures the longest gap between its wake-ups."""
-    gaps = [0.0]
-    stop = False
+class Slow:
+    """A blocking step that waits, once started, until the loop releases it."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def block(self) -> None:
+        self.started.set()
+        # A step run on the loop thread never sees the gate: it goes on after this, having
+        # stopped every tick meanwhile.
+        self.gate.wait(30)
+
+
+async def ticks_while_blocked(work: Awaitable[Any], slow: Slow) -> tuple[Any, int]:
+    """Run ``work``; count the loop's wake-ups while ``slow`` is blocked, and release it
+    after :data:`TICKS` of them."""
+    ticks = 0
 
     async def ticker() -> None:
-        last = time.monotonic()
-        while not stop:
+        nonlocal ticks
+        while not slow.gate.is_set():
             await asyncio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
+            if slow.started.is_set():
+                ticks += 1
+                if ticks >= TICKS:
+                    slow.gate.set()
 
     tick = asyncio.create_task(ticker())
-    await asyncio.sleep(0.02)
     result = await work
-    stop = True
+    slow.gate.set()
     await tick
-    return result, max(gaps)
+    return result, ticks
 
 
 def to_decoding(co: Coordinator, tid: str) -> Any:
@@ -73,21 +91,23 @@ def to_decoding(co: Coordinator, tid: str) -> Any:
 def test_slow_result_write_does_not_stall_the_loop(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     real = results_mod.write_result
+    slow = Slow()
 
     def slow_write(path: Path, data: bytes) -> None:
-        time.sleep(SLOW_S)  # a slow disk, or a large MP4
+        slow.block()  # a slow disk, or a large MP4
         real(path, data)
 
     monkeypatch.setattr(results_mod, "write_result", slow_write)
     co = make(tmp_path)
     dec = to_decoding(co, "w")
 
-    async def main() -> tuple[Any, float]:
-        return await longest_stall(co.on_complete(dec, "w", 1, "png", "image/png", b"PNG"))
+    async def main() -> tuple[Any, int]:
+        return await ticks_while_blocked(
+            co.on_complete(dec, "w", 1, "png", "image/png", b"PNG"), slow)
 
-    accepted, stall = asyncio.run(main())
+    accepted, ticks = asyncio.run(main())
     assert accepted and (tmp_path / "w.png").read_bytes() == b"PNG"
-    assert stall < SLOW_S / 2, f"the loop stalled {stall:.3f} s"
+    assert ticks >= TICKS, "the loop stood still while the result was written"
     co.close()
 
 
@@ -135,9 +155,10 @@ def test_image_decoding_does_not_stall_the_loop(tmp_path: Path,
     from PIL import Image
 
     real = decoding_mod.decode_image
+    slow = Slow()
 
     def slow_decode(*args: Any) -> bytes:
-        time.sleep(SLOW_S)  # a large image
+        slow.block()  # a large image
         return real(*args)
 
     # Threads here so the patch applies; in production the same job runs in processes.
@@ -150,14 +171,14 @@ def test_image_decoding_does_not_stall_the_loop(tmp_path: Path,
     Image.new("RGB", (32, 32)).save(buf, format="PNG")
     body = {"prompt": "p", "image_path": base64.b64encode(buf.getvalue()).decode()}
 
-    async def main() -> tuple[Any, float]:
+    async def main() -> tuple[Any, int]:
         transport = httpx.ASGITransport(app=build_app(front))
         async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
-            return await longest_stall(client.post("/v1/tasks/image/", json=body))
+            return await ticks_while_blocked(client.post("/v1/tasks/image/", json=body), slow)
 
-    response, stall = asyncio.run(main())
+    response, ticks = asyncio.run(main())
     assert response.status_code == 200, response.text
-    assert stall < SLOW_S / 2, f"the loop stalled {stall:.3f} s"
+    assert ticks >= TICKS, "the loop stood still while the image was decoded"
     front.close()
     co.close()
     pool.shutdown()

@@ -1,6 +1,6 @@
 """The offline bundle's pure parts (target tags, skip list, markers) and install_offline.sh's
 refusals. Building a real bundle needs the registries and takes a minute: it is done by hand
-(README "Air-gapped GPU nodes"), and its result was installed on the GPU machine."""
+(docs/offline.md), and its result was installed on the GPU machine."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts.offline import offline_bundle as ob
 
-import offline_bundle as ob  # noqa: E402
+pytestmark = pytest.mark.integration  # starts processes or servers
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_platform_tags_cover_older_manylinux() -> None:
@@ -26,7 +28,7 @@ def test_platform_tags_cover_older_manylinux() -> None:
 
 
 def test_default_skip_list_keeps_torch_out_and_the_project_in() -> None:
-    skip = ob.read_skip(ROOT / "scripts" / "offline_skip.txt", ["extra-one"])
+    skip = ob.read_skip(ROOT / "scripts" / "offline" / "offline_skip.txt", ["extra-one"])
     for name in ("torch", "nvidia-cudnn-cu13", "Transformers", "numpy", "extra_one"):
         assert ob.skipped(name, skip), name
     for name in ("diffusers", "av", "fastapi", "mooncake-transfer-engine-cuda13", "pydantic"):
@@ -42,7 +44,7 @@ def test_roots_and_target_markers() -> None:
 
 
 def run_install(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(ROOT / "scripts" / "install_offline.sh"), *args],
+    return subprocess.run(["bash", str(ROOT / "scripts" / "offline" / "install_offline.sh"), *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -14,6 +14,8 @@ from contracts.request import GenerationRequest
 from workers.models import EncoderAdapter, LocalPipeline
 from workers.models.prompt_cache import PromptCache, PromptKey
 
+pytestmark = pytest.mark.integration  # builds and runs the tiny models
+
 torch.set_num_threads(1)
 
 

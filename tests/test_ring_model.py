@@ -1,36 +1,23 @@
 """The ring protocol's Promela model (rings/ring.pml), checked by spin, and kept honest.
 
-The quick configurations of scripts/check_ring_model.py are searched exhaustively here (about
-20 s of CPU); ``python scripts/check_ring_model.py --long`` runs the large ones.
+The quick configurations of scripts/chaos/check_ring_model.py are searched exhaustively here
+(about 20 s of CPU); ``python -m scripts.chaos.check_ring_model --long`` runs the large ones.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from rings.layout import SeatKind, SlotState
+from scripts.chaos import check_ring_model as runner
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 MODEL = ROOT / "rings" / "ring.pml"
-
-
-def _load_runner() -> ModuleType:
-    path = ROOT / "scripts" / "check_ring_model.py"
-    spec = importlib.util.spec_from_file_location("check_ring_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["check_ring_model"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-runner = _load_runner()
 
 
 def _defines(text: str) -> dict[str, int]:

@@ -41,6 +41,8 @@ from rings.soak import RING, start_ring_host, stop_process
 from rings.verbs import CAS, FAA, WRITE, LocalVerbs, Verbs, connect
 from tests.conftest import TOKEN
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 SLOTS = 3
 SLOT_SIZE = 256
 

@@ -28,6 +28,8 @@ from workers.models.memory import (  # noqa: E402
     oom_guard,
 )
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -290,3 +292,17 @@ def test_bench_dit_runs_on_cpu(tmp_path: Path) -> None:
     assert set(rows) == {"bf16", "offload_block"}
     assert "| offload_block | - |" in (out / "bench_dit.md").read_text()
     assert "| 0.0000 | 0.0000 |" in (out / "bench_dit.md").read_text()  # offload: exact
+
+
+def test_reported_stats_are_sanitised_before_the_status_page() -> None:
+    from controller.control import _stats
+    from controller.registry import WorkerInfo
+
+    got = _stats({"resident_bytes": 3, "peak": 2.5, "bad": "x", "flag": True, 7: 1,
+                  **{f"k{i}": i for i in range(40)}})
+    assert got["resident_bytes"] == 3.0 and got["peak"] == 2.5
+    assert "bad" not in got and "flag" not in got and len(got) <= 16
+    assert _stats(["not", "a", "map"]) == {}
+    w = WorkerInfo(1, "transformer", "t", 1, "", "wan_t2v")  # type: ignore[arg-type]
+    w.stats = got
+    assert w.public()["stats"] == got

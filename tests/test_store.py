@@ -17,6 +17,8 @@ from controller.store_check import check
 from controller.table import TaskTable, open_table
 from controller.tasks import Stage, Task
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -21,6 +21,8 @@ from controller.group import LocalGroup, group_config, submit
 from workers.models import LocalPipeline
 from workers.models.synthetic import CONFIG_NAME, SyntheticConfig, write_config
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 
 def _folder(tmp: Path, **settings: Any) -> Path:
     folder = tmp / "synthetic"

@@ -37,6 +37,8 @@ from rings.tcp import handshake, open_socket
 from rings.verbs import FAA, RDMA_ONLY_OPTIONS, READ, WRITE, connect
 from tests.conftest import ROOT, TOKEN
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 SLOTS, SLOT_SIZE = 3, 512
 LAYOUT = RingLayout(RING, SLOTS, SLOT_SIZE)
 
@@ -154,7 +156,8 @@ def test_peer_refuses_host_without_token() -> None:
                     }
                 )
             )
-            time.sleep(0.5)
+            conn.settimeout(60)
+            conn.recv(1)  # until the peer has judged the welcome and hung up
 
     t = threading.Thread(target=fake_host)
     t.start()
@@ -307,7 +310,7 @@ def _stall_peer(port: int, mode: str) -> tuple[subprocess.Popen[str], str]:
     return proc, line
 
 
-def _wait_for(pred, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+def _wait_for(pred, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:

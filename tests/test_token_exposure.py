@@ -15,6 +15,8 @@ from contracts.cluster_token import DEFAULT_TOKEN, is_loopback, require_token
 from contracts.config import ServiceConfig
 from contracts.errors import ConfigError
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -26,6 +26,8 @@ import msgpack
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration  # starts processes or servers
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the producer runs this file as a script
     sys.path.insert(0, str(REPO))
@@ -242,16 +244,16 @@ def test_pool_backpressure_and_too_large(engine: TransferEngine) -> None:
         t0 = time.monotonic()
         with pytest.raises(PoolExhausted) as exc:
             pool.alloc(32 * 1024, timeout=0.3, task_id="t-bp")
-        assert 0.25 < time.monotonic() - t0 < 2
+        assert 0.25 < time.monotonic() - t0 < 30  # it waited its 0.3 s, then gave up
         assert exc.value.requested == 32 * 1024 and exc.value.free_bytes == 24 * 1024
         assert "32768 bytes requested, 24576 free" in str(exc.value) and "t-bp" in str(exc.value)
         t0 = time.monotonic()
         with pytest.raises(RequestTooLarge, match="exceeds the whole pool"):
-            pool.alloc(65 * 1024, timeout=10)
-        assert time.monotonic() - t0 < 0.1
+            pool.alloc(65 * 1024, timeout=120)
+        assert time.monotonic() - t0 < 60  # refused at once, not after its 120 s
         # A waiting alloc proceeds as soon as space is freed.
         threading.Timer(0.2, pool.free, args=(a,)).start()
-        b = pool.alloc(64 * 1024, timeout=5)
+        b = pool.alloc(64 * 1024, timeout=60)
         assert b.offset == 0 and pool.stats().free_bytes == 0
         assert pool.free(b) and not pool.free(b)  # a second free is a no-op
         assert pool.stats().alloc_timeouts == 1
@@ -386,7 +388,7 @@ print("OK")
 
 
 # -------------------------------------------------------------------- two-process pulls
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # with the producer process starting on a loaded machine
 def test_pull_between_processes_and_release(
     producer: Producer, engine: TransferEngine, pool: StagingPool
 ) -> None:
@@ -412,7 +414,7 @@ def test_pull_between_processes_and_release(
     assert producer.ask("stats")["live_blocks"] == 0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # with the producer process starting on a loaded machine
 def test_checksum_mismatch_is_reported(
     producer: Producer, engine: TransferEngine, pool: StagingPool
 ) -> None:
@@ -426,7 +428,7 @@ def test_checksum_mismatch_is_reported(
     assert producer.ask("stats")["live_blocks"] == len(producer.descs)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # with the producer process starting on a loaded machine
 def test_dead_producer_fails_fast(
     producer: Producer, engine: TransferEngine, pool: StagingPool
 ) -> None:
@@ -440,7 +442,7 @@ def test_dead_producer_fails_fast(
     assert pool.stats().used_bytes == 0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)  # with the producer process starting on a loaded machine
 def test_wedged_producer_is_bounded_and_block_quarantined(
     producer: Producer, engine: TransferEngine, pool: StagingPool
 ) -> None:
@@ -449,7 +451,8 @@ def test_wedged_producer_is_bounded_and_block_quarantined(
     t0 = time.monotonic()
     with pytest.raises(TransferFailed) as exc:
         pull_tensors(engine, pool, producer.descs, task_id="t-wedged")
-    assert time.monotonic() - t0 < 10
+    # Its own 2 s deadline, not Mooncake's 30-60 s (generous: the machine may be loaded).
+    assert time.monotonic() - t0 < 25
     assert exc.value.timed_out and exc.value.pending is not None
     # Mooncake may still write into the local block: it stays out of circulation ...
     assert pool.stats().quarantined_blocks == 1 and pool.stats().used_bytes > 0

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost, ControlRefused, DiffringError, HandshakeError
 from contracts.messages import Fault, Op
@@ -69,6 +70,10 @@ class Heartbeats:
         self._name = name
         self.lost = threading.Event()
         """The heartbeat failed: reconnect before taking anything from a ring."""
+        self.report: Callable[[], dict[str, float]] = dict
+        """Figures each heartbeat carries to the controller's status (the stage's memory)."""
+        self.fields: Callable[[], dict[str, Any]] = dict
+        """Further fields a role's heartbeats carry (the decoder: the results it holds)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -99,7 +104,8 @@ class Heartbeats:
             staged = [[t, a] for t, a in self._staged.keys()]
             try:
                 reply = self._call(
-                    Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged
+                    Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged,
+                    stats=self.report(), **self.fields(),
                 )
             except DiffringError as exc:
                 if self._active() and not stop.is_set():
@@ -256,7 +262,8 @@ class ControlLink:
                     ) from exc
                 log.warning("worker %s: controller unreachable (%s); retrying in %.1f s",
                             self.name, exc, delay)
-                self._wake.wait(delay)
+                faults.hit("startup.retry_wait")
+                self._wake.wait(delay)  # drain() (a stop signal) ends it
                 delay = min(delay * 2, 5.0)
 
     # -- reports ---------------------------------------------------------------------------

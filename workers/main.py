@@ -1,25 +1,26 @@
-"""Entry point of a worker process (``--service encoder|transformer|decoder``)."""
+"""Entry point of a worker process (``--service encoder|transformer|decoder``).
+
+SIGTERM / SIGINT are recorded, never raised into whatever runs (:mod:`workers.startup`):
+before the worker is ready they stop its start-up at the next boundary (exit status 0,
+"stopped before it was ready"); once it runs they drain it.
+"""
 
 from __future__ import annotations
 
 import logging
-import signal
+import os
 from collections.abc import Callable, Mapping
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from contracts.config import ServiceConfig
 from contracts.errors import DiffringError, StageError
 from contracts.roles import Role
+from workers.startup import StartupAborted, StopSignal
 
 if TYPE_CHECKING:
     from workers.worker import StageWorker
 
 log = logging.getLogger("diffring.worker")
-
-
-class StartupAborted(Exception):
-    """SIGTERM / SIGINT arrived before the worker was ready."""
 
 
 def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str],
@@ -32,37 +33,44 @@ def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str
 
         return run_group(cfg, token, env)
     worker: StageWorker | None = None
-    starting = True
+    ready = False
+    stop = StopSignal()
+    # Installed before the model stack is imported, which alone takes seconds.
+    stop.install()
+    log.info("%s worker starting (pid %d): SIGTERM / SIGINT stop it cleanly", role, os.getpid())
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        if starting or worker is None:
-            # Still importing, loading the model or connecting: nothing claimed, nothing
-            # to drain.
-            raise StartupAborted(f"signal {signum} during start-up")
-        # Only flip the state: the loop finishes the claimed task and exits.
-        log.info("worker %s: signal %d, draining", worker.name, signum)
+    def on_stop() -> None:
+        # From the relay thread: wakes the start-up's waits; once the worker runs, it
+        # finishes the claimed task and claims nothing new.
+        assert worker is not None
+        if ready:
+            log.info("worker %s: signal %s, draining", worker.name, stop.signum)
         worker.drain()
 
-    # Installed before the model stack is imported, which alone takes seconds.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         from workers.roles import WORKERS
 
+        stop.boundary("startup.imported")
         worker = (make or WORKERS[Role(role)])(cfg, token, env)
+        stop.on_stop(on_stop)
         try:
-            worker.start()
+            worker.start(stop)
         except (DiffringError, StartupAborted):
             raise
         except Exception as exc:  # model stack errors at load are start-up failures
             raise StageError(f"{role} worker failed to start: {exc}") from exc
-        starting = False
+        stop.boundary("startup.ready")
+        ready = True
         worker.run()
-    except StartupAborted as exc:
-        log.info("%s worker stopped before it was ready (%s)", role, exc)
-        return 0
-    except DiffringError as exc:
-        if worker is not None:
+    except Exception as exc:
+        if not ready and stop.asked:
+            # StartupAborted, or whatever a library made of it on the way out: either way a
+            # stop was asked for before the worker was ready. Nothing claimed, nothing to
+            # drain.
+            why = exc if isinstance(exc, StartupAborted) else stop.describe()
+            log.info("%s worker stopped before it was ready (%s)", role, why)
+            return 0
+        if isinstance(exc, DiffringError) and worker is not None:
             worker.report_fatal(str(exc))
         raise
     finally:

@@ -15,7 +15,8 @@ from contracts.metrics import CLAIM_BUCKETS, DURATION_BUCKETS, CallbackCollector
 
 
 class WorkerMetrics:
-    """What a worker measures: stage durations, claims, transfers, pool occupancy."""
+    """What a worker measures: stage durations, claims, transfers, pool occupancy and
+    device, its stage's GPU memory."""
 
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -59,8 +60,21 @@ class WorkerMetrics:
                    labels, float(st.capacity))
             yield ("diffring_staging_pool_blocks", "Live blocks in the staging pool", labels,
                    float(st.live_blocks))
+            # Where staged tensors live and how they are checksummed (wsum64: on the GPU),
+            # as an info gauge: operators and the GPU smoke read the proof of GPU-resident
+            # staging here instead of in the logs.
+            yield ("diffring_staging_pool_info", "The staging pool's device and checksum "
+                   "algorithm (always 1)",
+                   {**labels, "device": st.device, "checksum_algo": st.checksum_algo}, 1.0)
 
         self.registry.register(CallbackCollector(read))
+
+    def watch_held(self, count: Callable[[], int]) -> None:
+        """The decoder's results held because the storage refuses their files."""
+        self.registry.register(CallbackCollector(lambda: [(
+            "diffring_worker_results_held", "Results held because their file cannot be "
+            "written (disk full, read-only, missing or forbidden folder)",
+            {"role": self.role}, float(count()))]))
 
     def watch_memory(self, stage: Any) -> None:
         """GPU memory of the stage (``stage.memory``, a MemoryWatch), read at scrape time:

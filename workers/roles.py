@@ -3,6 +3,7 @@ with its model stage."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -13,16 +14,18 @@ import numpy as np
 
 from contracts import faults
 from contracts.config import ServiceConfig
-from contracts.errors import ConnectionLost
-from contracts.messages import Kind, Op
+from contracts.errors import ConnectionLost, DiffringError, ResultWriteBlocked, storage_fault
+from contracts.messages import Fault, Kind, Op
 from contracts.request import GenerationRequest
 from contracts.roles import Role
 from tensorplane.descriptor import TensorDescriptor
 from tensorplane.handoff import pull_tensors, stage_tensors
 from workers.encode_pool import EncodePool
+from workers.held import Held, HeldResults
 from workers.models import Artifact, DecoderAdapter, EncoderAdapter, TransformerAdapter
 from workers.models.media import VideoSettings
 from workers.models.prompt_cache import PromptCache
+from workers.startup import StopSignal
 from workers.triage import describe_failure
 from workers.worker import Idle, Job, StageWorker, State
 
@@ -151,25 +154,40 @@ class DecoderWorker(StageWorker):
     """VAE decode on the critical path; the media file (MP4 / PNG) is encoded and written by
     a bounded background pool (:mod:`workers.encode_pool`, ``encode_queue`` > 0), so the
     decoder claims the next Phase2 item meanwhile. The task's lease stays with this worker
-    until the background job reports the completion, after the file is fully written."""
+    until the background job reports the completion, after the file is fully written.
+
+    A result whose write the storage refuses (here, or the controller's copy) is held and
+    retried (:mod:`workers.held`), uncharged; each heartbeat reports what is held."""
 
     role = Role.DECODER
     adapter = DecoderAdapter
     encoder_pool: EncodePool | None = None
 
+    def __init__(self, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> None:
+        super().__init__(cfg, token, env)
+        self.held = HeldResults(cfg.max_held_results, cfg.result_write_retry_s,
+                                self._redeliver, self._give_up)
+        self.metrics.watch_held(lambda: self.held.count)
+        self.link.heartbeats.fields = self.heartbeat_report
+
     def adapter_options(self) -> dict[str, Any]:
         return {"video": video_settings(self.cfg), "options": self.cfg.decoder}
 
-    def start(self) -> None:
+    def start(self, stop: StopSignal | None = None) -> None:
         if self.cfg.encode_queue > 0:
             self.encoder_pool = EncodePool(self.cfg.encode_queue, name="decoder-encode")
-        super().start()
+        self.held.start()
+        super().start(stop)
+
+    def heartbeat_report(self) -> dict[str, Any]:
+        return {"storage": self.held.report()}
 
     def claim(self) -> Job | Idle:
-        # A full pool: claim nothing until a result is written, so the ring item stays
-        # there for another decoder rather than wait here (and no pixels pile up).
-        if self.encoder_pool is not None:
-            while not self.encoder_pool.wait_for_room(timeout=0.1):
+        # A full pool, or as many results held as allowed: claim nothing until a result is
+        # written, so the ring item stays there for another decoder rather than wait here
+        # (and no pixels pile up).
+        for room in (self.encoder_pool, self.held):
+            while room is not None and not room.wait_for_room(timeout=0.1):
                 if self.state is not State.RUNNING:
                     return Idle.EMPTY
         return super().claim()
@@ -188,7 +206,7 @@ class DecoderWorker(StageWorker):
     def publish(self, job: Job, outputs: Artifact | np.ndarray) -> None:
         """Write the result file (atomically), here or in the background pool."""
         if isinstance(outputs, Artifact):
-            job.result = (outputs, self._write(job, outputs))
+            job.result = (outputs, self._write_or_hold(job, outputs))
             return
         job.result = _BACKGROUND
         assert self.encoder_pool is not None
@@ -196,22 +214,67 @@ class DecoderWorker(StageWorker):
             self.encoder_pool.submit(lambda: self._finish(job, outputs))
 
     def _write(self, job: Job, art: Artifact) -> Path:
+        """Write the result file; ResultWriteBlocked when the storage refuses it."""
         out_dir = Path(self.cfg.output_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
         local = out_dir / f"{job.task_id}.{art.extension}"
         tmp = local.with_name(local.name + ".part")
-        tmp.write_bytes(art.data)
-        faults.hit("decoder.result_write")
-        tmp.replace(local)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            faults.hit("decoder.before_write", faults.no_space)
+            tmp.write_bytes(art.data)
+            faults.hit("decoder.result_write")
+            tmp.replace(local)
+        except OSError as exc:
+            if not storage_fault(exc):
+                raise
+            with contextlib.suppress(OSError):  # a partial file takes the room a retry needs
+                tmp.unlink(missing_ok=True)
+            raise ResultWriteBlocked(f"cannot write the result to {local}: {exc}") from exc
         return local
+
+    def _write_or_hold(self, job: Job, art: Artifact) -> Path | None:
+        """The written file, or None: held (:meth:`_hold`)."""
+        try:
+            return self._write(job, art)
+        except ResultWriteBlocked as exc:
+            self._hold(job, art, exc, None)
+            return None
+
+    def _complete_or_hold(self, job: Job, art: Artifact, local: Path) -> None:
+        try:
+            self._complete(job, art, local)
+        except ResultWriteBlocked as exc:
+            self._hold(job, art, exc, local)
+
+    def _hold(self, job: Job, art: Artifact, exc: ResultWriteBlocked, local: Path | None
+              ) -> None:
+        if not self.held.hold(job, art, str(exc), local):
+            self._give_up(Held(job, art, str(exc), 0.0), (
+                f"{exc}; {self.held.capacity} results are held already (max_held_results)"))
+
+    def _redeliver(self, held: Held) -> None:
+        """A retry of a held result (the holder's thread): what is not written yet."""
+        if held.local is None:
+            held.local = self._write(held.job, held.result)
+        self._complete(held.job, held.result, held.local)
+
+    def _give_up(self, held: Held, why: str) -> None:
+        """Hand the task back uncharged (Fault.SYSTEM): the controller runs it again."""
+        self.metrics.tasks.labels(self.role.value, "handed_back").inc()
+        try:
+            self._fail(held.job, f"{why}; handed back, not charged to the task",
+                       "result_write_blocked", Fault.SYSTEM)
+        except DiffringError as exc:  # gone with the connection: back in play already
+            log.warning("task %s: hand-back not reported: %s", held.job.task_id, exc)
 
     def _finish(self, job: Job, pixels: np.ndarray) -> None:
         """Background: encode, write, then report the completion (the lease ends here)."""
         try:
             with self.timed("encode_media"):
                 art = self.stage.encode_media(_request(job), pixels)
-            local = self._write(job, art)
-            self._complete(job, art, local)
+            local = self._write_or_hold(job, art)
+            if local is not None:
+                self._complete_or_hold(job, art, local)
         except ConnectionLost as exc:
             # The controller put this worker's tasks back in play when the connection went.
             log.warning("task %s: completion not reported, control channel lost: %s",
@@ -226,7 +289,8 @@ class DecoderWorker(StageWorker):
         if job.result is _BACKGROUND:
             return
         art, local = job.result
-        self._complete(job, art, local)
+        if local is not None:  # else held: its retry reports it
+            self._complete_or_hold(job, art, local)
 
     def _complete(self, job: Job, art: Artifact, local: Path) -> None:
         reply = self.link.call(
@@ -238,6 +302,10 @@ class DecoderWorker(StageWorker):
             data=art.data,
             worker_path=str(local.resolve()),
         )
+        if reply.get("storage_error"):
+            raise ResultWriteBlocked(
+                f"the controller cannot write the result: {reply['storage_error']}"
+            )
         if not reply.get("accepted"):
             log.info(
                 "task %s: result of attempt %d not needed (already completed)",
@@ -253,6 +321,9 @@ class DecoderWorker(StageWorker):
         ):
             log.warning("worker %s: results still being written after drain_timeout_s",
                         self.name)
+        # Results the storage refuses are not waited for: another decoder (or this one,
+        # restarted) runs their tasks again once it is fixed.
+        self.held.close("the decoder is stopping")
         super().wait_drained()
 
     def close(self) -> None:
@@ -260,6 +331,7 @@ class DecoderWorker(StageWorker):
         # late result is refused there (the task completes once), never lost.
         if self.encoder_pool is not None:
             self.encoder_pool.close(timeout=self.cfg.lease_timeout_s)
+        self.held.close("the decoder is stopping")
         super().close()
 
 

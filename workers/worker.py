@@ -64,6 +64,7 @@ from workers.models.base import StageAdapter
 from workers.models.components import check_stage_folder
 from workers.progress import ProgressReporter
 from workers.staged import StagedOutputs
+from workers.startup import StopSignal
 from workers.triage import check_item, describe_failure
 
 log = logging.getLogger("diffring.worker")
@@ -137,6 +138,9 @@ class StageWorker:
         self.pool: Any = None
         self.tasks_done = 0
         self._metrics_server: Any = None
+        self._stop = StopSignal()
+        """The process's stop request; start-up checks it at each boundary (an uninstalled
+        one, as here, never asks)."""
 
     @contextlib.contextmanager
     def timed(self, step: str) -> Iterator[None]:
@@ -145,10 +149,13 @@ class StageWorker:
         self.metrics.stage_seconds.labels(self.role.value, step).observe(time.monotonic() - t0)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, stop: StopSignal | None = None) -> None:
         """Cheap checks (advertised address, model folder); Mooncake and pool; transport
         preflight (:mod:`workers.preflight`), all before the model load, which takes minutes
-        for a real checkpoint; model; rings and register."""
+        for a real checkpoint; model; rings and register. A stop asked for meanwhile
+        (``stop``: :mod:`workers.startup`) ends it at the next boundary (StartupAborted)."""
+        if stop is not None:
+            self._stop = stop
         srv = self.cfg.server
         if srv.metric_port is not None:
             self._metrics_server = serve_metrics(
@@ -167,13 +174,19 @@ class StageWorker:
         self.pool.start(self.engine)
         self.metrics.watch_pool(self.pool.stats)
         preflight.check_on_paper(self.engine, self.cfg.disagg_config.bootstrap_addr, self.name)
+        self._stop.boundary("startup.transport")
         self.state = State.RUNNING
         self.link.connect_back(self.engine, self.running)
+        self._stop.boundary("startup.connected")
         preflight.loopback_read(self.engine, self.pool, self.name)
         self.load_model()
+        self._stop.boundary("startup.model")
         self.link.open(self.engine, self.running)
 
     def running(self) -> bool:
+        """Still running: not draining, stopped, or asked to stop (the waits ask this)."""
+        if self._stop.asked:
+            self.drain()  # a stop signal whose relay thread has not called drain() yet
         return self.state == State.RUNNING
 
     def _probe_info(self) -> dict[str, Any]:
@@ -336,7 +349,8 @@ class StageWorker:
         raise NotImplementedError
 
     def load_model(self) -> None:
-        """Construct and load this role's model stage (before joining the rings)."""
+        """Construct and load this role's model stage (before joining the rings); a stop
+        asked for meanwhile ends the load after the component being loaded."""
         self.stage = self.adapter.for_task(
             self.model_path(),
             self.cfg.pipeline,
@@ -344,6 +358,7 @@ class StageWorker:
             self.cfg.dtype,
             **self.adapter_options(),
         )
+        self.stage.on_component = lambda _name: self._stop.boundary("startup.component")
         if self.cfg.torch_threads is not None and self.stage.torch_model:
             # Only a torch model pays for importing torch here (a synthetic stage has none).
             import torch
@@ -352,6 +367,15 @@ class StageWorker:
         faults.hit("worker.load", ModelLoadError)
         self.stage.load()
         self.metrics.watch_memory(self.stage)
+        if self.stage.torch_model:
+            self.link.heartbeats.report = self._memory_report
+
+    def _memory_report(self) -> dict[str, float]:
+        """The stage's GPU memory for the controller's status (zeros on a CPU)."""
+        mem = self.stage.memory
+        return {"resident_bytes": float(mem.resident_bytes),
+                "last_peak_bytes": float(mem.last_peak_bytes),
+                "max_peak_bytes": float(mem.max_peak_bytes)}
 
     def adapter_options(self) -> dict[str, Any]:
         """Role-specific settings of the stage adapter."""

@@ -1,0 +1,1 @@
+"""Benchmarks and the GPU smoke test (BENCHMARKS.md has their figures)."""

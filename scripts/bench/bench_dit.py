@@ -68,8 +68,7 @@ def build_folder(arch: str, dest: Path, device: str, layers: int | None = None
     import diffusers
     import torch
 
-    from scripts import make_tiny_models as mtm
-    from scripts import real_models
+    from modelkit import components, real
 
     recipe = {"arch": arch, "diffusers": diffusers.__version__, "seed": 0, "kind": "dit-only",
               "layers": layers}
@@ -82,13 +81,8 @@ def build_folder(arch: str, dest: Path, device: str, layers: int | None = None
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: no float32 copy of 20B params
     try:
         with torch.no_grad(), torch.device(device):
-            if arch.startswith("wan"):
-                dit: Any = real_models._wan_dit(arch, layers)
-            else:
-                cfg = dict(real_models.QWEN_DIT)
-                if layers:
-                    cfg["num_layers"] = layers
-                dit = diffusers.QwenImageTransformer2DModel(**cfg)
+            dit: Any = real.wan_dit(arch, layers) if arch.startswith("wan") else \
+                real.qwen_dit(layers)
     finally:
         torch.set_default_dtype(previous)
     built = time.perf_counter() - t0
@@ -100,10 +94,10 @@ def build_folder(arch: str, dest: Path, device: str, layers: int | None = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if arch.startswith("wan"):
-        mtm._wan_scheduler().save_pretrained(dest / "scheduler")
+        components.wan_scheduler().save_pretrained(dest / "scheduler")
         vae: Any = diffusers.AutoencoderKLWan()  # its defaults are Wan2.1's VAE
     else:
-        mtm._qwen_scheduler().save_pretrained(dest / "scheduler")
+        components.qwen_scheduler().save_pretrained(dest / "scheduler")
         vae = diffusers.AutoencoderKLQwenImage()  # defaults: Qwen-Image's VAE
     vae.save_config(dest / "vae")  # the DiT stage reads the VAE's geometry only
     info = {"recipe": recipe, "dit_params": params, "build_s": round(built, 1),

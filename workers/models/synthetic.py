@@ -157,7 +157,7 @@ class SyntheticConfig:
         if data.pop("format", None) != FORMAT or data.pop("version", None) != VERSION:
             raise ModelLoadError(
                 f"{where} is not a synthetic model config (want \"format\": \"{FORMAT}\", "
-                f"\"version\": {VERSION}); write one with `python scripts/make_tiny_models.py "
+                f"\"version\": {VERSION}); write one with `python -m modelkit.tiny "
                 "--tasks synthetic --out DIR`"
             )
         known = {f.name for f in fields(cls)}
@@ -182,7 +182,7 @@ class SyntheticConfig:
             raise ModelLoadError(
                 f"model folder {folder} has no readable {CONFIG_NAME} ({exc}); the synthetic "
                 "pipeline's folder holds only that file: write one with `python "
-                "scripts/make_tiny_models.py --tasks synthetic --out DIR`"
+                "-m modelkit.tiny --tasks synthetic --out DIR`"
             ) from exc
         except ValueError as exc:
             raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc

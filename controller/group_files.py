@@ -1,0 +1,176 @@
+"""The role files of a group: the four config files a start script runs
+(``configs/disagg/<family>/<pipeline>_<role>.json``), loaded, checked and shifted.
+
+:func:`prepare` loads each file with ``ServiceConfig.load`` (so a bad file fails before
+anything starts), checks that the four describe one group (same pipeline, same rings, no port
+used twice), and applies the launcher's overrides (a port offset, a results folder) into
+copies under ``LOG_DIR/config/``; :meth:`Prepared.ports` lists every port the group binds,
+for :func:`port_busy`. Used by :mod:`controller.launch`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from contracts.config import DisaggConfig, ServiceConfig
+from contracts.errors import ConfigError
+from contracts.roles import Role
+
+ROLES = ("controller", *(role.value for role in Role))
+DISAGG_PORT_KEYS = (
+    "control_port",
+    "rdma_request_handshake_port",
+    "rdma_phase1_handshake_port",
+    "rdma_phase2_handshake_port",
+)
+# disagg_mode values a role file may carry (LightX2V calls the decoder "decode").
+MODES = {
+    "controller": ("controller",),
+    "encoder": ("encoder", "encode"),
+    "transformer": ("transformer",),
+    "decoder": ("decoder", "decode"),
+}
+
+
+class GroupError(Exception):
+    """A problem with the group's files or ports, worded for the operator."""
+
+
+def role_files(group: str, config_dir: Path) -> dict[str, Path]:
+    files = {role: config_dir / f"{group}_{role}.json" for role in ROLES}
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        raise GroupError(f"missing config file(s): {', '.join(missing)}")
+    return files
+
+
+def shift_ports(data: dict[str, Any], offset: int, is_controller: bool) -> None:
+    """Add ``offset`` to every port of one role file, in place (defaults made explicit)."""
+    disagg = data.setdefault("disagg_config", {})
+    defaults = DisaggConfig()
+    for key in DISAGG_PORT_KEYS:
+        disagg[key] = int(disagg.get(key, getattr(defaults, key))) + offset
+    server = data.setdefault("server", {})
+    if is_controller:
+        server["port"] = int(server.get("port", 8000)) + offset
+    elif "port" in server:
+        server["port"] = int(server["port"]) + offset
+    if server.get("metric_port") is not None:
+        server["metric_port"] = int(server["metric_port"]) + offset
+
+
+def probe_host(host: str) -> str:
+    """The address to reach a service bound to ``host`` at (a wildcard: loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def port_busy(host: str, port: int) -> bool:
+    """True when something already listens on host:port (an address we cannot bind is
+    someone else's machine: not ours to check)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # Servers set SO_REUSEADDR too, so a port in TIME_WAIT is not reported as busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+@dataclass(frozen=True)
+class Prepared:
+    configs: dict[str, Path]
+    loaded: dict[str, ServiceConfig]
+
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every port the group binds."""
+        ctl = self.loaded["controller"]
+        d = ctl.disagg_config
+        out = [
+            ("front door", ctl.server.host, ctl.server.port),
+            ("control channel", d.bootstrap_addr, d.control_port),
+        ]
+        for ring in ("request", "phase1", "phase2"):
+            host, port = d.ring_address(ring)
+            out.append((f"{ring} ring handshake", host, port))
+        for role in ROLES:
+            srv = self.loaded[role].server
+            if srv.metric_port is not None:
+                out.append((f"{role} metrics", srv.host, srv.metric_port))
+        return out
+
+
+def prepare(
+    group: str,
+    config_dir: Path,
+    log_dir: Path,
+    port_offset: int = 0,
+    output_dir: str | None = None,
+) -> Prepared:
+    files = role_files(group, config_dir)
+    raw: dict[str, dict[str, Any]] = {}
+    for role, path in files.items():
+        try:
+            ServiceConfig.load(str(path))  # the file as written must be valid on its own
+            raw[role] = json.loads(path.read_text())
+        except ConfigError as exc:
+            raise GroupError(f"{path}: {exc}") from None
+    changed = bool(port_offset) or output_dir is not None
+    configs = dict(files)
+    if changed:
+        out_dir = log_dir / "config"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for role, data in raw.items():
+            if port_offset:
+                shift_ports(data, port_offset, role == "controller")
+            if output_dir is not None and role in ("controller", "decoder"):
+                data["output_dir"] = output_dir
+            configs[role] = out_dir / f"{group}_{role}.json"
+            configs[role].write_text(json.dumps(data, indent=2) + "\n")
+    loaded: dict[str, ServiceConfig] = {}
+    for role, path in configs.items():
+        try:
+            loaded[role] = ServiceConfig.load(str(path))
+        except ConfigError as exc:
+            hint = " (PORT_OFFSET too large?)" if port_offset else ""
+            raise GroupError(f"{path}: {exc}{hint}") from None
+    check_group(group, files, loaded)
+    return Prepared(configs, loaded)
+
+
+def check_group(group: str, files: dict[str, Path], loaded: dict[str, ServiceConfig]) -> None:
+    """The four files must describe one group: same pipeline, same rings, no port clash."""
+    ctl = loaded["controller"]
+    for role, cfg in loaded.items():
+        where = files[role]
+        if cfg.disagg_mode is not None and cfg.disagg_mode not in MODES[role]:
+            raise GroupError(
+                f"{where}: disagg_mode is {cfg.disagg_mode!r}, but the file is the {role}'s"
+            )
+        if cfg.pipeline != group:
+            raise GroupError(f"{where}: model_cls/task make {cfg.pipeline}, not {group}")
+        if cfg.disagg_config != ctl.disagg_config:
+            raise GroupError(
+                f"{where}: disagg_config differs from {files['controller']}; every service "
+                "of a group must agree on the control and ring ports, hosts and layout"
+            )
+    # The controller stores what the decoder sends it over the control channel, so their
+    # output_dir may differ (they do when they run on different hosts). Two services may
+    # share a port number only on different addresses (each binds its own).
+    seen: dict[tuple[str, int], str] = {}
+    for what, host, port in Prepared({}, loaded).ports():
+        clash = [k for k in seen if k[1] == port and _overlap(k[0], host)]
+        if clash:
+            raise GroupError(f"port {port} is used twice: {seen[clash[0]]} and {what}")
+        seen[(host, port)] = what
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether binds on addresses ``a`` and ``b`` (same port) would collide."""
+    return a == b or a in ("", "0.0.0.0", "::") or b in ("", "0.0.0.0", "::")

@@ -1,0 +1,1 @@
+"""Soaks, chaos and the ring protocol's model check."""

@@ -1,0 +1,1 @@
+"""The offline bundle for air-gapped machines: build it, install it."""
