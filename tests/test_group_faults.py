@@ -106,11 +106,14 @@ def gone(pid: int) -> bool:
         return f.read().split(") ")[1].startswith("Z")
 
 
-def wait_exit(svc: Service, timeout: float) -> int:
+def wait_exit(cluster: LocalGroup, svc: Service, timeout: float) -> int:
+    """``svc``'s exit status once it exited; it then leaves the cluster's services (whose
+    checks count any exited one as a failure)."""
     deadline = time.monotonic() + timeout
     while svc.proc.poll() is None:
         assert time.monotonic() < deadline, f"the group did not exit:\n{svc.log()[-3000:]}"
         time.sleep(0.2)
+    cluster.services.remove(svc)
     return svc.proc.returncode
 
 
@@ -137,7 +140,7 @@ def test_a_cfg_group_serves_exactly_and_survives_a_rank_killed_mid_denoise(
         assert len(rank_pids(svc)) == 4  # two starts of two ranks
     finally:
         svc.proc.send_signal(signal.SIGTERM)  # drains the group: every rank stops
-        code = wait_exit(svc, 120)
+        code = wait_exit(cluster, svc, 120)
     assert code == 0, svc.log()[-3000:]
     assert all(gone(pid) for pid in rank_pids(svc))
 
@@ -150,10 +153,11 @@ def test_a_rank_stopped_past_the_timeout_takes_the_group_down(
                       restarts=0)
     post(cluster, "grp-stop", 13)
     try:
-        code = wait_exit(svc, 300)
+        code = wait_exit(cluster, svc, 300)
     finally:
         if svc.proc.poll() is None:
             svc.proc.kill()
+            svc.proc.wait()
     log = svc.log()
     assert code == 2, log[-3000:]
     assert "fault point group.step fired (action stop, hit 2)" in log
@@ -169,4 +173,4 @@ def test_a_rank_stopped_past_the_timeout_takes_the_group_down(
         assert np.array_equal(pixels(cluster, "grp-stop"), expected(reference, 13))
     finally:
         plain.proc.send_signal(signal.SIGTERM)
-        wait_exit(plain, 120)
+        wait_exit(cluster, plain, 120)

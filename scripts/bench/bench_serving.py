@@ -106,16 +106,15 @@ def wait_health(group: LocalGroup, url: str, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def running(mode: str, cfg: dict[str, Any], workdir: Path, plan: Plan,
-            timeout: float) -> Iterator[Deployment]:
-    """Start a baseline (one ``--service all`` replica per device of the plan's baseline)
-    or a disaggregated group (a controller and the plan's workers: (role, device index), a
-    DiT worker a transformer group with ``--dit-parallel``); yields it once all is up."""
-    workers = plan.workers
-    devices = plan.baseline_devices if mode == "baseline" else plan.devices
+def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[str, int]],
+            devices: list[str], timeout: float, dit: tuple[str, int] | None = None
+            ) -> Iterator[Deployment]:
+    """Start a baseline (one ``--service all`` replica per device) or a disaggregated group
+    (a controller and ``workers``: (role, device index)); yields it once all of it is up.
+    ``dit``: (layout, devices) of each DiT worker as a transformer group (``--dit-parallel``)."""
     group = LocalGroup(cfg, workdir)
     host = cfg["server"]["host"]
-    span = plan.dit_span
+    parallel, span = dit or (None, 1)
     urls: list[str] = []
     endpoints: list[Endpoint] = []
     try:
@@ -141,7 +140,7 @@ def running(mode: str, cfg: dict[str, Any], workdir: Path, plan: Plan,
                                          "server": {"metric_port": mport}}
                 if role == "transformer" and span > 1:
                     extra["devices"] = devices[index:index + span]
-                    extra["transformer"] = {"parallel": plan.dit_parallel}
+                    extra["transformer"] = {"parallel": parallel}
                 group.start(role, extra)
                 endpoints.append(Endpoint(f"http://{host}:{mport}/metrics", role, index))
             group.wait_workers(layout.counts(workers), timeout=timeout)
@@ -266,7 +265,10 @@ def run_mode(mode: str, args: argparse.Namespace, cfg: dict[str, Any], body: dic
     t0 = time.perf_counter()
     out: dict[str, Any] = {"mode": mode, "workers": counts, "levels": []}
     probe = None
-    with running(mode, cfg, workdir, plan, args.start_timeout) as dep:
+    devices = plan.baseline_devices if mode == "baseline" else plan.devices
+    dit = (plan.dit_parallel, plan.dit_span) if plan.dit_parallel else None
+    with running(mode, cfg, workdir, plan.workers, devices, args.start_timeout,
+                 dit=dit) as dep:
         out["start_s"] = time.perf_counter() - t0
         log(f"{mode}: ready in {out['start_s']:.1f} s; warm-up x{args.warmup}")
         if args.warmup > 0:
