@@ -270,12 +270,9 @@ class ServiceConfig:
         if len(set(cuda)) != len(cuda):
             raise ConfigError(f"devices {', '.join(self.devices)}: each rank needs a GPU of "
                               "its own")
-        if layout.size > 1 and len(self.devices) != layout.size:
-            raise ConfigError(
-                f"transformer.parallel {layout} is a group of {layout.size} ranks: give one "
-                f"device per rank, e.g. --devices "
-                + ",".join(f"cuda:{i}" for i in range(layout.size))
-            )
+        # No devices yet is fine here: --devices may bring them (the group checks at start).
+        if layout.size > 1 and self.devices and len(self.devices) != layout.size:
+            raise ConfigError(self.group_devices_needed())
         if layout.size == 1 and len(self.devices) > 1:
             raise ConfigError(
                 f"devices lists {len(self.devices)} devices but transformer.parallel is unset: "
@@ -286,10 +283,12 @@ class ServiceConfig:
             raise ConfigError("cfg_batch runs both guidance branches as one batch on one "
                               "device, transformer.parallel cfg=2 runs them on two: choose one")
 
-    @property
-    def group_devices(self) -> tuple[str, ...]:
-        """The devices of this service's ranks: ``devices``, else just ``device``."""
-        return self.devices or (self.device,)
+    def group_devices_needed(self) -> str:
+        """What a transformer group whose ``devices`` do not match its layout is told."""
+        layout = self.transformer.layout
+        return (f"transformer.parallel {layout} is a group of {layout.size} ranks: give one "
+                f"device per rank, e.g. --devices "
+                + ",".join(f"cuda:{i}" for i in range(layout.size)))
 
     def addresses(self, service: str) -> dict[str, str]:
         """The addresses ``service`` binds, advertises or joins, by config key (what the

@@ -188,3 +188,44 @@ def test_the_split_follows_each_forwards_token_counts() -> None:
     with pytest.raises(InvalidRequestError, match="gloo gathers equal shards only"):
         _choose_split(cfg, ParallelLayout(ulysses=2), "cpu")(
             qwen, (), {"hidden_states": shape(1, 9, 64), "encoder_hidden_states": shape(1, 8, 9)})
+
+
+def test_group_settings_are_refused_by_name(tmp_path: Path) -> None:
+    """A group's devices against its layout, at configuration time (before any process)."""
+    import json
+
+    from contracts.config import ServiceConfig
+    from contracts.errors import DiffringError
+    from run_service import _parse, build_config
+
+    def refused(data: dict[str, Any], needle: str) -> None:
+        with pytest.raises(ConfigError, match=needle):
+            ServiceConfig.from_dict(data)
+
+    group = {"transformer": {"parallel": "cfg=2"}}
+    assert ServiceConfig.from_dict({**group, "devices": ["cuda:0", "cuda:1"]}).devices == (
+        "cuda:0", "cuda:1")
+    refused({**group, "devices": ["cpu"] * 3}, r"cfg=2 is a group of 2 ranks: give one "
+                                                r"device per rank, e\.g\. --devices cuda:0,cuda:1")
+    refused({"devices": ["cpu", "cpu"]}, "transformer.parallel is unset")
+    refused({**group, "devices": ["cuda:1", "cuda:1"]}, "each rank needs a GPU of its own")
+    refused({**group, "devices": ["cpu", "cuda:0"]}, "all cpu or all cuda")
+    refused({**group, "devices": ["cpu", "cpu"], "cfg_batch": True}, "choose one")
+    refused({"decoder": {"parallel": "cfg=2"}}, "apply to the transformer stage only")
+    refused({"transformer": {"parallel": "cfg=2", "group_timeout_s": 0}},
+            "group_timeout_s must be positive")
+
+    path = tmp_path / "dit.json"
+    path.write_text(json.dumps(group))
+    _, cfg = build_config(_parse(["--service", "transformer", "--config", str(path),
+                                  "--devices", "cpu, cpu"]), {})
+    assert cfg.devices == ("cpu", "cpu") and cfg.transformer.layout.size == 2
+    from workers.group.supervisor import GroupFailed, run_group
+
+    _, cfg = build_config(_parse(["--service", "transformer", "--config", str(path)]), {})
+    with pytest.raises(GroupFailed, match="give one device per rank"):  # before any process
+        run_group(cfg, "token", {})
+    with pytest.raises(DiffringError, match="use it with --service transformer"):
+        build_config(_parse(["--service", "encoder", "--devices", "cpu,cpu"]), {})
+    with pytest.raises(DiffringError, match="the one-process baseline has one device"):
+        build_config(_parse(["--service", "all", "--config", str(path)]), {})

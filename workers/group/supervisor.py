@@ -207,6 +207,8 @@ class GroupSupervisor:
 
 def run_group(cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
     """Run a transformer group until drained; GroupFailed when it fails for good."""
+    if len(cfg.devices) != cfg.transformer.layout.size:
+        raise GroupFailed(cfg.group_devices_needed())
     sup = GroupSupervisor(cfg, token, env)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
