@@ -59,8 +59,8 @@ class Channel:
             return wire.unpack_msg(recv_frame(self.sock))
         except TimeoutError:
             raise
-        except (OSError, ValueError) as exc:
-            raise ConnectionLost(f"{self.peer}: command channel closed: {exc}") from exc
+        except (ConnectionLost, OSError, ValueError) as exc:
+            raise ConnectionLost(f"{self.peer}: command channel closed ({exc})") from exc
 
     def close(self) -> None:
         self.sock.close()

@@ -9,8 +9,8 @@ supervisor's pipe every interval: a frozen process, SIGSTOP included, stops beat
 asks the kernel to kill it if the supervisor dies (a group never outlives its supervisor).
 
 Exit status: 0 stopped (drained, or told to stop); 2 refused to run (configuration, model
-load, a fatal error reported to the controller); 3 the group broke (ranks out of step). The
-supervisor restarts the group after 3, a signal or a hang, and gives up on 2.
+load); 3 the group broke (ranks out of step); 1 any other failure (a fatal error reported to
+the controller). The supervisor gives up on 2 and restarts the group after anything else.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from contracts import faults
 from contracts.config import ServiceConfig
-from contracts.errors import DiffringError
+from contracts.errors import ConfigError, DiffringError, ModelLoadError
 from contracts.roles import Role
 
 EXIT_REFUSED = 2
@@ -93,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank == 0:
             return _lead(cfg, args, env)
         return _follow(cfg, args)
-    except DiffringError as exc:
+    except (ConfigError, ModelLoadError) as exc:  # starting again would refuse again
         log.error("%s", exc)
         return EXIT_REFUSED
+    except DiffringError as exc:  # e.g. the controller gone for good: a restart may help
+        log.error("%s", exc)
+        return 1
 
 
 def _lead(cfg: ServiceConfig, args: argparse.Namespace, env: dict[str, str]) -> int:
