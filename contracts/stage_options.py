@@ -27,6 +27,9 @@ torch's own mechanisms:
   (docs/lora.md). A request without adapters computes exactly what the base model does.
 * ``cache`` (transformer): the default step cache of the worker's requests (``{"kind":
   ..., <parameters>}`` in diffusers' names, :mod:`contracts.dit_request`). Lossy.
+* ``parallel`` (transformer): the layout of a transformer group, one DiT worker over several
+  devices (``"cfg=2,ulysses=2"``: :mod:`contracts.parallel`; the devices are the service's
+  ``devices``), with ``group_timeout_s`` and ``group_restarts`` for its faults.
 
 The attention kernel (``attention_backend``, e.g. ``"fp8_cudnn"``), ``compile``,
 ``cfg_batch`` and ``warmup_shapes`` stay top-level keys of the file, as before.
@@ -39,6 +42,7 @@ from typing import Any, Final
 
 from contracts.dit_request import CacheSpec, parse_cache
 from contracts.errors import ConfigError, InvalidRequestError
+from contracts.parallel import ParallelLayout
 
 __all__ = ["LINEAR_MODES", "OFFLOAD_MODES", "WEIGHT_STORAGE", "StageOptions"]
 
@@ -46,7 +50,8 @@ WEIGHT_STORAGE: Final[tuple[str, ...]] = ("dtype", "fp8")
 OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
 LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
 _TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "lora_dir", "lora_max_loaded",
-                     "lora_max_mb", "lora_max_rank", "cache")
+                     "lora_max_mb", "lora_max_rank", "cache", "parallel", "group_timeout_s",
+                     "group_restarts")
 _DECODER_ONLY = ("vae_tiling",)
 
 
@@ -87,8 +92,26 @@ class StageOptions:
     cache: dict[str, Any] | None = None
     """Transformer: default step cache of every request that names none, e.g.
     ``{"kind": "first_block_cache", "threshold": 0.05}``; None: no cache."""
+    parallel: str | None = None
+    """Transformer: the layout of a transformer group (``"cfg=2"``, ``"ulysses=2"``,
+    ``"cfg=2,ulysses=2"``, ...; :mod:`contracts.parallel`); None: one device."""
+    group_timeout_s: float = 120.0
+    """Transformer group: the longest any rank waits in a collective for the others, and the
+    longest a rank may go without a heartbeat, before the group is taken down (and restarted).
+    Must exceed the longest step of one rank between two collectives (a DiT forward)."""
+    group_restarts: int = 3
+    """Transformer group: restarts of the whole group after a rank died or hung, before its
+    supervisor gives up and exits with an error naming the rank."""
 
     def __post_init__(self) -> None:
+        layout = ParallelLayout.parse(self.parallel)  # a bad layout is refused by name
+        if self.cache is not None and layout.sequence > 1:
+            raise ConfigError(
+                "transformer.cache cannot be a sequence-parallel group's default (its ranks "
+                "could skip different blocks of one forward); use it with parallel 'cfg=2' "
+                "or one device")
+        if not self.group_timeout_s > 0 or self.group_restarts < 0:
+            raise ConfigError("group_timeout_s must be positive and group_restarts >= 0")
         if self.weight_storage not in WEIGHT_STORAGE:
             raise ConfigError(
                 f"weight_storage must be one of {', '.join(WEIGHT_STORAGE)}, got "
@@ -153,7 +176,13 @@ class StageOptions:
         return parse_cache(self.cache, "cache")
 
     @property
+    def layout(self) -> ParallelLayout:
+        """The transformer group's layout (size 1: one device, no group)."""
+        return ParallelLayout.parse(self.parallel)
+
+    @property
     def exact(self) -> bool:
         """Whether outputs stay bit-identical to the stage without options."""
         return (self.weight_storage == "dtype" and self.linear == "dtype"
-                and not self.vae_tiling and self.default_cache is None)
+                and not self.vae_tiling and self.default_cache is None
+                and self.layout.sequence == 1)

@@ -302,6 +302,9 @@ class TransformerAdapter(StageAdapter):
     * ``cfg_batch``: the conditional and unconditional CFG branches run as one batch-2
       forward instead of two batch-1 forwards (same math, other kernel shapes: equal within
       the dtype's rounding, not bit for bit).
+    * ``group``: this process is one rank of a transformer group (a
+      :class:`~workers.models.parallel.GroupMesh`): CFG-parallel (``cfg_split``) and
+      sequence-parallel forwards (:mod:`workers.models.parallel`).
     """
 
     role = Role.TRANSFORMER
@@ -321,8 +324,12 @@ class TransformerAdapter(StageAdapter):
         cfg_batch: bool = False,
         options: StageOptions | None = None,
         budget_shapes: Sequence[str] = (),
+        group: Any = None,
     ) -> None:
         super().__init__(model_dir, task, device, dtype, options)
+        self.group = group
+        self.cfg_split: Any = None
+        """Set by :func:`~workers.models.parallel.attach_group` in a CFG-2 group."""
         self.budget_shapes = tuple(budget_shapes)
         check_backend_name(attention)
         self.attention = attention
@@ -333,6 +340,10 @@ class TransformerAdapter(StageAdapter):
         if self._loaded:
             return
         super().load()
+        if self.group is not None:
+            from .parallel import attach_group
+
+            attach_group(self)
         if self.options.linear == "fp8":
             from .dit_options import apply_fp8_linear
 

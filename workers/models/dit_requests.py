@@ -31,6 +31,10 @@ class RequestOptions:
         self.family = family
         self.task = task
         self.compiled = compiled
+        # A step cache decides per rank whether to skip a block: under sequence parallelism
+        # the ranks of one forward could decide differently and leave each other waiting in
+        # a collective, so such a group offers none.
+        self.sequence_parallel = options.layout.sequence > 1
         self.model = type(transformer).__name__
         self.default_cache = options.default_cache
         if self.default_cache is not None:
@@ -51,7 +55,9 @@ class RequestOptions:
         return self.loras.names() if self.loras is not None else []
 
     def cache_kinds(self) -> list[str]:
-        return [] if self.compiled else supported_kinds(self.family)
+        if self.compiled or self.sequence_parallel:
+            return []
+        return supported_kinds(self.family)
 
     def cache_for(self, req: GenerationRequest) -> CacheSpec | None:
         """The cache ``req`` runs with (its own, else the worker's default), checked."""
@@ -59,6 +65,12 @@ class RequestOptions:
             return None
         spec = req.cache or self.default_cache
         if spec is not None:
+            if self.sequence_parallel:
+                raise InvalidRequestError(
+                    "step caches are not available on a sequence-parallel transformer group "
+                    "(its ranks could skip different blocks of one forward); send the request "
+                    "without a cache, or serve caches from single-device or cfg-only workers"
+                )
             if self.compiled:
                 raise InvalidRequestError(
                     "step caches are not available on a compiled transformer worker (their "
