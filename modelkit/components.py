@@ -250,11 +250,14 @@ def qwen_text_encoder(seed: int, tokenizer: Any) -> Any:
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def qwen_transformer(seed: int) -> Any:
+def qwen_transformer(seed: int, zero_cond_t: bool = False) -> Any:
+    """The tiny Qwen-Image DiT; ``zero_cond_t`` as Qwen-Image-Edit-2511's (no weights of its
+    own: the same seed gives the same weights either way)."""
     from diffusers import QwenImageTransformer2DModel
 
     seeded(seed, "qwen.transformer")
     model: Any = QwenImageTransformer2DModel(
+        zero_cond_t=zero_cond_t,
         patch_size=2,
         in_channels=64,  # 16 latent channels x 2x2 packing
         out_channels=16,

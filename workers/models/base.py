@@ -32,6 +32,7 @@ from contracts.request import GenerationRequest
 from contracts.roles import Role
 from contracts.stage_options import StageOptions
 
+from .checkpoint import check_checkpoint
 from .components import (
     STAGE_COMPONENTS,
     WEIGHTS,
@@ -138,6 +139,8 @@ class StageAdapter(ABC):
             return
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist (task {self.task})")
+        # The folder must be a checkpoint of this task's pipeline (JSON only, before weights).
+        self.checkpoint = check_checkpoint(self.model_dir, self.task)
         self._resolve_settings()
         self._check_budget()
         self._load()
