@@ -31,8 +31,9 @@ class TaskRequest(BaseModel):
     task_id: str | None = Field(None, description="client-chosen id; a duplicate gets 409")
     prompt: str = Field(..., min_length=1, max_length=100_000)
     negative_prompt: str | None = Field(None, max_length=100_000)
-    image_path: str | None = Field(
-        None, description="input image for i2v / i2i: base64 or a data: URL"
+    image_path: str | list[str] | None = Field(
+        None, description="input image for i2v / i2i: base64 or a data: URL; qwen_i2i_plus "
+        "takes a list of them (Picture 1, Picture 2, ..., at most server.max_input_images)"
     )
     last_frame_path: str | None = Field(None, description="not supported by diffring")
     save_result_path: str | None = Field(
@@ -54,12 +55,19 @@ class TaskRequest(BaseModel):
         # JSON may carry lone surrogates ("\ud800"): a valid Python str, but one that
         # msgpack and the file system fail on much later. Pydantic catches them in some
         # fields only.
-        if isinstance(value, str) and not value.isascii():  # isascii: cheap on a 1 MB image
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("must be valid unicode text (no lone surrogates)") from None
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str) and not text.isascii():  # isascii: cheap on a 1 MB image
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("must be valid unicode text (no lone surrogates)") from None
         return value
+
+    def image_values(self) -> list[str]:
+        """The input images as sent: none, one (a string or a list of one), or several."""
+        if self.image_path is None or self.image_path == "":
+            return []
+        return [self.image_path] if isinstance(self.image_path, str) else list(self.image_path)
 
 
 class VideoTaskRequest(TaskRequest):

@@ -87,7 +87,7 @@ def _build_wan(dest: Path, seed: int, i2v: bool) -> None:
         # Name the image processor as the published checkpoint does. save_pretrained records
         # the PIL class used here, which would pin loaders to the PIL backend even where
         # torchvision is installed (diffusers and our stage would then resize differently).
-        _patch_model_index(dest, image_processor=["transformers", "CLIPImageProcessor"])
+        c.patch_model_index(dest, image_processor=["transformers", "CLIPImageProcessor"])
 
 
 def _build_qwen(dest: Path, seed: int, edit: bool, zero_cond_t: bool = False) -> None:
@@ -105,17 +105,9 @@ def _build_qwen(dest: Path, seed: int, edit: bool, zero_cond_t: bool = False) ->
     if not edit:
         return
     # Qwen-Image-Edit shares every component with Qwen-Image and adds a vision-language
-    # processor. Saved as its parts (image processor + tokenizer) in the layout of the real
-    # checkpoint: transformers 5's Qwen2VLProcessor also wants a video processor, which needs
-    # torchvision, so loaders build the processor from these two parts.
-    processor_dir = dest / "processor"
-    c.qwen_vl_image_processor().save_pretrained(processor_dir)
-    tokenizer.save_pretrained(processor_dir)
-    _patch_model_index(
-        dest,
-        _class_name="QwenImageEditPipeline",
-        processor=["transformers", "Qwen2VLProcessor"],
-    )
+    # processor (saved as its parts, as the real checkpoint's).
+    c.save_edit_processor(dest, c.qwen_vl_image_processor(), tokenizer)
+    c.patch_model_index(dest, _class_name="QwenImageEditPipeline")
 
 
 def _build_qwen_edit_plus(dest: Path, seed: int) -> None:
@@ -124,14 +116,7 @@ def _build_qwen_edit_plus(dest: Path, seed: int) -> None:
     published 2511 checkpoint's does (2509's leaves it off; a test builds that variant from
     this folder by its config alone: the flag adds no weights)."""
     _build_qwen(dest, seed, edit=True, zero_cond_t=True)
-    _patch_model_index(dest, _class_name="QwenImageEditPlusPipeline")
-
-
-def _patch_model_index(dest: Path, **entries: Any) -> None:
-    index_path = dest / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index.update(entries)
-    index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+    c.patch_model_index(dest, _class_name="QwenImageEditPlusPipeline")
 
 
 def _marker(task: str, seed: int) -> dict[str, Any]:

@@ -236,6 +236,22 @@ def input_png() -> bytes:
     return buf.getvalue()
 
 
+@pytest.fixture(scope="session")
+def input_png_2() -> bytes:
+    """A second input image of another aspect ratio (64x40, landscape), for the multi-image
+    edit (Picture 2): its condition sizes differ from the first image's."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:40, 0:64]
+    rgb = np.stack([(x * y) % 253, 250 - x * 3, y * 6], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def wait_log(svc: Any, text: str, timeout: float = 120) -> None:
     """Wait until ``text`` is in the log of ``svc`` (a started service: ``log()`` and
     ``proc``); raise, with the log, if the process exits first or ``timeout`` passes (a

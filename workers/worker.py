@@ -164,7 +164,9 @@ class StageWorker:
             )
         self.progress.start()
         own = default_advertised_host(self.cfg, controller=False)
-        check_stage_folder(Path(self.model_path()), self.cfg.pipeline, self.role.value)
+        found = check_stage_folder(Path(self.model_path()), self.cfg.pipeline, self.role.value)
+        log.info("worker %s: model folder %s is %s", self.name, self.model_path(),
+                 found.describe())
         settings = MooncakeSettings.resolve(
             self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own}
         )
