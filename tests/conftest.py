@@ -212,7 +212,7 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny random-weight models of the four pipelines, built once per session (offline)."""
+    """Tiny random-weight models of every pipeline, built once per session (offline)."""
     env = os.environ.get("DIFFRING_TINY_MODELS")
     out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
     from modelkit.tiny import build_all
