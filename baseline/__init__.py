@@ -95,8 +95,10 @@ class BaselineWorker:
     def start(self) -> None:
         self.load()
         for role in Role:
+            offers = self.pipeline.transformer.offers() if role == Role.TRANSFORMER else {}
             self.roles[role] = self.co.on_register(
-                role, f"all/{role}", 0, self.co.config.pipeline, "")
+                role, f"all/{role}", 0, self.co.config.pipeline, "",
+                **{k: tuple(v) for k, v in offers.items()})
         self.thread.start()
 
     def close(self) -> None:

@@ -103,6 +103,10 @@ class ServiceConfig:
     """Local diffusers-format model folder (workers and ``all``)."""
     device: str = "cpu"
     """Torch device of a worker's model stage: 'cpu' or 'cuda:N'."""
+    devices: tuple[str, ...] = ()
+    """Transformer group: one device per rank (``--devices cuda:0,cuda:1``), as many as
+    ``transformer.parallel`` has ranks; rank 0's is the worker's ``device``. Empty: one
+    process on ``device``."""
     dtype: str = "float32"
     """Model dtype: 'float32' or 'bfloat16'."""
     attention_backend: str = "sdpa"
@@ -212,6 +216,7 @@ class ServiceConfig:
             )
         if not check_device(self.device):
             raise ConfigError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        self._check_group()
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError("torch_threads must be at least 1 (or null for torch's default)")
         for shape in self.warmup_shapes:
@@ -256,10 +261,50 @@ class ServiceConfig:
             raise ConfigError("transformer.linear 'fp8' needs dtype 'bfloat16'")
         if self.transformer.compile_cache_dir is not None and not self.compile:
             raise ConfigError("transformer.compile_cache_dir needs compile: true")
+        if self.transformer.cache is not None and self.compile:
+            raise ConfigError("transformer.cache (a step cache) cannot be combined with "
+                              "compile: its hooks skip blocks by data-dependent branches; "
+                              "drop one of them")
+        if self.transformer.lora_max_rank is not None and not self.compile:
+            raise ConfigError("transformer.lora_max_rank applies with compile: true only "
+                              "(the rank of the compiled adapter slots)")
         if not self.task_retention_s > 0:
             raise ConfigError(
                 f"task_retention_s must be positive (seconds), got {self.task_retention_s}"
             )
+
+    def _check_group(self) -> None:
+        """A transformer group's devices against its layout (contracts/parallel.py)."""
+        layout = self.transformer.layout
+        bad = [d for d in self.devices if not check_device(d)]
+        if bad:
+            raise ConfigError(f"devices must be 'cpu' or 'cuda:N', got {', '.join(bad)}")
+        if len({d.partition(":")[0] for d in self.devices}) > 1:
+            raise ConfigError(f"devices {', '.join(self.devices)}: a group is all cpu or all "
+                              "cuda")
+        cuda = [d for d in self.devices if d.startswith("cuda")]
+        if len(set(cuda)) != len(cuda):
+            raise ConfigError(f"devices {', '.join(self.devices)}: each rank needs a GPU of "
+                              "its own")
+        # No devices yet is fine here: --devices may bring them (the group checks at start).
+        if layout.size > 1 and self.devices and len(self.devices) != layout.size:
+            raise ConfigError(self.group_devices_needed())
+        if layout.size == 1 and len(self.devices) > 1:
+            raise ConfigError(
+                f"devices lists {len(self.devices)} devices but transformer.parallel is unset: "
+                f'set it, e.g. "parallel": "cfg=2" or "ulysses={len(self.devices)}" in the '
+                "transformer section"
+            )
+        if layout.cfg == 2 and self.cfg_batch:
+            raise ConfigError("cfg_batch runs both guidance branches as one batch on one "
+                              "device, transformer.parallel cfg=2 runs them on two: choose one")
+
+    def group_devices_needed(self) -> str:
+        """What a transformer group whose ``devices`` do not match its layout is told."""
+        layout = self.transformer.layout
+        return (f"transformer.parallel {layout} is a group of {layout.size} ranks: give one "
+                f"device per rank, e.g. --devices "
+                + ",".join(f"cuda:{i}" for i in range(layout.size)))
 
     def addresses(self, service: str) -> dict[str, str]:
         """The addresses ``service`` binds, advertises or joins, by config key (what the
@@ -289,14 +334,14 @@ class ServiceConfig:
         data = dict(data)
         disagg = DisaggConfig.from_dict(data.pop("disagg_config", None))
         server = from_mapping(ServerConfig, data.pop("server", None), "server")
-        encoder, transformer, decoder = (
-            from_mapping(StageOptions, data.pop(role, None), role) for role in STAGE_SECTIONS
-        )
-        base = from_mapping(cls, data, "config")
-        return dataclasses.replace(
-            base, disagg_config=disagg, server=server, encoder=encoder,
-            transformer=transformer, decoder=decoder,
-        )
+        sections: dict[str, Any] = {
+            role: from_mapping(StageOptions, data.pop(role, None), role)
+            for role in STAGE_SECTIONS
+        }
+        # The sections go in with the rest, so that checks across them (a group's devices
+        # against transformer.parallel) see the file's values, not the defaults.
+        return from_mapping(cls, {**data, **sections, "disagg_config": disagg,
+                                  "server": server}, "config")
 
     @classmethod
     def load(cls, path: str | None) -> ServiceConfig:

@@ -33,6 +33,7 @@ Nobody invents a new root.
                 ├── ModelLoadError       missing folder/component, bad device/dtype/backend
                 ├── InvalidRequestError  a request field the task or model cannot serve
                 ├── StageInputError      a stage got inputs outside its contract
+                │   └── AdapterError     a LoRA adapter a request names cannot be served
                 └── StageCancelled       the caller asked a running stage to stop
 """
 
@@ -58,6 +59,7 @@ from rings.errors import (
 )
 
 __all__ = [
+    "AdapterError",
     "ConfigError",
     "ConnectionLost",
     "ControlRefused",
@@ -173,6 +175,11 @@ class InvalidRequestError(ModelError, ValueError):
 class StageInputError(ModelError, ValueError):
     """A stage received inputs that do not fit its contract: a missing or misshapen tensor,
     an input image that is missing, unexpected or not decodable."""
+
+
+class AdapterError(StageInputError):
+    """A LoRA adapter a request names cannot be served here: not in the worker's folder,
+    unreadable, not a LoRA checkpoint, or matching no layer of the model (the file named)."""
 
 
 class StageCancelled(ModelError):

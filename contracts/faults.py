@@ -23,6 +23,8 @@ actions
                   :class:`~contracts.errors.FaultInjected`)
     ``hang``      stop at the point for good (a wedged process: heartbeats of other threads
                   go on; SIGKILL ends it)
+    ``stop``      SIGSTOP this process (a frozen one: no thread runs, no socket closes;
+                  SIGKILL or SIGCONT ends it)
     ``sleep=S``   pause S seconds, then go on
     ``signal=SIG`` raise signal SIG (``TERM``, ``INT``) in this thread and go on: it arrives
                   at exactly this step (on the main thread its handler has run when the
@@ -35,6 +37,12 @@ when (default: every hit)
     ``p=F``       each hit with probability F
     ``while=PATH`` every hit while the file PATH exists (a fault a test clears by deleting
                   the file; PATH holds no ``:`` or ``,``)
+
+rank (transformer groups)
+    ``point@R:action[:when]`` arms the entry in rank R of a transformer group only, and in
+    the group's first start only (a restarted group runs clean, so that a test sees the
+    group recover): ``group.step@1:exit:nth=2`` kills rank 1 before its second step.
+    Entries without ``@R`` are armed in every rank, every time.
 
 Every firing is logged (``fault point ... fired``) before it acts, and counted
 (:func:`fired`).
@@ -101,10 +109,12 @@ POINTS: Final[dict[str, str]] = {
     "the rings",
     "startup.ready": "the worker joined the rings and registered; its pull loop has not "
     "started",
+    "group.step": "every rank of a transformer group, before each denoising step, after the "
+    "group agreed to go on (raise: FaultInjected in that rank alone)",
 }
 """Every fault point compiled into the code, with where exactly it sits."""
 
-ACTIONS: Final = ("exit", "raise", "hang", "sleep", "signal")
+ACTIONS: Final = ("exit", "raise", "hang", "stop", "sleep", "signal")
 SIGNALS: Final = {"TERM": signal.SIGTERM, "INT": signal.SIGINT}
 """Signals the ``signal=`` action may send (the stop signals)."""
 
@@ -124,6 +134,8 @@ class Fault:
     every: int | None = None
     probability: float | None = None
     while_path: str | None = None
+    rank: int | None = None
+    """Armed in this rank of a transformer group only (``point@R``); None: everywhere."""
     hits: int = 0
     fired: int = 0
 
@@ -146,7 +158,8 @@ _rng = random.Random()
 
 
 def parse(spec: str | None) -> dict[str, Fault]:
-    """Parse a fault spec; a ConfigError names the bad entry and what is allowed."""
+    """Parse a fault spec (keyed ``point`` or ``point@R``); a ConfigError names the bad entry
+    and what is allowed."""
     out: dict[str, Fault] = {}
     for entry in (spec or "").split(","):
         entry = entry.strip()
@@ -158,11 +171,14 @@ def parse(spec: str | None) -> dict[str, Fault]:
                 f"fault {entry!r}: expected point:action[:when], e.g. worker.after_pop:exit"
             )
         point, action = parts[0], parts[1]
+        point, at, rank = point.partition("@")
         if point not in POINTS:
             raise ConfigError(
                 f"fault {entry!r}: unknown fault point {point!r} (known: {', '.join(POINTS)})"
             )
         fault = Fault(point, action)
+        if at:
+            fault.rank = int(_number(entry, rank, int, 0))
         if action.startswith("sleep="):
             fault.action, fault.seconds = "sleep", _number(entry, action[6:], float, 0)
         elif action.startswith("signal="):
@@ -173,7 +189,7 @@ def parse(spec: str | None) -> dict[str, Fault]:
             fault.action, fault.signum = "signal", SIGNALS[action[7:]]
         elif action not in ACTIONS or action in ("sleep", "signal"):
             raise ConfigError(
-                f"fault {entry!r}: unknown action {action!r} (exit, raise, hang, sleep=S, "
+                f"fault {entry!r}: unknown action {action!r} (exit, raise, hang, stop, sleep=S, "
                 "signal=TERM|INT)"
             )
         if len(parts) == 3:
@@ -195,9 +211,10 @@ def parse(spec: str | None) -> dict[str, Fault]:
                     f"fault {entry!r}: unknown condition {when!r} (once, nth=K, every=K, p=F, "
                     "while=PATH)"
                 )
-        if point in out:
-            raise ConfigError(f"fault point {point!r} is armed twice")
-        out[point] = fault
+        key = point if fault.rank is None else f"{point}@{fault.rank}"
+        if key in out:
+            raise ConfigError(f"fault point {key!r} is armed twice")
+        out[key] = fault
     return out
 
 
@@ -211,10 +228,16 @@ def _number(entry: str, text: str, kind: type[int] | type[float], least: float) 
     return value
 
 
-def configure(spec: str | None) -> None:
-    """Arm the faults of ``spec`` in this process (replacing any armed before)."""
+def configure(spec: str | None, rank: int | None = None, first_start: bool = True) -> None:
+    """Arm the faults of ``spec`` in this process (replacing any armed before). ``rank``: this
+    process is that rank of a transformer group (``first_start``: in the group's first start),
+    which arms its ``point@R`` entries; elsewhere they stay disarmed."""
     global ON
-    parsed = parse(spec)
+    parsed: dict[str, Fault] = {}
+    # A rank's own entry wins over the same point armed everywhere.
+    for f in sorted(parse(spec).values(), key=lambda f: f.rank is not None):
+        if f.rank is None or (f.rank == rank and first_start):
+            parsed[f.point] = f
     with _lock:
         _armed.clear()
         _armed.update(parsed)
@@ -253,6 +276,10 @@ def hit(point: str, error: Callable[[str], BaseException] = FaultInjected) -> No
     elif fault.action == "hang":
         while True:
             time.sleep(3600)
+    elif fault.action == "stop":
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.action == "sleep":
         time.sleep(fault.seconds)
     elif fault.action == "signal":

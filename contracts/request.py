@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from contracts.dit_request import CacheSpec, LoraRef, parse_cache, parse_loras
 from contracts.errors import InvalidRequestError
 from contracts.pipelines import TaskSpec, task_spec
 
@@ -65,9 +66,22 @@ class GenerationRequest:
     max_sequence_length: int | None = None
     """Text tokens given to the DiT. Wan: 512 (I2V checkpoints require exactly 512); Qwen:
     1..1024 (default 512)."""
+    loras: tuple[LoraRef, ...] = ()
+    """LoRA adapters for this request only, each a file stem in the DiT worker's
+    ``transformer.lora_dir`` with a strength (:mod:`contracts.dit_request`); a map travels
+    as a list of ``{name, strength}``. Empty: the base model."""
+    cache: CacheSpec | None = None
+    """Step cache for this request (``{kind, ...}``, diffusers' names); None: the DiT
+    worker's default (``transformer.cache``), ``{"kind": "none"}``: no cache even there."""
 
     def __post_init__(self) -> None:
         spec = task_spec(self.task)
+        # Lists of maps (the wire's form) become LoraRef / CacheSpec, checked.
+        object.__setattr__(self, "loras", parse_loras(self.loras))
+        if isinstance(self.cache, Mapping) and self.cache.get("kind") == "none":
+            object.__setattr__(self, "cache", _NO_CACHE)
+        elif self.cache != _NO_CACHE:
+            object.__setattr__(self, "cache", parse_cache(self.cache))
         for name, default in spec.defaults.items():
             if getattr(self, name) is None and default is not None:
                 object.__setattr__(self, name, default)
@@ -161,8 +175,24 @@ class GenerationRequest:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field as plain ``str`` / ``int`` / ``float`` / ``None`` (msgpack-able)."""
-        return {name: getattr(self, name) for name in self.field_names()}
+        """Every field as plain ``str`` / ``int`` / ``float`` / ``None`` (msgpack-able);
+        ``loras`` and ``cache`` as lists and maps, and only when set (a request without
+        them travels exactly as before they existed)."""
+        out = {name: getattr(self, name) for name in self.field_names()}
+        for name in ("loras", "cache"):
+            if not out[name]:
+                del out[name]
+        if self.loras:
+            out["loras"] = [r.to_dict() for r in self.loras]
+        if self.cache is not None:
+            out["cache"] = self.cache.to_dict()
+        return out
+
+    @property
+    def cache_off(self) -> bool:
+        """The request asked for no cache at all (``{"kind": "none"}``), overriding the
+        worker's default."""
+        return self.cache == _NO_CACHE
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GenerationRequest:
@@ -189,3 +219,7 @@ class GenerationRequest:
     @property
     def spec(self) -> TaskSpec:
         return task_spec(self.task)
+
+
+_NO_CACHE = CacheSpec("none")
+"""``cache`` of a request that turns the worker's default cache off."""

@@ -21,6 +21,15 @@ torch's own mechanisms:
   dynamic activation scales (torchao), fused by ``compile``. Lossy.
 * ``compile_cache_dir`` (transformer): where torch's compile caches live, so that a second
   start of a worker with ``compile`` reuses the first start's compiled kernels.
+* ``lora_dir`` (transformer): a local folder of LoRA adapters (``<name>.safetensors``)
+  requests may name; the most recently used stay loaded, bounded by ``lora_max_loaded`` and
+  ``lora_max_mb``; with ``compile``, ``lora_max_rank`` is the rank the compiled slots hold
+  (docs/lora.md). A request without adapters computes exactly what the base model does.
+* ``cache`` (transformer): the default step cache of the worker's requests (``{"kind":
+  ..., <parameters>}`` in diffusers' names, :mod:`contracts.dit_request`). Lossy.
+* ``parallel`` (transformer): the layout of a transformer group, one DiT worker over several
+  devices (``"cfg=2,ulysses=2"``: :mod:`contracts.parallel`; the devices are the service's
+  ``devices``), with ``group_timeout_s`` and ``group_restarts`` for its faults.
 
 The attention kernel (``attention_backend``, e.g. ``"fp8_cudnn"``), ``compile``,
 ``cfg_batch`` and ``warmup_shapes`` stay top-level keys of the file, as before.
@@ -29,16 +38,20 @@ The attention kernel (``attention_backend``, e.g. ``"fp8_cudnn"``), ``compile``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
-from contracts.errors import ConfigError
+from contracts.dit_request import CacheSpec, parse_cache
+from contracts.errors import ConfigError, InvalidRequestError
+from contracts.parallel import ParallelLayout
 
 __all__ = ["LINEAR_MODES", "OFFLOAD_MODES", "WEIGHT_STORAGE", "StageOptions"]
 
 WEIGHT_STORAGE: Final[tuple[str, ...]] = ("dtype", "fp8")
 OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
 LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
-_TRANSFORMER_ONLY = ("linear", "compile_cache_dir")
+_TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "lora_dir", "lora_max_loaded",
+                     "lora_max_mb", "lora_max_rank", "cache", "parallel", "group_timeout_s",
+                     "group_restarts")
 _DECODER_ONLY = ("vae_tiling",)
 
 
@@ -65,8 +78,40 @@ class StageOptions:
     compile_cache_dir: str | None = None
     """Transformer: folder of torch's compile caches (Inductor, AOTAutograd, Triton) kept
     across worker starts; None leaves torch's default (a per-user temporary folder)."""
+    lora_dir: str | None = None
+    """Transformer: local folder of LoRA adapters, one ``<name>.safetensors`` each
+    (diffusers' format or a format diffusers' loader converts); None: no adapters."""
+    lora_max_loaded: int = 4
+    """Transformer: adapters kept loaded at most (least recently used first out)."""
+    lora_max_mb: int = 4096
+    """Transformer: MiB of adapter weights kept loaded at most."""
+    lora_max_rank: int | None = None
+    """Transformer with ``compile``: the rank the compiled adapter slots are padded to
+    (diffusers' ``enable_lora_hotswap(target_rank=...)``); None: the largest rank in
+    ``lora_dir`` at start."""
+    cache: dict[str, Any] | None = None
+    """Transformer: default step cache of every request that names none, e.g.
+    ``{"kind": "first_block_cache", "threshold": 0.05}``; None: no cache."""
+    parallel: str | None = None
+    """Transformer: the layout of a transformer group (``"cfg=2"``, ``"ulysses=2"``,
+    ``"cfg=2,ulysses=2"``, ...; :mod:`contracts.parallel`); None: one device."""
+    group_timeout_s: float = 120.0
+    """Transformer group: the longest any rank waits in a collective for the others, and the
+    longest a rank may go without a heartbeat, before the group is taken down (and restarted).
+    Must exceed the longest step of one rank between two collectives (a DiT forward)."""
+    group_restarts: int = 3
+    """Transformer group: restarts of the whole group after a rank died or hung, before its
+    supervisor gives up and exits with an error naming the rank."""
 
     def __post_init__(self) -> None:
+        layout = ParallelLayout.parse(self.parallel)  # a bad layout is refused by name
+        if self.cache is not None and layout.sequence > 1:
+            raise ConfigError(
+                "transformer.cache cannot be a sequence-parallel group's default (its ranks "
+                "could skip different blocks of one forward); use it with parallel 'cfg=2' "
+                "or one device")
+        if not self.group_timeout_s > 0 or self.group_restarts < 0:
+            raise ConfigError("group_timeout_s must be positive and group_restarts >= 0")
         if self.weight_storage not in WEIGHT_STORAGE:
             raise ConfigError(
                 f"weight_storage must be one of {', '.join(WEIGHT_STORAGE)}, got "
@@ -91,6 +136,23 @@ class StageOptions:
         if self.linear == "fp8" and self.offload != "none":
             raise ConfigError("linear 'fp8' cannot be combined with offload; use "
                               "weight_storage 'fp8' with offload instead")
+        if self.lora_max_loaded < 1 or self.lora_max_mb < 1:
+            raise ConfigError("lora_max_loaded and lora_max_mb must be at least 1")
+        if self.lora_max_rank is not None and self.lora_max_rank < 1:
+            raise ConfigError(f"lora_max_rank must be at least 1, got {self.lora_max_rank}")
+        if self.lora_dir is not None:
+            # PEFT wraps nn.Linear layers: torchao's FP8 layers and offloaded groups (moved in
+            # by hooks) are not wrapped, so the adapter would be silently wrong or absent.
+            clash = [f"{name} {getattr(self, name)!r}" for name, off in
+                     (("linear", "dtype"), ("offload", "none"), ("weight_storage", "dtype"))
+                     if getattr(self, name) != off]
+            if clash:
+                raise ConfigError(f"lora_dir cannot be combined with {', '.join(clash)} (not "
+                                  "supported yet); drop one of them")
+        try:
+            parse_cache(self.cache, "cache")
+        except InvalidRequestError as exc:
+            raise ConfigError(str(exc)) from None
 
     def check_role(self, role: str) -> None:
         """Refuse options that mean nothing for ``role`` (named in the error)."""
@@ -109,7 +171,18 @@ class StageOptions:
             )
 
     @property
+    def default_cache(self) -> CacheSpec | None:
+        """The parsed ``cache`` option."""
+        return parse_cache(self.cache, "cache")
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The transformer group's layout (size 1: one device, no group)."""
+        return ParallelLayout.parse(self.parallel)
+
+    @property
     def exact(self) -> bool:
         """Whether outputs stay bit-identical to the stage without options."""
         return (self.weight_storage == "dtype" and self.linear == "dtype"
-                and not self.vae_tiling)
+                and not self.vae_tiling and self.default_cache is None
+                and self.layout.sequence == 1)

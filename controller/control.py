@@ -254,6 +254,8 @@ class ControlServer:
                 int(msg["pid"]),
                 str(msg["pipeline"]),
                 str(msg.get("segment", "")),
+                loras=_names(msg.get("loras")),
+                caches=_names(msg.get("caches")),
             )
             return {
                 "worker_id": worker.worker_id,
@@ -308,6 +310,15 @@ class ControlServer:
             )
             return {}, worker
         raise ControlError(f"unknown control op {op!r}")
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """A register message's list of names (adapters, cache kinds); absent: none."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of names, got {value!r}")
+    return tuple(value)
 
 
 def _opt_str(value: Any) -> str | None:

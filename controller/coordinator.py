@@ -251,9 +251,11 @@ class Coordinator:
 
     # -- control channel -------------------------------------------------------------------
     def on_register(
-        self, role: str, name: str, pid: int, pipeline: str, segment: str
+        self, role: str, name: str, pid: int, pipeline: str, segment: str, *,
+        loras: tuple[str, ...] = (), caches: tuple[str, ...] = (),
     ) -> WorkerInfo:
-        info = self.registry.register(role, name, pid, pipeline, segment, self.clock())
+        info = self.registry.register(role, name, pid, pipeline, segment, self.clock(),
+                                      loras=loras, caches=caches)
         log.info("worker %d registered: %s %s pid=%d segment=%s", info.worker_id, role, name,
                  pid, segment)
         self.budget.worker_back(name, self.table)  # it was not killed: its connection dropped

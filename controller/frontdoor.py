@@ -30,6 +30,7 @@ from contracts.pipelines import TaskSpec, task_spec
 from contracts.request import GenerationRequest
 from controller.coordinator import Coordinator
 from controller.decoding import ImageDecoder
+from controller.dit_offers import check_offers, lora_fields
 from controller.errors import QueueFull
 from controller.events import EventHub
 from controller.schemas import (
@@ -78,13 +79,12 @@ class FrontDoor:
 
     # -- request building -----------------------------------------------------------------
     def _generation_request(self, body: TaskRequest, kind: str) -> dict[str, Any]:
-        for name in ("last_frame_path", "lora_name", "resize_mode", "i2i_denoise_strength"):
+        for name in ("last_frame_path", "resize_mode", "i2i_denoise_strength"):
             if getattr(body, name, None) not in (None, ""):
                 raise http_error(422, f"{name} is not supported by diffring; leave it unset")
-        if body.lora_strength not in (None, 0, 1, 1.0):
-            raise http_error(422, "lora_strength is not supported by diffring; leave it unset")
         spec = task_spec(self.pipeline)
         fields: dict[str, Any] = {"task": self.pipeline, "prompt": body.prompt}
+        fields.update(lora_fields(body))
         for name in (
             "negative_prompt",
             "seed",
@@ -115,9 +115,11 @@ class FrontDoor:
                 body.aspect_ratio, int(h) * int(w), spec.size_multiple
             )
         try:
-            return GenerationRequest.from_dict(fields).to_dict()
+            req = GenerationRequest.from_dict(fields)
         except (InvalidRequestError, TypeError) as exc:
             raise http_error(422, str(exc)) from None
+        check_offers(req, self.co.registry.dit_offers())
+        return req.to_dict()
 
     async def create_task(self, body: TaskRequest, kind: str) -> Task:
         """Validate, decode and stage the input image (off the loop), queue the task, and

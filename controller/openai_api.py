@@ -57,6 +57,10 @@ class _Extensions(BaseModel):
     infer_steps: int | None = Field(None, ge=1, le=1000, description="diffring: denoising steps")
     guidance_scale: float | None = Field(None, ge=0, description="diffring: Wan CFG scale")
     true_cfg_scale: float | None = Field(None, ge=0, description="diffring: Qwen CFG scale")
+    loras: list[dict[str, Any]] | None = Field(
+        None, description='diffring: LoRA adapters [{"name", "strength"}] (GET /v1/loras)')
+    cache: dict[str, Any] | None = Field(
+        None, description='diffring: step cache {"kind", ...} in diffusers\' names')
 
 
 class ImageParams(_Extensions):
@@ -187,6 +191,9 @@ class OpenAIDoor:
                 exc.status_code)
             # The size reaches the task as height / width: name the parameter the client sent.
             param = "size" if re.search(r"\b(height|width)\b", message) else None
+            for name in ("loras", "cache"):  # the adapters' and cache's errors name them
+                if re.search(rf"\b({name}|{name.rstrip('s')})\b", message, re.I):
+                    param = param or name
             if image_param in message:
                 param = image_param
             raise OpenAIError(status, message, param, code, exc.headers) from None

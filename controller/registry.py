@@ -31,6 +31,10 @@ class WorkerInfo:
     """When it was last heard from, on the registry's monotonic clock."""
     state: str = "running"
     tasks: set[str] = field(default_factory=set)
+    loras: tuple[str, ...] = ()
+    """A transformer worker's LoRA adapters (its ``lora_dir``'s files at registration)."""
+    caches: tuple[str, ...] = ()
+    """The step-cache kinds a transformer worker's model runs."""
     stats: dict[str, float] = field(default_factory=dict)
     """What its last heartbeat reported (a model stage: resident and peak GPU bytes)."""
 
@@ -45,6 +49,8 @@ class WorkerInfo:
             "last_heartbeat": self.last_heartbeat,
             "current_tasks": sorted(self.tasks),
             "segment": self.segment,
+            **({"loras": list(self.loras), "caches": list(self.caches)}
+               if self.role == Role.TRANSFORMER else {}),
             "stats": dict(self.stats),
         }
 
@@ -59,7 +65,8 @@ class WorkerRegistry:
         self._next = 1
 
     def register(self, role: str, name: str, pid: int, pipeline: str, segment: str,
-                 now: float) -> WorkerInfo:
+                 now: float, *, loras: tuple[str, ...] = (), caches: tuple[str, ...] = ()
+                 ) -> WorkerInfo:
         """A new worker (ids are never reused), or ControlError saying why not."""
         if pipeline != self.pipeline:
             raise ControlError(
@@ -70,7 +77,8 @@ class WorkerRegistry:
             known = Role(role)
         except ValueError:
             raise ControlError(f"unknown worker role {role!r}") from None
-        info = WorkerInfo(self._next, known, name, pid, segment, pipeline, heard_at=now)
+        info = WorkerInfo(self._next, known, name, pid, segment, pipeline, heard_at=now,
+                          loras=tuple(loras), caches=tuple(caches))
         self._workers[info.worker_id] = info
         self._next += 1
         return info
@@ -108,6 +116,19 @@ class WorkerRegistry:
 
     def __len__(self) -> int:
         return len(self._workers)
+
+    def dit_offers(self) -> tuple[dict[str, list[str]], set[str]] | None:
+        """What the registered transformer workers serve: adapter name -> the workers that
+        have it, and the cache kinds any of them runs; None while none is registered (then
+        nothing can be judged: the worker that takes the task checks)."""
+        dits = [w for w in self if w.role == Role.TRANSFORMER]
+        if not dits:
+            return None
+        loras: dict[str, list[str]] = {}
+        for w in dits:
+            for name in w.loras:
+                loras.setdefault(name, []).append(w.name)
+        return dict(sorted(loras.items())), {k for w in dits for k in w.caches}
 
     def by_role(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {role.value: [] for role in Role}

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response
 
+from controller import dit_offers
 from controller.bodies import OffLoopJSONRoute
 from controller.frontdoor import FrontDoor
 from controller.schemas import (
@@ -157,8 +158,15 @@ async def service_status(front: Front) -> dict[str, Any]:
         "counts": counts,
         "workers": front.co.registry.by_role(),
         "result_writes": front.co.result_writes.public(),
+        **dit_offers.listing(front.co.registry),
         **front.status_extra(),
     }
+
+
+@router.get("/v1/loras")
+async def list_loras(front: Front) -> dict[str, Any]:
+    """The LoRA adapters the transformer workers serve (and their step-cache kinds)."""
+    return dit_offers.listing(front.co.registry)
 
 
 @open_router.get("/health")

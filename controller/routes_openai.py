@@ -22,6 +22,7 @@ from fastapi.routing import APIRoute
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from controller import forms
 from controller.events import ShuttingDown
 from controller.openai_api import (
     ImageParams,
@@ -111,6 +112,7 @@ async def _form(request: Request, file_fields: tuple[str, ...]
         raise OpenAIError(400, f"expected a multipart/form-data body, got {ctype or 'none'}")
     form = await request.form(max_part_size=1 << 20)
     fields: dict[str, Any] = {}
+    nested: list[tuple[str, Any]] = []
     files: dict[str, list[UploadFile]] = {}
     for key, value in form.multi_items():
         name = key[:-2] if key.endswith("[]") else key
@@ -118,9 +120,11 @@ async def _form(request: Request, file_fields: tuple[str, ...]
             if name not in file_fields:
                 raise OpenAIError(400, f"unexpected file field {key!r}", key)
             files.setdefault(name, []).append(value)
+        elif key.split("[", 1)[0] in forms.NESTED and "[" in key:
+            nested.append((key, value))
         else:
             fields[name] = value
-    return fields, files
+    return forms.nest(fields, nested), files
 
 
 @router.post("/v1/images/generations")

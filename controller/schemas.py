@@ -10,6 +10,7 @@ import io
 import math
 import re
 from pathlib import PurePosixPath
+from typing import Any
 
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -46,8 +47,14 @@ class TaskRequest(BaseModel):
     width: int | None = None
     guidance_scale: float | None = Field(None, ge=0)
     true_cfg_scale: float | None = Field(None, ge=0)
-    lora_name: str | None = Field(None, description="not supported by diffring")
-    lora_strength: float | None = None
+    lora_name: str | None = Field(
+        None, description="one LoRA adapter (a file stem in the DiT workers' lora_dir)")
+    lora_strength: float | None = Field(None, description="its strength (default 1.0)")
+    loras: list[dict[str, Any]] | None = Field(
+        None, description='LoRA adapters: [{"name": ..., "strength": 1.0}, ...]')
+    cache: dict[str, Any] | None = Field(
+        None, description='step cache: {"kind": "first_block_cache", "threshold": 0.05} '
+        '(diffusers\' names); {"kind": "none"} turns the workers\' default off')
 
     @field_validator("*", mode="after")
     @classmethod

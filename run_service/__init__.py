@@ -56,6 +56,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metric_port", "--metric-port", type=int, help="Prometheus metrics port")
     p.add_argument("--model_path", "--model-path", help="model folder (workers, all)")
     p.add_argument("--device", help="cpu or cuda:N (workers, all)")
+    p.add_argument("--devices", help="transformer group: one device per rank, e.g. "
+                   "cuda:0,cuda:1 (layout: the transformer section's parallel)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
         "--check",
@@ -91,6 +93,14 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, Se
         except DiffringError as exc:
             raise DiffringError(f"DIFFRING_API_KEY: {exc}") from None
     changes: dict[str, object] = {"server": server}
+    if args.devices:
+        if service != "transformer":
+            raise DiffringError("--devices starts a transformer group: use it with --service "
+                                "transformer")
+        changes["devices"] = tuple(d.strip() for d in args.devices.split(",") if d.strip())
+    if service == "all" and cfg.transformer.layout.size > 1:
+        raise DiffringError("a transformer group (transformer.parallel) runs as --service "
+                            "transformer; the one-process baseline has one device")
     # Each setting: command line, else environment, else the file (already in cfg).
     for key, flag, var in (
         ("model_path", args.model_path, "DIFFRING_MODEL_PATH"),

@@ -156,3 +156,29 @@ def test_placements() -> None:
                        (("cpu", None, "gpu0"), "'cpu' or 'cuda:N'")):
         with pytest.raises(SystemExit, match=re.escape(says)):
             layout.device_list(*args)
+
+
+def test_dit_group_plan() -> None:
+    """--dit-parallel: each DiT worker spans the layout's devices from its own; the baseline
+    is one device (the figure a group is compared to). The run itself is a CPU toy away:
+    ``python -m scripts.bench.bench_serving --devices cpu,cpu --dit-parallel cfg=2``
+    (docs/parallel.md)."""
+    from scripts.bench import bench_serving
+    from scripts.bench import bench_serving_layout as layout
+
+    assert layout.default_placement(3, 1, 1, 1, dit_span=2) == "0:e+d,1:t"
+    assert layout.default_placement(2, 1, 1, 1, dit_span=2) == "0:e+t+d"
+    assert layout.parse_placement("0:e+d,1:t", 3, dit_span=2) == [
+        ("encoder", 0), ("transformer", 1), ("decoder", 0)]
+    with pytest.raises(SystemExit, match=re.escape("a DiT group of 2 devices from d1 runs "
+                                                   "past d1")):
+        layout.parse_placement("0:e+d,1:t", 2, dit_span=2)
+    with pytest.raises(SystemExit, match=re.escape("leaves device(s) [3]")):
+        layout.parse_placement("0:e+d,1:t", 4, dit_span=2)
+    plan = bench_serving.make_plan(bench_serving.parse_args(
+        ["--devices", "cpu,cpu,cpu,cpu,cpu", "--dit-parallel", "ulysses=2,cfg=2"]))
+    assert (plan.dit_parallel, plan.dit_span, plan.scale_out) == ("cfg=2,ulysses=2", 4, False)
+    assert plan.workers == [("encoder", 0), ("transformer", 1), ("decoder", 0)]
+    assert plan.baseline_devices == ["cpu"]
+    with pytest.raises(SystemExit, match="--dit-parallel: parallel: cfg must be 1 or 2"):
+        bench_serving.make_plan(bench_serving.parse_args(["--dit-parallel", "cfg=3"]))

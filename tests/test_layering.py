@@ -42,7 +42,7 @@ def test_one_layers_contract_states_the_whole_order() -> None:
     layers = [c for c in CONFIG["contracts"] if c["type"] == "layers"]
     assert len(layers) == 1 and "allow_indirect_imports" not in layers[0]
     assert layers[0]["layers"] == [
-        "diffring_cli", "run_service", "baseline | doctor | (modelkit)", "controller | workers",
+        "diffring_cli", "run_service", "baseline | doctor | modelkit", "controller | workers",
         "tensorplane", "contracts", "rings",
     ]
     assert {"run_service", "diffring_cli"} <= set(PACKAGES)  # scanned, not only imported

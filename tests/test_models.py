@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +107,11 @@ def wire(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def diffusers_reference(
     models: Path, req: GenerationRequest, image_png: bytes | list[bytes] | None, dtype: str,
-    folder: Path | None = None,
+    setup: Callable[[Any], None] | None = None, folder: Path | None = None,
 ) -> np.ndarray:
     """diffusers' own one-process pipeline on the same folder (``models / task``, or
-    ``folder``), seed and sizes; a list of images goes to the pipeline as a list."""
+    ``folder``), seed and sizes; a list of images goes to the pipeline as a list.
+    ``setup(pipe)`` may change the pipeline first (load adapters, enable a cache)."""
     import diffusers
     from PIL import Image
 
@@ -126,6 +127,8 @@ def diffusers_reference(
     assert pipeline_class is not None
     pipe = getattr(diffusers, pipeline_class).from_pretrained(folder, dtype=torch_dtype, **extra)
     pipe.set_progress_bar_config(disable=True)
+    if setup is not None:
+        setup(pipe)
     kwargs: dict[str, Any] = {
         "prompt": req.prompt,
         "negative_prompt": req.negative_prompt,

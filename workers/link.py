@@ -153,6 +153,9 @@ class ControlLink:
         """Registered over the current control connection (readiness)."""
         self.heartbeats = Heartbeats(self.call, holding, staged, active, beat, name)
         self._fatal_reported = False
+        self.offers: Callable[[], dict[str, Any]] = dict
+        """What requests may ask of this worker's stage (a DiT's adapters and cache kinds),
+        read again for every registration (a reconnected worker reports its folder now)."""
 
     @property
     def where(self) -> str:
@@ -191,6 +194,7 @@ class ControlLink:
             pid=os.getpid(),
             pipeline=self.cfg.pipeline,
             segment=engine.session_id,
+            **self.offers(),
         )
         interval = float(reply["heartbeat_interval_s"])
         # A worker holding nothing renews no lease: it heartbeats less often (its liveness

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from contracts.config import ServiceConfig
@@ -23,7 +23,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("diffring.worker")
 
 
-def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> int:
+def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str],
+               make: Callable[..., StageWorker] | None = None) -> int:
+    """Run one worker until it is drained. ``make(cfg, token, env)`` builds it (default: the
+    role's class); a transformer whose layout spans devices runs as a group instead
+    (:mod:`workers.group.supervisor`)."""
+    if make is None and role is Role.TRANSFORMER and cfg.transformer.layout.size > 1:
+        from workers.group.supervisor import run_group
+
+        return run_group(cfg, token, env)
     worker: StageWorker | None = None
     ready = False
     stop = StopSignal()
@@ -43,7 +51,7 @@ def run_worker(role: Role, cfg: ServiceConfig, token: str, env: Mapping[str, str
         from workers.roles import WORKERS
 
         stop.boundary("startup.imported")
-        worker = WORKERS[Role(role)](cfg, token, env)
+        worker = (make or WORKERS[Role(role)])(cfg, token, env)
         stop.on_stop(on_stop)
         try:
             worker.start(stop)

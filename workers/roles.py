@@ -120,13 +120,7 @@ class TransformerWorker(ProducerWorker):
     output_kind = Kind.PHASE2
 
     def adapter_options(self) -> dict[str, Any]:
-        return {
-            "attention": self.cfg.attention_backend,
-            "compile": self.cfg.compile,
-            "cfg_batch": self.cfg.cfg_batch,
-            "options": self.cfg.transformer,
-            "budget_shapes": self.cfg.warmup_shapes,
-        }
+        return transformer_options(self.cfg)
 
     def load_model(self) -> None:
         """Load the DiT, then warm it up (compile) before the worker registers: the first
@@ -137,6 +131,9 @@ class TransformerWorker(ProducerWorker):
             self.metrics.stage_seconds.labels(self.role.value, "warmup").observe(seconds)
             log.info("worker %s: warm-up of %s took %.1f s (compile=%s)", self.name,
                      ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
+
+    def offers(self) -> dict[str, Any]:
+        return dict(self.stage.offers())
 
     def fetch_inputs(self, job: Job) -> dict[str, Any]:
         return self.pull(job)
@@ -343,6 +340,17 @@ class DecoderWorker(StageWorker):
 
 _BACKGROUND = "background"
 """``Job.result`` of a decode whose file the encode pool writes and reports."""
+
+
+def transformer_options(cfg: ServiceConfig) -> dict[str, Any]:
+    """The DiT stage's settings from a service's config (every rank of a group takes them)."""
+    return {
+        "attention": cfg.attention_backend,
+        "compile": cfg.compile,
+        "cfg_batch": cfg.cfg_batch,
+        "options": cfg.transformer,
+        "budget_shapes": cfg.warmup_shapes,
+    }
 
 
 def video_settings(cfg: ServiceConfig) -> VideoSettings:

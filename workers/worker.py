@@ -183,6 +183,7 @@ class StageWorker:
         preflight.loopback_read(self.engine, self.pool, self.name)
         self.load_model()
         self._stop.boundary("startup.model")
+        self.link.offers = self.offers
         self.link.open(self.engine, self.running)
 
     def running(self) -> bool:
@@ -381,6 +382,11 @@ class StageWorker:
 
     def adapter_options(self) -> dict[str, Any]:
         """Role-specific settings of the stage adapter."""
+        return {}
+
+    def offers(self) -> dict[str, Any]:
+        """What requests may ask of the loaded stage, reported at registration (the
+        transformer role: its LoRA adapters and step-cache kinds)."""
         return {}
 
     # -- failure path ------------------------------------------------------------------------------

@@ -108,11 +108,11 @@ def build_folder(arch: str, dest: Path, device: str, layers: int | None = None
 
 # -- one variant in this process ------------------------------------------------------------
 
-def _request(arch: str, steps: int) -> Any:
+def _request(arch: str, steps: int, shape: str | None = None) -> Any:
     from contracts.pipelines import parse_shape
     from contracts.request import GenerationRequest
 
-    dims = parse_shape(SHAPES[arch])
+    dims = parse_shape(shape or SHAPES[arch])
     geometry: dict[str, Any] = {"height": dims[0], "width": dims[1]}
     if len(dims) == 3:
         geometry["num_frames"] = dims[2]

@@ -12,6 +12,9 @@
     # scale-out over G GPUs (BENCHMARKS.md, "Multi-GPU scale-out")
     python -m scripts.bench.bench_serving --arch wan-1.3b --device cuda --gpus 8 --steps 8 \\
         --out $OUT
+    # one request's DiT over several GPUs: a transformer group (docs/parallel.md)
+    python -m scripts.bench.bench_serving --arch wan-14b --devices cuda:0,cuda:1,cuda:2 \\
+        --dit-parallel cfg=2 --steps 4 --concurrency 1 --out $OUT
 
 For each mode (``baseline``: ``run_service.py --service all``; ``disagg``: a controller plus
 its workers, all on this machine, started by ``controller.group.LocalGroup``) it sends warm-up
@@ -28,6 +31,13 @@ in its own config file. Before its G-replica levels the baseline measures one re
 (replica 0 at N = 2: one request running, one queued, so it never waits for the client;
 ``--single-requests`` requests) unless ``--single-qps`` gives that figure; a row's efficiency
 is its QPS over G x that. N defaults to G, 2G, 4G.
+
+Transformer groups (``--dit-parallel cfg=2,ulysses=2``, contracts/parallel.py): each DiT
+worker of the placement is one group spanning G consecutive devices from its own (default
+placement: the encoder and the decoder on d0, the group on d1..dG when the run has G + 1
+devices, else everything from d0); the baseline is then one ``--service all`` on d0, the
+one-device figure the group is compared to. The report adds the DiT's seconds per step and
+the group's speedup over the baseline at each N.
 
 Per level: requests, QPS, P50/P95/P99 latency, the busy fraction of each stage; scale-out adds
 DiT busy per device, Mooncake bytes and milliseconds per Phase1 / Phase2 pull, their share of a
@@ -101,11 +111,14 @@ def wait_health(group: LocalGroup, url: str, timeout: float) -> None:
 
 @contextlib.contextmanager
 def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[str, int]],
-            devices: list[str], timeout: float) -> Iterator[Deployment]:
+            devices: list[str], timeout: float, dit: tuple[str, int] | None = None
+            ) -> Iterator[Deployment]:
     """Start a baseline (one ``--service all`` replica per device) or a disaggregated group
-    (a controller and ``workers``: (role, device index)); yields it once all of it is up."""
+    (a controller and ``workers``: (role, device index)); yields it once all of it is up.
+    ``dit``: (layout, devices) of each DiT worker as a transformer group (``--dit-parallel``)."""
     group = LocalGroup(cfg, workdir)
     host = cfg["server"]["host"]
+    parallel, span = dit or (None, 1)
     urls: list[str] = []
     endpoints: list[Endpoint] = []
     try:
@@ -127,7 +140,12 @@ def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[s
             urls.append(group.url)
             for role, index in workers:
                 (mport,) = free_ports(1, host)
-                group.start(role, {"device": devices[index], "server": {"metric_port": mport}})
+                extra: dict[str, Any] = {"device": devices[index],
+                                         "server": {"metric_port": mport}}
+                if role == "transformer" and span > 1:
+                    extra["devices"] = devices[index:index + span]
+                    extra["transformer"] = {"parallel": parallel}
+                group.start(role, extra)
                 endpoints.append(Endpoint(f"http://{host}:{mport}/metrics", role, index))
             group.wait_workers(layout.counts(workers), timeout=timeout)
         yield Deployment(group, urls, endpoints)
@@ -223,6 +241,15 @@ class Plan:
     devices: list[str]
     workers: list[tuple[str, int]]
     scale_out: bool
+    dit_parallel: str | None = None
+    """The DiT workers' transformer-group layout (``--dit-parallel``), None: one device."""
+    dit_span: int = 1
+    """Devices per DiT worker (the layout's size)."""
+
+    @property
+    def baseline_devices(self) -> list[str]:
+        """One ``--service all`` replica per device; against a group, one on d0."""
+        return self.devices[:1] if self.dit_span > 1 else self.devices
 
 
 def _level_log(mode: str, row: dict[str, Any]) -> None:
@@ -236,14 +263,16 @@ def run_mode(mode: str, args: argparse.Namespace, cfg: dict[str, Any], body: dic
              levels: list[tuple[int, int]], log_dir: Path, plan: Plan) -> dict[str, Any]:
     kind = TASK_SPECS[args.pipeline].output
     g = len(plan.devices)
-    counts = dict.fromkeys(layout.ROLES, g) if mode == "baseline" else layout.counts(
-        plan.workers)
+    counts = dict.fromkeys(layout.ROLES, len(plan.baseline_devices)) if mode == "baseline" \
+        else layout.counts(plan.workers)
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-", dir=args.workdir))
     t0 = time.perf_counter()
     out: dict[str, Any] = {"mode": mode, "workers": counts, "levels": []}
     probe = None
-    with running(mode, cfg, workdir, plan.workers, plan.devices,
-                 args.start_timeout) as dep:
+    devices = plan.baseline_devices if mode == "baseline" else plan.devices
+    dit = (plan.dit_parallel, plan.dit_span) if plan.dit_parallel else None
+    with running(mode, cfg, workdir, plan.workers, devices, args.start_timeout,
+                 dit=dit) as dep:
         out["start_s"] = time.perf_counter() - t0
         log(f"{mode}: ready in {out['start_s']:.1f} s; warm-up x{args.warmup}")
         if args.warmup > 0:
@@ -268,6 +297,9 @@ def run_mode(mode: str, args: argparse.Namespace, cfg: dict[str, Any], body: dic
             dep.group.check_alive()
             row = run_level(dep, dep.urls, kind, body, conc, n, everyone, g,
                             args.request_timeout, seed0=conc * 1000)
+            compute = row["stage_seconds"].get("stage/transformer/compute")
+            if compute:
+                row["dit_s_per_step"] = compute / (n * args.steps)
             _level_log(mode, row)
             out["levels"].append(row)
     for svc in dep.group.services:
@@ -275,6 +307,25 @@ def run_mode(mode: str, args: argparse.Namespace, cfg: dict[str, Any], body: dic
         dest.write_bytes(svc.log_path.read_bytes())
     out["probe"] = probe
     return out
+
+
+def group_lines(results: list[dict[str, Any]]) -> str:
+    """DiT seconds per step of each mode and level, and the group's latency speedup (P50 of
+    the one-device baseline over the group's) at each N both ran."""
+    lines = []
+    p50 = {}
+    for res in results:
+        for row in res["levels"]:
+            p50[(res["mode"], row["concurrency"])] = row["p50_s"]
+            if "dit_s_per_step" in row:
+                lines.append(f"- {res['label']} N={row['concurrency']}: DiT "
+                             f"{row['dit_s_per_step']:.3f} s/step")
+    for (mode, conc), value in sorted(p50.items()):
+        base = p50.get(("baseline", conc))
+        if mode == "disagg" and base:
+            lines.append(f"- N={conc}: group speedup {base / value:.2f}x (P50 {base:.2f} s "
+                         f"one device, {value:.2f} s group)")
+    return "\n".join(lines) + "\n"
 
 
 def log(msg: str) -> None:
@@ -318,6 +369,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--transformers", type=int, default=1,
                     help="DiT workers (scale-out: per device)")
     ap.add_argument("--decoders", type=int, default=1)
+    ap.add_argument("--dit-parallel", metavar="LAYOUT",
+                    help="each DiT worker a transformer group, e.g. cfg=2, ulysses=2, "
+                         "cfg=2,ulysses=2 (docs/parallel.md); the baseline: one device")
     ap.add_argument("--height", type=int)
     ap.add_argument("--width", type=int)
     ap.add_argument("--frames", type=int)
@@ -340,15 +394,26 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """Devices and placement from the command line; refuses a GPU run asking for more CUDA
     devices than the machine has before anything is built or started."""
     devices = layout.device_list(args.device, args.gpus, args.devices)
-    scale_out = args.gpus is not None or args.devices is not None or args.placement is not None
+    span, dit = 1, None
+    if args.dit_parallel:
+        from contracts.errors import ConfigError
+        from contracts.parallel import ParallelLayout
+
+        try:
+            parsed = ParallelLayout.parse(args.dit_parallel)
+        except ConfigError as exc:
+            raise SystemExit(f"--dit-parallel: {exc}") from None
+        span, dit = parsed.size, str(parsed)
+    scale_out = span == 1 and (args.gpus is not None or args.devices is not None
+                               or args.placement is not None)
     layout.check_devices(devices)
     if args.single_requests < 2:
         raise SystemExit("--single-requests must be at least 2")
     if args.single_qps is not None and args.single_qps <= 0:
         raise SystemExit("--single-qps must be a positive QPS")
     spec = args.placement or layout.default_placement(
-        len(devices), args.encoders, args.transformers, args.decoders)
-    return Plan(devices, layout.parse_placement(spec, len(devices)), scale_out)
+        len(devices), args.encoders, args.transformers, args.decoders, span)
+    return Plan(devices, layout.parse_placement(spec, len(devices), span), scale_out, dit, span)
 
 
 def build_model(args: argparse.Namespace, device: str, dtype: str) -> tuple[Path, Any]:
@@ -448,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
             res["label"] = f"baseline x{g}" if plan.scale_out else "baseline"
         else:
             res["label"] = "disagg " + "/".join(str(counts[r]) for r in layout.ROLES)
+            if plan.dit_parallel:
+                res["label"] += f" DiT {plan.dit_parallel}"
         results.append(res)
 
     fidelity = None
@@ -470,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     if scaling is not None:
         md += (f"\neff = QPS / ({g} x {scaling['single_replica_qps']:.3f}), one-replica "
                f"baseline QPS {scaling['source']}\n")
+    if plan.dit_parallel:
+        title += (f"; DiT group {plan.dit_parallel} over {plan.dit_span} devices "
+                  f"({layout.describe(plan.workers)}), baseline on {plan.devices[0]}")
+        md = f"{title}\n\n{table(results, None)}\n\n{group_lines(results)}"
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "title": title, "pipeline": args.pipeline, "model": str(model), "built": built,

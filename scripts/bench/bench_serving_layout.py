@@ -15,6 +15,11 @@ ROLES ``+``-joined roles, each with an optional count: ``e``/``encoder``,
     0:e+t+d,1-7:t    1 encoder, 1 decoder and 1 DiT on d0, one DiT on each other device
     0:e+d,1-7:t      the seed's split: 7 DiT devices, d0 for the encoder and the decoder
     0:e+2t+d,1-7:2t  two DiT workers per device
+
+With ``--dit-parallel`` (a transformer group of G ranks, contracts/parallel.py) each DiT
+worker is a group spanning G consecutive devices from the one it is placed on: on 3 devices
+``0:e+d,1:t`` with ``cfg=2`` runs the encoder and the decoder on d0 and one DiT group on d1
+and d2.
 """
 
 from __future__ import annotations
@@ -85,11 +90,22 @@ def check_devices(devices: list[str]) -> None:
             f"a machine with at least {need} GPUs (e.g. nvidia-h200-x{max(2, need)})")
 
 
-def default_placement(n_devices: int, encoders: int, transformers: int, decoders: int) -> str:
+def default_placement(n_devices: int, encoders: int, transformers: int, decoders: int,
+                      dit_span: int = 1) -> str:
     """The encoders, ``transformers`` DiT workers and the decoders on d0, then
-    ``transformers`` DiT workers on every other device."""
+    ``transformers`` DiT workers on every other device. DiT groups of ``dit_span`` devices:
+    one group on d1.. when there is a device to spare for the encoder and the decoder, else
+    one from d0."""
     def roles(*pairs: tuple[int, str]) -> str:
         return "+".join(("" if n == 1 else str(n)) + r for n, r in pairs if n > 0)
+
+    if dit_span > 1:
+        if n_devices < dit_span:
+            raise SystemExit(f"a DiT group of {dit_span} devices needs at least {dit_span} "
+                             f"devices; this run has {n_devices}")
+        if n_devices > dit_span:
+            return f"0:{roles((encoders, 'e'), (decoders, 'd'))},1:t"
+        return f"0:{roles((encoders, 'e'), (1, 't'), (decoders, 'd'))}"
 
     items = [f"0:{roles((encoders, 'e'), (transformers, 't'), (decoders, 'd'))}"]
     if n_devices > 1:
@@ -98,10 +114,11 @@ def default_placement(n_devices: int, encoders: int, transformers: int, decoders
     return ",".join(items)
 
 
-def parse_placement(spec: str, n_devices: int) -> list[tuple[str, int]]:
+def parse_placement(spec: str, n_devices: int, dit_span: int = 1) -> list[tuple[str, int]]:
     """``(role, device index)`` of every worker in start order (all encoders, then all DiT
     workers, then all decoders, each by device). Refuses what would leave a role without a
-    worker or a device without one, or names a device the run does not have."""
+    worker or a device without one, or names a device the run does not have. A DiT worker
+    covers ``dit_span`` devices from its own (a transformer group)."""
     workers: list[tuple[str, int]] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         m = _ITEM.match(item)
@@ -124,7 +141,14 @@ def parse_placement(spec: str, n_devices: int) -> list[tuple[str, int]]:
     missing = [r for r in ROLES if have[r] == 0]
     if missing:
         raise SystemExit(f"--placement {spec!r} has no {' and no '.join(missing)}")
-    idle = sorted(set(range(n_devices)) - {d for _, d in workers})
+    used: set[int] = set()
+    for role, dev in workers:
+        span = dit_span if role == "transformer" else 1
+        if dev + span > n_devices:
+            raise SystemExit(f"--placement {spec!r}: a DiT group of {span} devices from d{dev} "
+                             f"runs past d{n_devices - 1}")
+        used.update(range(dev, dev + span))
+    idle = sorted(set(range(n_devices)) - used)
     if idle:
         raise SystemExit(f"--placement {spec!r} leaves device(s) {idle} without a worker (the "
                          "baseline uses every device: give each one a role)")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar
 import numpy as np
 
 from contracts.errors import ConfigError, ModelLoadError, StageCancelled, StageInputError
-from contracts.pipelines import parse_shape, task_spec
+from contracts.pipelines import task_spec
 from contracts.request import GenerationRequest
 from contracts.roles import Role
 from contracts.stage_options import StageOptions
@@ -43,12 +43,15 @@ from .components import (
     read_component_config,
     resolve_device,
     resolve_dtype,
+    warmup_geometry,
 )
 from .media import VideoSettings
 from .prompt_cache import PromptCache, PromptKey, image_digest
 
 if TYPE_CHECKING:
     import torch
+
+    from .dit_requests import RequestOptions
 
 T = TypeVar("T")
 
@@ -302,11 +305,16 @@ class TransformerAdapter(StageAdapter):
     * ``cfg_batch``: the conditional and unconditional CFG branches run as one batch-2
       forward instead of two batch-1 forwards (same math, other kernel shapes: equal within
       the dtype's rounding, not bit for bit).
+    * ``group``: this process is one rank of a transformer group (a
+      :class:`~workers.models.parallel.GroupMesh`): CFG-parallel (``cfg_split``) and
+      sequence-parallel forwards (:mod:`workers.models.parallel`).
     """
 
     role = Role.TRANSFORMER
     transformer: Any
     """The DiT (a diffusers model), set by the family's ``_load``."""
+    requests: RequestOptions | None = None
+    """Per-request LoRA adapters and step cache, set at load (None: no model)."""
 
     def __init__(
         self,
@@ -319,8 +327,12 @@ class TransformerAdapter(StageAdapter):
         cfg_batch: bool = False,
         options: StageOptions | None = None,
         budget_shapes: Sequence[str] = (),
+        group: Any = None,
     ) -> None:
         super().__init__(model_dir, task, device, dtype, options)
+        self.group = group
+        self.cfg_split: Any = None
+        """Set by :func:`~workers.models.parallel.attach_group` in a CFG-2 group."""
         self.budget_shapes = tuple(budget_shapes)
         check_backend_name(attention)
         self.attention = attention
@@ -331,6 +343,10 @@ class TransformerAdapter(StageAdapter):
         if self._loaded:
             return
         super().load()
+        if self.group is not None:
+            from .parallel import attach_group
+
+            attach_group(self)
         if self.options.linear == "fp8":
             from .dit_options import apply_fp8_linear
 
@@ -340,6 +356,11 @@ class TransformerAdapter(StageAdapter):
             from .dit_options import configure_compile_cache
 
             configure_compile_cache(self.options.compile_cache_dir)
+        if self.torch_model:
+            from .dit_requests import RequestOptions
+
+            self.requests = RequestOptions(self.transformer, self.spec.family, self.task,
+                                           self.options, self.compile)
         if self.compile:
             # Blocks only: the embeddings and RoPE tables around them change shape with the
             # request and are cheap; dynamic=None lets a second text length turn that
@@ -348,23 +369,11 @@ class TransformerAdapter(StageAdapter):
 
     def working_bytes(self) -> int:
         """Activations of one DiT forward at the largest of ``budget_shapes`` (the worker's
-        ``warmup_shapes``; none: 480x832x81 for video, 1024x1024 for images): per token
-        ``hidden x 8 + ffn`` elements in the stage's dtype, times two for a batch-2 CFG
-        forward, plus 0.5 GiB of workspace. Calibrated on an H200 (peak minus resident):
-        Wan2.1-14B at 480x832x81 3.55 GiB measured, 3.84 GiB estimated; Qwen-Image at
-        1024x1024 0.39 GiB measured, 0.78 GiB estimated."""
-        cfg = self._config("transformer")
-        hidden = int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
-        ffn = int(cfg.get("ffn_dim") or 4 * hidden)
-        shapes = self.budget_shapes or (
-            ("480x832x81",) if self.spec.output == "video" else ("1024x1024",))
-        tokens = 0
-        for shape in shapes:
-            dims = parse_shape(shape)
-            frames = (dims[2] - 1) // 4 + 1 if len(dims) == 3 else 1
-            tokens = max(tokens, frames * (dims[0] // 16) * (dims[1] // 16))
-        batch = 2 if self.cfg_batch else 1
-        return tokens * (hidden * 8 + ffn) * self.dtype.itemsize * batch + (1 << 29)
+        ``warmup_shapes``) and kernel workspace (:func:`.memory.dit_working_bytes`)."""
+        from .memory import dit_working_bytes
+
+        return dit_working_bytes(self._config("transformer"), self.spec.output,
+                                 self.budget_shapes, self.cfg_batch, self.dtype.itemsize)
 
     def warm_up(self, shapes: Sequence[str], steps: int = 2) -> float:
         """Run short denoising loops on synthetic inputs of each geometry ("HxW" for images,
@@ -372,22 +381,14 @@ class TransformerAdapter(StageAdapter):
         growth happen now and not in the first requests. Returns the seconds it took."""
         t0 = time.perf_counter()
         for shape in shapes:
-            try:
-                dims = parse_shape(shape)
-            except ValueError as exc:
-                raise ModelLoadError(f"warm-up {exc}") from None
-            geometry: dict[str, Any] = {"height": dims[0], "width": dims[1]}
-            if self.spec.output == "video":
-                if len(dims) != 3:
-                    raise ModelLoadError(f"warm-up shape {shape!r}: {self.task} needs HxWxF")
-                geometry["num_frames"] = dims[2]
-            elif len(dims) != 2:
-                raise ModelLoadError(f"warm-up shape {shape!r}: {self.task} needs HxW")
+            geometry = warmup_geometry(shape, self.spec)
             for variant in range(self.warmup_variants):
                 req = GenerationRequest(
                     task=self.task, prompt="warm-up", infer_steps=steps, **geometry
                 )
                 self.denoise(req, self.warmup_inputs(req, variant))
+                if self.requests is not None:  # compiled adapter slots: their path too
+                    self.requests.warm(self._denoise, req, self.warmup_inputs(req, variant))
         return time.perf_counter() - t0
 
     warmup_variants: ClassVar[int] = 1
@@ -397,7 +398,6 @@ class TransformerAdapter(StageAdapter):
     def warmup_inputs(self, req: GenerationRequest, variant: int) -> dict[str, torch.Tensor]:
         """Synthetic encoder outputs of the right shapes and dtypes for ``req``."""
 
-    @abstractmethod
     def denoise(
         self,
         req: GenerationRequest,
@@ -410,7 +410,23 @@ class TransformerAdapter(StageAdapter):
         ``on_step(k, n)`` is called after step k of n; ``should_stop()`` is polled before
         every step and a True answer raises :class:`StageCancelled`. On a GPU it returns
         after the device finished (so that timing it measures the work, not the launches).
+        The request's LoRA adapters and step cache are on for this loop only
+        (:mod:`workers.models.dit_requests`).
         """
+        self._require_loaded()
+        with self.requests.scope(req) if self.requests else contextlib.nullcontext():
+            return self._denoise(req, tensors, on_step, should_stop)
+
+    def offers(self) -> dict[str, list[str]]:
+        """What requests may ask of this stage (its adapters, its cache kinds)."""
+        r = self.requests
+        return {"loras": r.lora_names(), "caches": r.cache_kinds()} if r else {}
+
+    @abstractmethod
+    def _denoise(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor],
+                 on_step: StepCallback | None = None, should_stop: StopCheck | None = None
+                 ) -> dict[str, torch.Tensor]:
+        """The family's denoising loop (:meth:`denoise` around it)."""
 
     @staticmethod
     def _check_stop(should_stop: StopCheck | None, done: int, total: int) -> None:

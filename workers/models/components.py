@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from contracts.errors import InvalidRequestError, ModelLoadError, StageInputError
-from contracts.pipelines import ATTENTION_BACKENDS, DTYPES, TASKS, check_device, task_spec
+from contracts.pipelines import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    TASKS,
+    TaskSpec,
+    check_device,
+    parse_shape,
+    task_spec,
+)
 from contracts.request import GenerationRequest
 
 from .checkpoint import Checkpoint, check_checkpoint
@@ -233,3 +241,18 @@ def check_request_task(req: GenerationRequest, task: str, stage: str) -> None:
         raise StageInputError(f"{stage} stage expects a GenerationRequest, got {type(req)!r}")
     if req.task != task:
         raise StageInputError(f"{stage} stage was loaded for {task}, got a {req.task} request")
+
+
+def warmup_geometry(shape: str, spec: TaskSpec) -> dict[str, Any]:
+    """The request geometry of a warm-up shape ("HxW" for images, "HxWxF" for videos)."""
+    try:
+        dims = parse_shape(shape)
+    except ValueError as exc:
+        raise ModelLoadError(f"warm-up {exc}") from None
+    if len(dims) != (3 if spec.output == "video" else 2):
+        want = "HxWxF" if spec.output == "video" else "HxW"
+        raise ModelLoadError(f"warm-up shape {shape!r}: {spec.name} needs {want}")
+    geometry: dict[str, Any] = {"height": dims[0], "width": dims[1]}
+    if len(dims) == 3:
+        geometry["num_frames"] = dims[2]
+    return geometry

@@ -113,7 +113,7 @@ class QwenTransformer(TransformerAdapter):
             )
         return height, width
 
-    def denoise(
+    def _denoise(
         self,
         req: GenerationRequest,
         tensors: Mapping[str, torch.Tensor],
@@ -150,7 +150,15 @@ class QwenTransformer(TransformerAdapter):
                     model_input = torch.cat([latents, inp.image_latents], dim=1)
                 timestep = t.expand(latents.shape[0]).to(latents.dtype)
                 n_tokens = latents.size(1)
-                if cfg and self.cfg_batch:
+                if cfg and self.cfg_split is not None:  # a CFG-2 group: one branch each
+                    noise_pred, neg_pred = self.cfg_split.both(
+                        self._predict,
+                        (model_input, timestep, inp.prompt, inp.prompt_mask, "cond", guidance,
+                         inp.img_shapes, n_tokens),
+                        (model_input, timestep, inp.negative, inp.negative_mask, "uncond",
+                         guidance, inp.img_shapes, n_tokens),
+                    )
+                elif cfg and self.cfg_batch:
                     noise_pred, neg_pred = self._predict_both(
                         model_input, timestep, inp, guidance, n_tokens
                     )
@@ -160,7 +168,7 @@ class QwenTransformer(TransformerAdapter):
                         inp.img_shapes, n_tokens,
                     )
                 if cfg:
-                    if not self.cfg_batch:
+                    if not self.cfg_batch and self.cfg_split is None:
                         assert inp.negative is not None
                         neg_pred = self._predict(
                             model_input, timestep, inp.negative, inp.negative_mask, "uncond",

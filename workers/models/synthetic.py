@@ -41,7 +41,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: a synthetic worker never imports torch
     import torch
 
-from contracts.errors import ModelLoadError, StageInputError
+from contracts.errors import InvalidRequestError, ModelLoadError, StageInputError
 from contracts.request import GenerationRequest
 
 from .base import (
@@ -338,7 +338,7 @@ class SyntheticTransformer(_SyntheticStage, TransformerAdapter):
     """Transformer stage: ``infer_steps`` steps of ``step_s`` each, each reported; the phase2
     tensors from the seed and the phase1 bytes."""
 
-    def denoise(
+    def _denoise(
         self,
         req: GenerationRequest,
         tensors: Mapping[str, Any],
@@ -347,6 +347,8 @@ class SyntheticTransformer(_SyntheticStage, TransformerAdapter):
     ) -> dict[str, Any]:
         self._require_loaded()
         check_request_task(req, self.task, "transformer")
+        if req.loras or (req.cache is not None and not req.cache_off):
+            raise InvalidRequestError(f"{self.task} runs no model: it takes no loras or cache")
         _require(tensors, self.cfg.phase1, "transformer")
         steps = req.infer_steps
         assert steps is not None  # the request's defaults fill it

@@ -221,7 +221,7 @@ class WanTransformer(TransformerAdapter):
         frames = (req.num_frames - 1) // self.temporal + 1
         return frames, req.height // self.spatial, req.width // self.spatial
 
-    def denoise(
+    def _denoise(
         self,
         req: GenerationRequest,
         tensors: Mapping[str, torch.Tensor],
@@ -285,7 +285,15 @@ class WanTransformer(TransformerAdapter):
                         "num_inference_steps": total,
                     }
                 extra = {"encoder_hidden_states_image": image_embeds} if i2v else {}
-                if cfg and self.cfg_batch:
+                if cfg and self.cfg_split is not None:  # a CFG-2 group: one branch each
+                    noise_pred, noise_uncond = self.cfg_split.both(
+                        self._forward,
+                        (model_input, t.expand(1), prompt_embeds, extra, "cond", cache_kwargs),
+                        (model_input, t.expand(1), negative_embeds, extra, "uncond",
+                         cache_kwargs),
+                    )
+                    noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
+                elif cfg and self.cfg_batch:
                     assert negative_embeds is not None
                     noise_pred, noise_uncond = self._forward(
                         torch.cat([model_input, model_input]),

@@ -1,0 +1,101 @@
+"""What a DiT stage sets up around one request's denoising loop: its LoRA adapters
+(:mod:`workers.models.lora`) and its step cache (:mod:`workers.models.step_cache`).
+
+:meth:`RequestOptions.scope` wraps the whole loop from outside (the loop body knows nothing
+of either): inside, the request's adapters are active at their strengths and its cache's
+hooks are on; after it, whatever happened inside, the DiT is the base model again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from contracts.dit_request import MAX_LORAS, CacheSpec
+from contracts.errors import AdapterError, InvalidRequestError
+from contracts.request import GenerationRequest
+from contracts.stage_options import StageOptions
+
+from .lora import HotswapSlots, LoraLibrary
+from .step_cache import cache_enabled, check_kind, supported_kinds
+
+
+class RequestOptions:
+    """The request-level options of one loaded DiT."""
+
+    def __init__(self, transformer: Any, family: str, task: str, options: StageOptions,
+                 compiled: bool) -> None:
+        self.transformer = transformer
+        self.family = family
+        self.task = task
+        self.compiled = compiled
+        # A step cache decides per rank whether to skip a block: under sequence parallelism
+        # the ranks of one forward could decide differently and leave each other waiting in
+        # a collective, so such a group offers none.
+        self.sequence_parallel = options.layout.sequence > 1
+        self.model = type(transformer).__name__
+        self.default_cache = options.default_cache
+        if self.default_cache is not None:
+            check_kind(family, self.model, self.default_cache.kind)
+        self.loras: LoraLibrary | HotswapSlots | None = None
+        if options.lora_dir is not None:
+            folder = Path(options.lora_dir)
+            if compiled:
+                self.loras = HotswapSlots(transformer, family, folder, task,
+                                          min(options.lora_max_loaded, MAX_LORAS),
+                                          options.lora_max_rank)
+                self.loras.prepare()  # before the compile: the slots are part of the graph
+            else:
+                self.loras = LoraLibrary(transformer, family, folder, task,
+                                         options.lora_max_loaded, options.lora_max_mb << 20)
+
+    def lora_names(self) -> list[str]:
+        return self.loras.names() if self.loras is not None else []
+
+    def cache_kinds(self) -> list[str]:
+        if self.compiled or self.sequence_parallel:
+            return []
+        return supported_kinds(self.family)
+
+    def cache_for(self, req: GenerationRequest) -> CacheSpec | None:
+        """The cache ``req`` runs with (its own, else the worker's default), checked."""
+        if req.cache_off:
+            return None
+        spec = req.cache or self.default_cache
+        if spec is not None:
+            if self.sequence_parallel:
+                raise InvalidRequestError(
+                    "step caches are not available on a sequence-parallel transformer group "
+                    "(its ranks could skip different blocks of one forward); send the request "
+                    "without a cache, or serve caches from single-device or cfg-only workers"
+                )
+            if self.compiled:
+                raise InvalidRequestError(
+                    "step caches are not available on a compiled transformer worker (their "
+                    "hooks skip blocks by data-dependent branches); send the request without "
+                    "cache, or to a worker without compile")
+            check_kind(self.family, self.model, spec.kind)
+        return spec
+
+    @contextlib.contextmanager
+    def scope(self, req: GenerationRequest) -> Iterator[None]:
+        if req.loras and self.loras is None:
+            raise AdapterError(
+                f"this transformer worker has no LoRA adapters (transformer.lora_dir unset); "
+                f"send the request without loras ({', '.join(r.name for r in req.loras)})")
+        spec = self.cache_for(req)
+        assert req.infer_steps is not None
+        with contextlib.ExitStack() as stack:
+            if self.loras is not None:
+                stack.enter_context(self.loras.applied(req.loras))
+            stack.enter_context(cache_enabled(self.transformer, spec, req.infer_steps))
+            yield
+
+    def warm(self, denoise: Callable[..., Any], *args: Any) -> None:
+        """With compiled adapter slots: a warm-up loop with the slots active (at strength
+        0), so that the first request with an adapter does not compile."""
+        if isinstance(self.loras, HotswapSlots):
+            with self.loras.warming():
+                denoise(*args)

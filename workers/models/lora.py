@@ -1,0 +1,305 @@
+"""LoRA adapters per request on the DiT stage, through diffusers' and PEFT's own loaders.
+
+A transformer worker with ``transformer.lora_dir`` serves the adapters in that folder (one
+``<name>.safetensors`` each; nothing is downloaded). A file is read as diffusers' pipeline
+reads it (``WanLoraLoaderMixin`` / ``QwenImageLoraLoaderMixin.lora_state_dict``, which also
+converts the common non-diffusers formats; Wan T2V adapters are widened for an I2V DiT as
+``load_lora_weights`` does) and loaded into the DiT as a named PEFT adapter
+(``load_lora_into_transformer``), never fused into the base weights.
+
+Eager worker (:class:`LoraLibrary`): the most recently used adapters stay loaded, bounded by
+a count and by their bytes. A request's set is activated with its strengths for that request
+only (``enable_lora`` + ``set_adapters(names, weights)``, as a diffusers user would) and the
+adapters are disabled again afterwards (``disable_lora``: every LoRA layer then computes its
+base layer alone), so a request without adapters computes exactly what the base model does.
+
+Compiled worker (:class:`HotswapSlots`): changing which adapters a compiled graph runs would
+recompile it, so the DiT gets a fixed set of *slots* before it is compiled: zero adapters
+over every linear layer at ``lora_max_rank`` (diffusers' ``enable_lora_hotswap(target_rank)``
+then ``load_lora_adapter``), all active. A request's adapters are hot-swapped into slots
+(``load_lora_adapter(..., hotswap=True)``: weights copied in place) and the strengths written
+into the slots' scaling tensors in place; unused slots get strength 0. Neither changes what
+the compiled code guards on, so switching never recompiles.
+
+A file that cannot be read, is not a LoRA checkpoint, or whose keys match nothing in the DiT
+fails the request that named it (:class:`~contracts.errors.AdapterError`, naming the file);
+the worker serves the next request as if it had never been asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from contracts.dit_request import LORA_NAME_RE, LoraRef
+from contracts.errors import AdapterError, ModelLoadError
+
+log = logging.getLogger("diffring.lora")
+
+LOADERS = {"wan": "WanLoraLoaderMixin", "qwen": "QwenImageLoraLoaderMixin"}
+"""diffusers' LoRA loader of each model family."""
+
+
+def scan(folder: Path) -> dict[str, Path]:
+    """The adapters in ``folder``: file stem -> file (names a request could not give are
+    left out)."""
+    return {p.stem: p for p in sorted(folder.glob("*.safetensors"))
+            if p.is_file() and LORA_NAME_RE.match(p.stem)}
+
+
+def loader_for(family: str) -> Any:
+    import diffusers
+
+    if family not in LOADERS:
+        raise ModelLoadError(f"transformer.lora_dir: the {family} family has no LoRA loader")
+    return getattr(diffusers.loaders.lora_pipeline, LOADERS[family])
+
+
+def read_adapter(loader: Any, transformer: Any, name: str, path: Path
+                 ) -> tuple[dict[str, torch.Tensor], Any]:
+    """(state dict, metadata) of one adapter file, converted and widened as diffusers'
+    ``load_lora_weights`` does before it loads them."""
+    try:
+        state, metadata = loader.lora_state_dict(str(path), return_lora_metadata=True,
+                                                 local_files_only=True)
+    except Exception as exc:  # safetensors, the converters and diffusers raise many types
+        raise AdapterError(f"adapter {name!r} ({path}) cannot be read: "
+                           f"{type(exc).__name__}: {exc}") from None
+    expand = getattr(loader, "_maybe_expand_t2v_lora_for_i2v", None)
+    if expand is not None:
+        state = expand(transformer=transformer, state_dict=state)
+    bad = [k for k in state if "lora" not in k]
+    if not state or bad:
+        raise AdapterError(f"adapter {name!r} ({path}) is not a LoRA checkpoint"
+                           + (f" (e.g. key {bad[0]!r})" if bad else " (no tensors)"))
+    return state, metadata
+
+
+def file_rank(path: Path) -> int:
+    """The largest LoRA rank in an adapter file, from its header (no tensor is read)."""
+    from safetensors import safe_open
+
+    rank = 1
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            if len(shape) == 2 and ("lora_A" in key or "lora_down" in key):
+                rank = max(rank, int(shape[0]))
+            elif len(shape) == 2 and ("lora_B" in key or "lora_up" in key):
+                rank = max(rank, int(shape[1]))
+    return rank
+
+
+def _lora_layers(transformer: Any) -> list[tuple[str, Any]]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [(n, m) for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+class _Library:
+    """What both kinds share: the folder, the loader, the request's files."""
+
+    def __init__(self, transformer: Any, family: str, folder: Path, task: str) -> None:
+        if not folder.is_dir():
+            raise ModelLoadError(f"transformer.lora_dir {folder} is not a folder")
+        self.transformer = transformer
+        self.loader = loader_for(family)
+        self.folder = folder
+        self.task = task
+
+    def names(self) -> list[str]:
+        """The adapters requests may name (the folder's contents now)."""
+        return sorted(scan(self.folder))
+
+    def files(self, refs: Sequence[LoraRef]) -> list[Path]:
+        found = scan(self.folder)
+        missing = [r.name for r in refs if r.name not in found]
+        if missing:
+            raise AdapterError(
+                f"no adapter {', '.join(map(repr, missing))} in {self.folder}; this worker "
+                f"serves {', '.join(found) or 'none'}")
+        return [found[r.name] for r in refs]
+
+    def load(self, name: str, path: Path, adapter_name: str, hotswap: bool = False) -> None:
+        """Read ``path`` and load it into the DiT as ``adapter_name`` (or into that slot)."""
+        state, metadata = read_adapter(self.loader, self.transformer, name, path)
+        from diffusers.loaders.lora_pipeline import _LOW_CPU_MEM_USAGE_DEFAULT_LORA
+
+        try:
+            self.loader.load_lora_into_transformer(
+                state, transformer=self.transformer, adapter_name=adapter_name,
+                metadata=metadata, low_cpu_mem_usage=_LOW_CPU_MEM_USAGE_DEFAULT_LORA,
+                hotswap=hotswap)
+        except Exception as exc:  # PEFT's ValueError / RuntimeError, shape errors
+            what = "cannot be hot-swapped into the compiled slots" if hotswap else \
+                "does not fit this model"
+            raise AdapterError(f"adapter {name!r} ({path}) {what}: {exc}") from None
+        if adapter_name not in getattr(self.transformer, "peft_config", {}):
+            raise AdapterError(f"adapter {name!r} ({path}): none of its keys match a layer "
+                               f"of the {self.task} DiT (is it for another model?)")
+
+    def disable(self) -> None:
+        if getattr(self.transformer, "peft_config", None):
+            self.transformer.disable_lora()
+
+
+class LoraLibrary(_Library):
+    """Adapters loaded by name, the most recently used kept (eager DiT)."""
+
+    def __init__(self, transformer: Any, family: str, folder: Path, task: str,
+                 max_loaded: int, max_bytes: int) -> None:
+        super().__init__(transformer, family, folder, task)
+        self.max_loaded = max_loaded
+        self.max_bytes = max_bytes
+        self.loaded: OrderedDict[str, int] = OrderedDict()
+        """Loaded adapters, least recently used first, with their bytes."""
+
+    @contextlib.contextmanager
+    def applied(self, refs: Sequence[LoraRef]) -> Iterator[None]:
+        """The DiT runs ``refs`` at their strengths inside, and the base model after."""
+        if not refs:
+            yield
+            return
+        files = self.files(refs)
+        try:
+            for ref, path in zip(refs, files, strict=True):
+                self._ensure(ref.name, path, keep={r.name for r in refs})
+            self.transformer.enable_lora()
+            self.transformer.set_adapters([r.name for r in refs],
+                                          weights=[r.strength for r in refs])
+            yield
+        finally:
+            # Also after a failed load: PEFT leaves the layers it just wrapped enabled.
+            self.disable()
+
+    def _ensure(self, name: str, path: Path, keep: set[str]) -> None:
+        if name in self.loaded:
+            self.loaded.move_to_end(name)
+            return
+        self._evict(keep, room_for=1)
+        self.load(name, path, name)
+        size = sum(p.numel() * p.element_size() for n, p in self.transformer.named_parameters()
+                   if ".lora_" in n and n.endswith(f".{name}.weight"))
+        self.loaded[name] = size
+        log.info("adapter %s loaded from %s (%.1f MiB; %d loaded)", name, path, size / 2**20,
+                 len(self.loaded))
+        self._evict(keep, room_for=0)
+
+    def _evict(self, keep: set[str], room_for: int) -> None:
+        """Unload the least recently used adapters until the count leaves ``room_for`` more
+        and the bytes fit, never one of ``keep`` (the request's own: the bounds are on what
+        stays loaded for later requests, so one request's set is always loaded whole)."""
+        for name in list(self.loaded):
+            if (len(self.loaded) + room_for <= self.max_loaded
+                    and sum(self.loaded.values()) <= self.max_bytes):
+                return
+            if name not in keep:
+                self.transformer.delete_adapters(name)
+                del self.loaded[name]
+                log.info("adapter %s unloaded (least recently used)", name)
+
+
+class HotswapSlots(_Library):
+    """Fixed adapter slots in a DiT that is then compiled: requests swap weights in."""
+
+    def __init__(self, transformer: Any, family: str, folder: Path, task: str,
+                 slots: int, rank: int | None) -> None:
+        super().__init__(transformer, family, folder, task)
+        self.rank = rank or self._largest_rank()
+        self.slots = [f"diffring_slot{i}" for i in range(slots)]
+        self.held: list[str | None] = [None] * slots
+        """The adapter each slot holds now (None: zeros)."""
+        self._order: list[int] = list(range(slots))
+        """Slots, least recently used first."""
+        self._base: dict[int, dict[str, float]] = {}
+        """Per slot, each layer's scaling of the held adapter at strength 1 (alpha / r)."""
+
+    def _largest_rank(self) -> int:
+        return max([file_rank(p) for p in scan(self.folder).values()] or [1])
+
+    def prepare(self) -> None:
+        """Before compiling: one zero adapter per slot over every linear layer, padded to
+        the rank, scalings as tensors (what hot-swapping without recompiling needs)."""
+        zero: dict[str, torch.Tensor] = {}
+        for name, module in self.transformer.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight
+                zero[f"transformer.{name}.lora_A.weight"] = w.new_zeros(self.rank, w.shape[1])
+                zero[f"transformer.{name}.lora_B.weight"] = w.new_zeros(w.shape[0], self.rank)
+        for i, slot in enumerate(self.slots):
+            self.transformer.enable_lora_hotswap(target_rank=self.rank,
+                                                 check_compiled="ignore" if i else "error")
+            self.loader.load_lora_into_transformer(dict(zero), transformer=self.transformer,
+                                                   adapter_name=slot)
+        for _, layer in _lora_layers(self.transformer):
+            layer.set_adapter(self.slots)
+        self._scale({})
+        self.disable()
+        log.info("LoRA: %d compiled slots of rank %d over every linear layer",
+                 len(self.slots), self.rank)
+
+    def _scale(self, strengths: dict[int, float]) -> None:
+        """Write each slot's scaling in place (0 for a slot the request does not use)."""
+        for name, layer in _lora_layers(self.transformer):
+            for i, slot in enumerate(self.slots):
+                scaling = layer.scaling.get(slot)
+                if isinstance(scaling, torch.Tensor):
+                    base = self._base.get(i, {}).get(name, 0.0)
+                    scaling.fill_(strengths.get(i, 0.0) * base)
+
+    def _slot_for(self, name: str, path: Path, busy: set[int]) -> int:
+        if name in self.held:
+            i = self.held.index(name)
+        else:
+            try:
+                rank = file_rank(path)
+            except Exception as exc:  # not a safetensors file: say so as a load would
+                raise AdapterError(f"adapter {name!r} ({path}) cannot be read: {exc}") from None
+            if rank > self.rank:
+                raise AdapterError(
+                    f"adapter {name!r} ({path}) has rank {rank}, the compiled slots hold "
+                    f"{self.rank}; raise transformer.lora_max_rank and restart the worker")
+            i = next(s for s in self._order if s not in busy)
+            self.held[i] = None  # a failed swap leaves the slot's weights undefined
+            self.load(name, path, self.slots[i], hotswap=True)
+            self.held[i] = name
+            self._base[i] = {n: float(layer.scaling[self.slots[i]])
+                             for n, layer in _lora_layers(self.transformer)}
+        self._order.remove(i)
+        self._order.append(i)
+        return i
+
+    @contextlib.contextmanager
+    def applied(self, refs: Sequence[LoraRef]) -> Iterator[None]:
+        if not refs:
+            yield
+            return
+        if len(refs) > len(self.slots):
+            raise AdapterError(f"{len(refs)} adapters asked for, this compiled worker has "
+                               f"{len(self.slots)} slots (transformer.lora_max_loaded)")
+        files = self.files(refs)
+        strengths: dict[int, float] = {}
+        try:
+            for ref, path in zip(refs, files, strict=True):
+                strengths[self._slot_for(ref.name, path, set(strengths))] = ref.strength
+            self._scale(strengths)
+            self.transformer.enable_lora()
+            yield
+        finally:
+            self.disable()
+
+    @contextlib.contextmanager
+    def warming(self) -> Iterator[None]:
+        """The slots active at strength 0: what a warm-up runs to compile the adapter path."""
+        self._scale({})
+        self.transformer.enable_lora()
+        try:
+            yield
+        finally:
+            self.disable()
