@@ -71,10 +71,14 @@ class TaskRequest(BaseModel):
         return value
 
     def image_values(self) -> list[str]:
-        """The input images as sent: none, one (a string or a list of one), or several."""
+        """The input images as sent: none, one, or several: a JSON list, or LightX2V's
+        comma-separated ``image_path`` ("a.png,b.png" on its command line; here base64 or
+        data: URLs, whose own comma is kept with its URL)."""
         if self.image_path is None or self.image_path == "":
             return []
-        return [self.image_path] if isinstance(self.image_path, str) else list(self.image_path)
+        if isinstance(self.image_path, list):
+            return list(self.image_path)
+        return split_images(self.image_path)
 
 
 class VideoTaskRequest(TaskRequest):
@@ -97,6 +101,24 @@ class TaskCreated(BaseModel):
     task_id: str
     task_status: str
     save_result_path: str
+
+
+def split_images(value: str) -> list[str]:
+    """``value`` cut at its commas, except the one inside each ``data:`` URL (after its
+    ``;base64`` header). Base64 itself has no comma, so one image stays one."""
+    out: list[str] = []
+    header: str | None = None
+    for piece in value.split(","):
+        if header is not None:
+            out.append(f"{header},{piece}")
+            header = None
+        elif piece.lstrip().startswith("data:"):
+            header = piece
+        else:
+            out.append(piece)
+    if header is not None:  # a data: URL without a payload: decoding refuses it
+        out.append(header)
+    return out
 
 
 def http_error(status: int, message: str, headers: dict[str, str] | None = None) -> HTTPException:

@@ -297,3 +297,19 @@ def test_openai_edit_takes_several_image_parts(plus: TestClient, monkeypatch: An
                   files=[("image", (f"{i}.png", a)) for i in range(3)])
     assert r.status_code == 413 and "3 image files exceed the limit of 2" in r.text
     assert r.json()["error"]["param"] == "image"
+
+
+def test_lightx2v_comma_separated_images(plus: TestClient) -> None:
+    """LightX2V's image_path takes several images separated by commas; a data: URL keeps
+    its own comma."""
+    from contracts.input_images import pack_images
+    from controller.schemas import split_images
+
+    front: FrontDoor = plus.front  # type: ignore[attr-defined]
+    a, b = png(16, 16), png(24, 16)
+    url = f"data:image/png;base64,{b64(b)}"
+    assert split_images(f"{b64(a)},{url}") == [b64(a), url]
+    assert split_images(url) == [url] and split_images(b64(a)) == [b64(a)]
+    r = post(plus, {"image_path": f"{b64(a)},{url}", "task_id": "commas"})
+    assert r.status_code == 200, r.text
+    assert front.co.table.get("commas").image_bytes == pack_images([a, b])
