@@ -52,9 +52,3 @@ def unpack_images(data: bytes | bytearray | memoryview, task: str) -> list[bytes
                               "image files")
     return images
 
-
-def image_count(data: bytes | bytearray | memoryview | None) -> int:
-    """How many images a buffer holds (0 for None), without unpacking the files."""
-    if data is None:
-        return 0
-    return len(unpack_images(data, "input")) if is_pack(data) else 1

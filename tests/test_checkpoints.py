@@ -162,3 +162,27 @@ def test_worker_start_check_refuses_before_the_components(tmp_path: Path) -> Non
         check_stage_folder(root, "qwen_i2i", "encoder")
     assert check_stage_folder(root, "qwen_i2i_plus", "encoder").pipeline_class == (
         "QwenImageEditPlusPipeline")
+
+
+def test_pack_round_trip_and_damage() -> None:
+    """Several images travel as one pack; one image as its own bytes; a damaged pack is a
+    StageInputError, and no accepted image format starts like a pack."""
+    from contracts.errors import StageInputError
+    from contracts.input_images import PACK_MAGIC, is_pack, pack_images, unpack_images
+
+    a, b = b"\x89PNG\r\n\x1a\n-one", b"\xff\xd8\xff-two"
+    assert pack_images([a]) == a and unpack_images(a, "t") == [a]
+    packed = pack_images([a, b])
+    assert is_pack(packed) and unpack_images(packed, "t") == [a, b]
+    for damaged in (PACK_MAGIC + b"\xc1", PACK_MAGIC + b"\x91\xc4\x01x"):  # garbage; a list of 1
+        with pytest.raises(StageInputError, match="packed input images"):
+            unpack_images(damaged, "qwen_i2i_plus")
+    for magic in (b"\x89PNG", b"\xff\xd8", b"RIFF", b"BM", b"GIF8", b"II*\x00", b"MM\x00*"):
+        assert not PACK_MAGIC.startswith(magic)
+    with pytest.raises(ValueError):
+        pack_images([])
+    # A one-image stage refuses a pack by name rather than as an undecodable file.
+    from workers.models.media import decode_image
+
+    with pytest.raises(StageInputError, match="wan_i2v takes one input image, got 2"):
+        decode_image(packed, "wan_i2v")
