@@ -45,7 +45,9 @@ class Checkpoint:
         return f"{name}: {self.variant}" if self.variant else name
 
 
-def _read_json(file: Path) -> dict[str, Any] | None:
+def read_json(file: Path) -> dict[str, Any] | None:
+    """A JSON object file of a model folder (None: no such file); a broken one is a
+    :class:`ModelLoadError` naming it."""
     if not file.is_file():
         return None
     try:
@@ -129,14 +131,14 @@ def check_checkpoint(model_dir: Path, task: str) -> Checkpoint:
     spec = task_spec(task)
     if spec.pipeline_class is None:  # the synthetic pipeline reads its own settings file
         return Checkpoint(None, "")
-    index = _read_json(model_dir / "model_index.json")
+    index = read_json(model_dir / "model_index.json")
     if index is not None:
         problem = _class_problem(model_dir, index.get("_class_name"), spec)
         problem = problem or _index_variant(model_dir, index)
         if problem is not None:
             raise ModelLoadError(problem)
     variant = ""
-    dit = _read_json(model_dir / "transformer" / "config.json")
+    dit = read_json(model_dir / "transformer" / "config.json")
     if dit is not None:
         problem, variant = _dit_variant(model_dir, dit, spec)
         if problem is not None:

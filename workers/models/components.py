@@ -24,7 +24,7 @@ from contracts.pipelines import (
 )
 from contracts.request import GenerationRequest
 
-from .checkpoint import Checkpoint, check_checkpoint
+from .checkpoint import Checkpoint, check_checkpoint, read_json
 
 if TYPE_CHECKING:
     import torch
@@ -195,28 +195,10 @@ def read_component_config(model_dir: Path, component: str, task: str, role: str)
     scale factors this way)."""
     path = component_dir(model_dir, component, task, role)
     for name in ("config.json", "scheduler_config.json"):
-        file = path / name
-        if file.is_file():
-            try:
-                data = json.loads(file.read_text())
-            except (OSError, ValueError) as e:
-                raise ModelLoadError(f"unreadable config {file}: {e}") from e
-            if not isinstance(data, dict):
-                raise ModelLoadError(f"config {file} is not a JSON object")
+        data = read_json(path / name)
+        if data is not None:
             return data
     raise ModelLoadError(f"component folder {path} has no config.json")
-
-
-def read_model_index(model_dir: Path) -> dict[str, Any]:
-    """``model_index.json`` of a diffusers folder, or ``{}`` if there is none."""
-    file = model_dir / "model_index.json"
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"unreadable {file}: {e}") from e
-    return data if isinstance(data, dict) else {}
 
 
 def require_tensor(
