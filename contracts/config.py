@@ -63,6 +63,11 @@ class ServerConfig:
     before they are decoded (decompression-bomb guard)."""
     max_image_bytes: int = 32 << 20
     """Largest input image file (after base64 decoding) the front door accepts (413)."""
+    max_input_images: int = 3
+    """Most input images one request of a multi-image pipeline (``qwen_i2i_plus``) may carry;
+    more get 413. Each is held to ``max_image_bytes`` and ``max_image_pixels``, and request
+    bodies are capped at this many largest images. Qwen's guidance for Edit-2509 / 2511 is
+    one to three input images."""
 
     def __post_init__(self) -> None:
         for p in (self.port, self.metric_port):
@@ -78,6 +83,9 @@ class ServerConfig:
             )
         if self.max_image_pixels <= 0 or self.max_image_bytes <= 0:
             raise ConfigError("server.max_image_pixels and max_image_bytes must be positive")
+        if not 1 <= self.max_input_images <= 64:
+            raise ConfigError("server.max_input_images must be between 1 and 64, got "
+                              f"{self.max_input_images}")
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,8 @@ class ServiceConfig:
     model_cls: str = "wan2.1"
     """Model family: 'wan2.1', 'qwen_image' or 'synthetic' (timed stages, no model)."""
     task: str = "t2v"
-    """Task: 't2v' / 'i2v' for wan2.1, 't2i' / 'i2i' for qwen_image, 't2i' for synthetic."""
+    """Task: 't2v' / 'i2v' for wan2.1; 't2i' / 'i2i' / 'i2i_plus' (Qwen-Image-Edit-2509 /
+    2511) for qwen_image; 't2i' for synthetic."""
     model_path: str | None = None
     """Local diffusers-format model folder (workers and ``all``)."""
     device: str = "cpu"
@@ -317,7 +326,7 @@ class ServiceConfig:
 
     @property
     def pipeline(self) -> str:
-        """Short pipeline name: wan_t2v, wan_i2v, qwen_t2i or qwen_i2i."""
+        """Short pipeline name: wan_t2v, wan_i2v, qwen_t2i, qwen_i2i or qwen_i2i_plus."""
         return pipeline_name(self.model_cls, self.task)
 
     @classmethod

@@ -21,12 +21,14 @@ class TaskSpec:
     """Static facts about a pipeline that hold for every checkpoint of its family."""
 
     name: str
-    """Pipeline name: ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i`` or ``synthetic``."""
+    """Pipeline name: ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i``, ``qwen_i2i_plus``
+    or ``synthetic``."""
     family: Literal["wan", "qwen", "synthetic"]
     model_cls: str
     """LightX2V's ``model_cls`` of the family (config files name pipelines this way)."""
     task: str
-    """LightX2V's ``task`` within the family (``t2v``, ``i2v``, ``t2i``, ``i2i``)."""
+    """LightX2V's ``task`` within the family (``t2v``, ``i2v``, ``t2i``, ``i2i``; diffring's
+    ``i2i_plus`` for Qwen-Image-Edit-2509 / 2511)."""
     output: Literal["video", "image"]
     needs_image: bool
     size_multiple: int
@@ -35,6 +37,14 @@ class TaskSpec:
     """Video frame counts must be ``temporal_multiple * k + 1`` (VAE temporal factor)."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """Request defaults for the fields a request leaves unset."""
+    pipeline_class: str | None = None
+    """diffusers' one-process pipeline this row follows operation by operation, and the
+    ``_class_name`` a model folder's ``model_index.json`` must name to be served by it
+    (checked at load: :mod:`workers.models.checkpoint`). None for the synthetic pipeline,
+    which has no model."""
+    multi_image: bool = False
+    """Whether a request may carry several input images (up to the front door's
+    ``server.max_input_images``); else an image task takes exactly one."""
 
 
 # Defaults follow the published checkpoints and diffusers' own pipeline defaults; the tiny
@@ -82,28 +92,47 @@ _SYNTHETIC_DEFAULTS: Mapping[str, Any] = {
 }
 
 
-def _wan(task: str, needs_image: bool) -> TaskSpec:
+def _wan(task: str, needs_image: bool, pipeline_class: str) -> TaskSpec:
     return TaskSpec(f"wan_{task}", "wan", "wan2.1", task, "video", needs_image, 16, 4,
-                    _WAN_DEFAULTS)
+                    _WAN_DEFAULTS, pipeline_class)
 
 
-def _qwen(task: str, needs_image: bool, **defaults: Any) -> TaskSpec:
+def _qwen(task: str, needs_image: bool, pipeline_class: str, multi_image: bool = False,
+          **defaults: Any) -> TaskSpec:
     return TaskSpec(f"qwen_{task}", "qwen", "qwen_image", task, "image", needs_image, 16, 1,
-                    {**_QWEN_DEFAULTS, **defaults})
+                    {**_QWEN_DEFAULTS, **defaults}, pipeline_class, multi_image)
 
 
+# Qwen-Image-Edit-2509 and -2511 are a pipeline of their own (``qwen_i2i_plus``, config
+# ``task: "i2i_plus"``), not ``qwen_i2i`` switched by the folder. Their folders name diffusers'
+# QwenImageEditPlusPipeline, whose requests differ from the first Edit's: one to several
+# input images, each named "Picture N:" in the prompt, each sized twice (about 384x384 for the
+# vision-language encoder, 1024x1024 for the VAE latents), the output size taken from the last
+# one. The front door refuses what the encoders cannot serve (a second image, too many
+# images: 422 / 413) and it never reads a model folder: the controller may run where the
+# weights are not. So what a service accepts has to follow from its config alone, and an
+# operator reads it there. The folder is checked against the config when a stage loads
+# (workers/models/checkpoint.py): a 2511 folder under a qwen_i2i config is refused at start
+# with an error naming QwenImageEditPlusPipeline and the task that serves it, rather than run
+# as the first Edit with other pixels. LightX2V also selects the 2509 / 2511 variants by
+# configuration (its i2i config files for them), not by looking into the folder.
 TASK_SPECS: Final[dict[str, TaskSpec]] = {
     spec.name: spec
     for spec in (
-        _wan("t2v", needs_image=False),
-        _wan("i2v", needs_image=True),
-        _qwen("t2i", needs_image=False),
+        _wan("t2v", needs_image=False, pipeline_class="WanPipeline"),
+        _wan("i2v", needs_image=True, pipeline_class="WanImageToVideoPipeline"),
+        _qwen("t2i", needs_image=False, pipeline_class="QwenImagePipeline"),
         # None: output at ~1 megapixel with the input image's aspect ratio, as diffusers.
-        _qwen("i2i", needs_image=True, height=None, width=None),
+        _qwen("i2i", needs_image=True, pipeline_class="QwenImageEditPipeline", height=None,
+              width=None),
+        # None: ~1 megapixel with the aspect ratio of the last input image, as diffusers.
+        _qwen("i2i_plus", needs_image=True, pipeline_class="QwenImageEditPlusPipeline",
+              multi_image=True, height=None, width=None),
         TaskSpec("synthetic", "synthetic", "synthetic", "t2i", "image", False, 8, 1,
                  _SYNTHETIC_DEFAULTS),
     )
 }
+
 TASKS: Final[tuple[str, ...]] = tuple(TASK_SPECS)
 MODEL_TASKS: Final[dict[str, tuple[str, ...]]] = {}
 for _spec in TASK_SPECS.values():
@@ -129,6 +158,11 @@ def pipeline_name(model_cls: str, task: str) -> str:
         if spec.model_cls == model_cls and spec.task == task:
             return spec.name
     raise InvalidRequestError(f"no pipeline for model_cls {model_cls!r} and task {task!r}")
+
+
+def served_classes() -> dict[str, TaskSpec]:
+    """diffusers pipeline class -> the row that serves folders naming it."""
+    return {s.pipeline_class: s for s in TASK_SPECS.values() if s.pipeline_class is not None}
 
 
 # -- settings every stage shares -----------------------------------------------------------

@@ -36,9 +36,11 @@ class GenerationRequest:
     """
 
     task: str
-    """One of ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i``, ``synthetic``."""
+    """One of ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i``, ``qwen_i2i_plus``,
+    ``synthetic``."""
     prompt: str
-    """What to generate (or, for ``qwen_i2i``, how to edit the input image). Not empty."""
+    """What to generate (or, for ``qwen_i2i`` / ``qwen_i2i_plus``, how to edit the input
+    images). Not empty."""
     negative_prompt: str | None = None
     """What to steer away from; used when guidance is on. Wan: "" by default; Qwen: " "."""
     seed: int = 0
@@ -47,8 +49,9 @@ class GenerationRequest:
     infer_steps: int | None = None
     """Denoising steps, 1..1000 (real models: 50)."""
     height: int | None = None
-    """Output height in pixels, a multiple of 16. ``qwen_i2i`` only: ``None`` together with
-    ``width`` means ~1 megapixel with the input image's aspect ratio."""
+    """Output height in pixels, a multiple of 16. ``qwen_i2i`` / ``qwen_i2i_plus`` only:
+    ``None`` together with ``width`` means ~1 megapixel with the (last) input image's aspect
+    ratio."""
     width: int | None = None
     """Output width in pixels, a multiple of 16 (see ``height``)."""
     num_frames: int | None = None
@@ -118,7 +121,7 @@ class GenerationRequest:
         need_int("infer_steps", 1, _MAX_STEPS)
 
         if self.height is None or self.width is None:
-            # Only a task without a default size (qwen_i2i) gets here: its output size may
+            # Only a task without a default size (the edits) gets here: its output size may
             # come from the input image, but then for both sides.
             if (self.height is None) != (self.width is None):
                 fail("give both height and width, or neither (size from the input image)")

@@ -21,9 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fastapi import HTTPException
+
 from contracts.config import ServerConfig
 from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
-from contracts.pipelines import task_spec
+from contracts.input_images import pack_images
+from contracts.pipelines import TaskSpec, task_spec
 from contracts.request import GenerationRequest
 from controller.coordinator import Coordinator
 from controller.decoding import ImageDecoder
@@ -138,20 +141,14 @@ class FrontDoor:
             raise http_error(
                 422, "task_id must be 1-128 characters of letters, digits, '_', '.', '-'"
             )
-        if spec.needs_image and not body.image_path:
-            raise http_error(422, f"{self.pipeline} needs an input image: set image_path")
-        if not spec.needs_image and body.image_path:
-            raise http_error(422, f"{self.pipeline} takes no input image; leave image_path unset")
+        values = body.image_values()
+        self._check_image_count(spec, values)
         save = safe_relative_path(body.save_result_path) if body.save_result_path else ""
         if self.co.table.get(task_id) is not None or (
             body.task_id and await self._off_loop(self.co.table.lookup, task_id) is not None
         ):
             raise http_error(409, f"task {task_id} exists already; choose another task_id")
-        image = None
-        if body.image_path:
-            image = await self.decoder.decode(
-                body.image_path, self.server.max_image_bytes, self.server.max_image_pixels
-            )
+        image = await self._decode_images(values) if values else None
         task = Task(
             task_id=task_id,
             kind=kind,
@@ -188,6 +185,44 @@ class FrontDoor:
             raise
         await self._durable(task)
         return task
+
+    def _check_image_count(self, spec: TaskSpec, values: list[str]) -> None:
+        """Refuse a wrong number of input images before anything is decoded: none where one
+        is needed, any for a text task (422), several for a one-image pipeline (422), more
+        than ``server.max_input_images`` (413)."""
+        if spec.needs_image and not values:
+            raise http_error(422, f"{self.pipeline} needs an input image: set image_path")
+        if not spec.needs_image and values:
+            raise http_error(422, f"{self.pipeline} takes no input image; leave image_path unset")
+        if len(values) > 1 and not spec.multi_image:
+            raise http_error(
+                422, f"{self.pipeline} takes one input image, got {len(values)} in image_path "
+                "(Qwen-Image-Edit-2509 / 2511 folders take several, served as qwen_i2i_plus)")
+        limit = self.server.max_input_images
+        if len(values) > limit:
+            raise http_error(413, f"{len(values)} input images in image_path exceed the limit "
+                                  f"of {limit} (server.max_input_images); send fewer")
+        if any(not isinstance(v, str) or not v for v in values):
+            raise http_error(422, "image_path holds an empty image; give each as base64 or a "
+                                  "data: URL")
+
+    async def _decode_images(self, values: list[str]) -> bytes:
+        """Each image checked and decoded off the loop (413 / 422 naming which one, when
+        there are several), then the one buffer they travel in (contracts.input_images)."""
+        out = []
+        for index, value in enumerate(values):
+            try:
+                out.append(await self.decoder.decode(
+                    value, self.server.max_image_bytes, self.server.max_image_pixels))
+            except HTTPException as exc:
+                if len(values) == 1:
+                    raise
+                where = f"image_path[{index}] (Picture {index + 1})"
+                detail = str(exc.detail).replace("image_path", where)
+                if "input image" in detail and where not in detail:
+                    detail = f"{where}: {detail}"
+                raise http_error(exc.status_code, detail) from None
+        return pack_images(out)
 
     async def _durable(self, task: Task) -> None:
         """Answer only once the accepted task is in the store (a restart keeps it)."""

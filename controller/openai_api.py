@@ -202,7 +202,21 @@ class OpenAIDoor:
         return {k: v for k, v in p.model_dump(include=set(_Extensions.model_fields)).items()
                 if v is not None}
 
-    async def create_images(self, p: ImageParams, image: bytes | None) -> list[Task]:
+    def check_image_count(self, count: int) -> None:
+        """The number of ``image`` parts of an edit: one, or up to ``max_input_images`` for
+        a multi-image pipeline (more: 413, as the task API)."""
+        limit = self.front.server.max_input_images
+        if count == 0 or (count > 1 and not self.spec.multi_image):
+            raise OpenAIError(400, f"send exactly one image file (got {count})"
+                              if count else "send an image file", "image")
+        if count > limit:
+            raise OpenAIError(413, f"{count} image files exceed the limit of {limit} "
+                                   "(server.max_input_images); send fewer", "image",
+                              code="payload_too_large")
+
+    async def create_images(self, p: ImageParams, image: bytes | list[bytes] | None
+                            ) -> list[Task]:
+        """``n`` tasks of the prompt; ``image``: the edit's input image, or its images."""
         if p.stream:
             raise OpenAIError(400, "stream is not supported; follow a task's progress with "
                                    "GET /v1/tasks/{id}/events instead", "stream")
@@ -211,7 +225,12 @@ class OpenAIDoor:
         base_seed = fields.pop("seed", 0)
         if height is not None:
             fields["height"], fields["width"] = height, width
-        encoded = base64.b64encode(image).decode() if image is not None else None
+        encoded: str | list[str] | None = None
+        if isinstance(image, list):  # one image travels as a string, as it always has
+            encoded = [base64.b64encode(i).decode() for i in image]
+            encoded = encoded[0] if len(encoded) == 1 else encoded
+        elif image is not None:
+            encoded = base64.b64encode(image).decode()
         tasks: list[Task] = []
         try:
             for i in range(p.n):

@@ -139,18 +139,20 @@ async def images_generations(body: ImageParams, request: Request, door: Door
 
 @router.post("/v1/images/edits")
 async def images_edits(request: Request, door: Door) -> dict[str, Any]:
-    """Image edit (I2I controllers), multipart ``image`` + ``prompt``: waits for the images."""
+    """Image edit (I2I controllers), multipart ``image`` + ``prompt``: waits for the images.
+    A multi-image edit (qwen_i2i_plus) takes several ``image`` (or ``image[]``) parts, in
+    "Picture" order."""
     door.require("image", needs_image=True)
     fields, files = await _form(request, ("image", "mask"))
     if "mask" in files:
         raise OpenAIError(400, "mask is not supported: the edit applies to the whole image",
                           "mask")
-    images = files.get("image", [])
-    if len(images) != 1:
-        raise OpenAIError(400, f"send exactly one image file (got {len(images)})", "image")
-    image = await _read_upload(images[0], "image")
+    uploads = files.get("image", [])
+    door.check_image_count(len(uploads))
+    images = [await _read_upload(u, "image" if len(uploads) == 1 else f"image[{i}]")
+              for i, u in enumerate(uploads)]
     params: ImageParams = parse_params(ImageParams, fields)
-    tasks = await door.create_images(params, image)
+    tasks = await door.create_images(params, images)
     await door.wait(tasks)
     return await door.images_response(tasks, params.response_format, _base(request))
 

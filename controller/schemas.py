@@ -32,8 +32,9 @@ class TaskRequest(BaseModel):
     task_id: str | None = Field(None, description="client-chosen id; a duplicate gets 409")
     prompt: str = Field(..., min_length=1, max_length=100_000)
     negative_prompt: str | None = Field(None, max_length=100_000)
-    image_path: str | None = Field(
-        None, description="input image for i2v / i2i: base64 or a data: URL"
+    image_path: str | list[str] | None = Field(
+        None, description="input image for i2v / i2i: base64 or a data: URL; qwen_i2i_plus "
+        "takes a list of them (Picture 1, Picture 2, ..., at most server.max_input_images)"
     )
     last_frame_path: str | None = Field(None, description="not supported by diffring")
     save_result_path: str | None = Field(
@@ -61,12 +62,23 @@ class TaskRequest(BaseModel):
         # JSON may carry lone surrogates ("\ud800"): a valid Python str, but one that
         # msgpack and the file system fail on much later. Pydantic catches them in some
         # fields only.
-        if isinstance(value, str) and not value.isascii():  # isascii: cheap on a 1 MB image
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("must be valid unicode text (no lone surrogates)") from None
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str) and not text.isascii():  # isascii: cheap on a 1 MB image
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("must be valid unicode text (no lone surrogates)") from None
         return value
+
+    def image_values(self) -> list[str]:
+        """The input images as sent: none, one, or several: a JSON list, or LightX2V's
+        comma-separated ``image_path`` ("a.png,b.png" on its command line; here base64 or
+        data: URLs, whose own comma is kept with its URL)."""
+        if self.image_path is None or self.image_path == "":
+            return []
+        if isinstance(self.image_path, list):
+            return list(self.image_path)
+        return split_images(self.image_path)
 
 
 class VideoTaskRequest(TaskRequest):
@@ -89,6 +101,24 @@ class TaskCreated(BaseModel):
     task_id: str
     task_status: str
     save_result_path: str
+
+
+def split_images(value: str) -> list[str]:
+    """``value`` cut at its commas, except the one inside each ``data:`` URL (after its
+    ``;base64`` header). Base64 itself has no comma, so one image stays one."""
+    out: list[str] = []
+    header: str | None = None
+    for piece in value.split(","):
+        if header is not None:
+            out.append(f"{header},{piece}")
+            header = None
+        elif piece.lstrip().startswith("data:"):
+            header = piece
+        else:
+            out.append(piece)
+    if header is not None:  # a data: URL without a payload: decoding refuses it
+        out.append(header)
+    return out
 
 
 def http_error(status: int, message: str, headers: dict[str, str] | None = None) -> HTTPException:

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
+from contracts.pipelines import task_spec
 from controller import routes, routes_events, routes_openai, routes_ui
 from controller.auth import api_key_guard
 from controller.bodies import BodyLimit
@@ -67,7 +68,9 @@ def build_app(front: FrontDoor) -> FastAPI:
     app.include_router(routes_ui.page_router)
     app.mount("/ui/static", StaticFiles(directory=routes_ui.UI_DIR), name="ui-static")
     # Whole request bodies are read into memory: refuse what cannot be a valid request
-    # (the largest image, base64-encoded, plus room for the other fields) before that.
-    limit = (front.server.max_image_bytes + 2) // 3 * 4 + (2 << 20)
+    # (the largest images it may carry, base64-encoded, plus room for the other fields)
+    # before that.
+    images = front.server.max_input_images if task_spec(front.pipeline).multi_image else 1
+    limit = images * ((front.server.max_image_bytes + 2) // 3 * 4) + (2 << 20)
     app.add_middleware(BodyLimit, max_bytes=limit)
     return app

@@ -78,6 +78,8 @@ def run_checks(
     ).needs_image):
         _mooncake(r, service, cfg, env, infiniband_dir, devices)
     _token(r, cfg, token, env)
+    if workers:
+        _checkpoint(r, cfg)
     for role in workers:
         _model(r, role, cfg)
     if workers:
@@ -326,6 +328,21 @@ def _model(r: _Report, role: str, cfg: ServiceConfig) -> None:
               + "; ".join(problems))
     else:
         r.add(name, "ok", f"{root}: {', '.join(f'{c} ({k})' for c, k in needs.items())}")
+
+
+def _checkpoint(r: _Report, cfg: ServiceConfig) -> None:
+    """Whether the folder is a checkpoint of the configured pipeline (its model index and
+    DiT config: what a stage checks before it loads)."""
+    from workers.models.checkpoint import check_checkpoint
+
+    if not cfg.model_path or not Path(cfg.model_path).is_dir():
+        return  # the model check says so
+    try:
+        found = check_checkpoint(Path(cfg.model_path), cfg.pipeline)
+    except DiffringError as exc:
+        r.add("checkpoint", "fail", str(exc))
+        return
+    r.add("checkpoint", "ok", f"{cfg.model_path}: {found.describe()}, served as {cfg.pipeline}")
 
 
 def _device(r: _Report, device: str) -> None:

@@ -4,6 +4,8 @@ and the published schedulers of each family (which :mod:`modelkit.real` shares).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from modelkit.tokenizers import QWEN_SPECIAL_TOKENS
@@ -250,11 +252,14 @@ def qwen_text_encoder(seed: int, tokenizer: Any) -> Any:
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def qwen_transformer(seed: int) -> Any:
+def qwen_transformer(seed: int, zero_cond_t: bool = False) -> Any:
+    """The tiny Qwen-Image DiT; ``zero_cond_t`` as Qwen-Image-Edit-2511's (no weights of its
+    own: the same seed gives the same weights either way)."""
     from diffusers import QwenImageTransformer2DModel
 
     seeded(seed, "qwen.transformer")
     model: Any = QwenImageTransformer2DModel(
+        zero_cond_t=zero_cond_t,
         patch_size=2,
         in_channels=64,  # 16 latent channels x 2x2 packing
         out_channels=16,
@@ -280,3 +285,29 @@ def qwen_vl_image_processor() -> Any:
     )
 
 
+
+
+def qwen_vl_image_processor_real() -> Any:
+    """Qwen2.5-VL's published image processor settings (its ``min_pixels`` / ``max_pixels``
+    decide how many image tokens a condition picture gives the text encoder)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056, patch_size=14,
+                                    temporal_patch_size=2, merge_size=2)
+
+
+def save_edit_processor(dest: Path, image_processor: Any, tokenizer: Any) -> None:
+    """The ``processor`` folder of a Qwen-Image-Edit checkpoint, saved as its parts (image
+    processor + tokenizer) in the published layout: transformers 5's Qwen2VLProcessor also
+    wants a video processor, which needs torchvision, so loaders build it from these two."""
+    image_processor.save_pretrained(dest / "processor")
+    tokenizer.save_pretrained(dest / "processor")
+    patch_model_index(dest, processor=["transformers", "Qwen2VLProcessor"])
+
+
+def patch_model_index(dest: Path, **entries: Any) -> None:
+    """Set ``entries`` in the folder's ``model_index.json`` (keys sorted, as diffusers writes)."""
+    index_path = dest / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index.update(entries)
+    index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")

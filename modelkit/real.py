@@ -1,10 +1,11 @@
 """Real-size random-weight models of the published architectures, built locally.
 
-    python -m modelkit.real --arch wan-1.3b|wan-14b|qwen-image --out DIR
+    python -m modelkit.real --arch wan-1.3b|wan-14b|qwen-image|qwen-image-edit-2511 --out DIR
                             [--device cuda:0] [--dtype bfloat16] [--layers N]
 
 Nothing is downloaded: the configs below are those of the published checkpoints'
-``config.json`` files (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Qwen-Image), the weights are random
+``config.json`` files (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Qwen-Image, Qwen-Image-Edit-2511: the
+Qwen-Image DiT with ``zero_cond_t``, served by QwenImageEditPlusPipeline), the weights are random
 (seeded), and the folder is written in diffusers format (``save_pretrained``), so the stage
 adapters load it exactly like a real checkpoint. The DiT and the VAE are full size; the text
 encoders have the real output width (what the DiT consumes) but only ``--text-layers``
@@ -26,16 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from modelkit.components import (
+    patch_model_index,
     qwen_scheduler,
     qwen_vl_config,
+    qwen_vl_image_processor_real,
     round_up,
+    save_edit_processor,
     umt5_config,
     wan_scheduler,
 )
 from modelkit.tokenizers import build_qwen_tokenizer, build_t5_tokenizer
 
-ARCHS = ("wan-1.3b", "wan-14b", "qwen-image")
-PIPELINE = {"wan-1.3b": "wan_t2v", "wan-14b": "wan_t2v", "qwen-image": "qwen_t2i"}
+ARCHS = ("wan-1.3b", "wan-14b", "qwen-image", "qwen-image-edit-2511")
+PIPELINE = {"wan-1.3b": "wan_t2v", "wan-14b": "wan_t2v", "qwen-image": "qwen_t2i",
+            "qwen-image-edit-2511": "qwen_i2i_plus"}
 MARKER = "diffring_real.json"
 
 # transformer/config.json of the published checkpoints (the keys diffusers reads).
@@ -81,12 +86,13 @@ def wan_dit(arch: str, layers: int | None = None) -> Any:
     )
 
 
-def qwen_dit(layers: int | None = None) -> Any:
+def qwen_dit(layers: int | None = None, zero_cond_t: bool = False) -> Any:
     """The Qwen-Image DiT (20.4B) as published, ``layers`` deep if given; random weights in
-    the current default dtype and device."""
+    the current default dtype and device. ``zero_cond_t``: Qwen-Image-Edit-2511's (the same
+    weights' shapes: the flag changes how the condition images' tokens are modulated)."""
     from diffusers import QwenImageTransformer2DModel
 
-    cfg: dict[str, Any] = dict(QWEN_DIT)
+    cfg: dict[str, Any] = dict(QWEN_DIT, zero_cond_t=zero_cond_t)
     if layers is not None:
         cfg["num_layers"] = layers
     return QwenImageTransformer2DModel(**cfg)
@@ -105,7 +111,7 @@ def _umt5(tokenizer: Any, layers: int) -> Any:
     ))
 
 
-def _qwen_text_encoder(tokenizer: Any, layers: int) -> Any:
+def _qwen_text_encoder(tokenizer: Any, layers: int, edit: bool = False) -> Any:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     config = qwen_vl_config(
@@ -124,16 +130,18 @@ def _qwen_text_encoder(tokenizer: Any, layers: int) -> Any:
                 "mrope_section": [16, 24, 24],
             },
         },
-        vision={  # unused by text-to-image; small
-            "depth": 1,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
+        # Text-to-image does not use it: small. The edits' condition pictures go through it:
+        # the published width, two blocks (real: 32).
+        vision={
+            "depth": 2 if edit else 1,
+            "hidden_size": 1280 if edit else 64,
+            "intermediate_size": 3420 if edit else 128,
+            "num_heads": 16 if edit else 2,
             "patch_size": 14,
             "temporal_patch_size": 2,
             "spatial_merge_size": 2,
             "window_size": 112,
-            "fullatt_block_indexes": [0],
+            "fullatt_block_indexes": [1] if edit else [0],
             "out_hidden_size": 3584,
         },
     )
@@ -184,16 +192,20 @@ def build(
                                    vae=vae.eval(), scheduler=wan_scheduler(),
                                    transformer=dit.eval())
             else:
-                from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
+                import diffusers
 
+                edit = arch == "qwen-image-edit-2511"
                 tokenizer = build_qwen_tokenizer()
-                text_encoder = _qwen_text_encoder(tokenizer, text_layers)
-                dit = qwen_dit(layers)
+                text_encoder = _qwen_text_encoder(tokenizer, text_layers, edit)
+                dit = qwen_dit(layers, zero_cond_t=edit)
                 torch.set_default_dtype(torch.float32)
-                vae = AutoencoderKLQwenImage()  # defaults: Qwen-Image's VAE config
-                pipe = QwenImagePipeline(scheduler=qwen_scheduler(), vae=vae.eval(),
-                                         text_encoder=text_encoder.eval(), tokenizer=tokenizer,
-                                         transformer=dit.eval())
+                vae = diffusers.AutoencoderKLQwenImage()  # defaults: Qwen-Image's VAE config
+                # EditPlus takes the same components as Qwen-Image (its processor is saved
+                # below, as its parts); the class is what its model index names.
+                pipe = diffusers.QwenImagePipeline(
+                    scheduler=qwen_scheduler(), vae=vae.eval(),
+                    text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+                    transformer=dit.eval())
     finally:
         torch.set_default_dtype(previous)
     build_s = time.perf_counter() - t0
@@ -203,6 +215,9 @@ def build(
 
         shutil.rmtree(tmp)
     pipe.save_pretrained(tmp, safe_serialization=True)
+    if arch == "qwen-image-edit-2511":
+        save_edit_processor(tmp, qwen_vl_image_processor_real(), tokenizer)
+        patch_model_index(tmp, _class_name="QwenImageEditPlusPipeline")
     info = {
         "recipe": recipe,
         "pipeline": PIPELINE[arch],

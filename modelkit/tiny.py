@@ -16,6 +16,8 @@ pipelines and our stage adapters load with ``from_pretrained``:
   QwenImageTransformer2DModel, AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler.
 * ``qwen_i2i`` - Qwen-Image-Edit: the above + a ``processor`` folder (image processor +
   tokenizer) for the vision-language prompt.
+* ``qwen_i2i_plus`` - Qwen-Image-Edit-2511 style (QwenImageEditPlusPipeline): the Edit
+  folder with ``zero_cond_t`` set in the DiT's config.
 * ``synthetic`` - no model: ``synthetic.json`` with the synthetic pipeline's default stage
   times and tensor shapes (``workers/models/synthetic.py``); needs no torch.
 
@@ -85,10 +87,10 @@ def _build_wan(dest: Path, seed: int, i2v: bool) -> None:
         # Name the image processor as the published checkpoint does. save_pretrained records
         # the PIL class used here, which would pin loaders to the PIL backend even where
         # torchvision is installed (diffusers and our stage would then resize differently).
-        _patch_model_index(dest, image_processor=["transformers", "CLIPImageProcessor"])
+        c.patch_model_index(dest, image_processor=["transformers", "CLIPImageProcessor"])
 
 
-def _build_qwen(dest: Path, seed: int, edit: bool) -> None:
+def _build_qwen(dest: Path, seed: int, edit: bool, zero_cond_t: bool = False) -> None:
     from diffusers import QwenImagePipeline
 
     tokenizer = build_qwen_tokenizer()
@@ -97,30 +99,24 @@ def _build_qwen(dest: Path, seed: int, edit: bool) -> None:
         vae=c.qwen_vae(seed),
         text_encoder=c.qwen_text_encoder(seed, tokenizer),
         tokenizer=tokenizer,
-        transformer=c.qwen_transformer(seed),
+        transformer=c.qwen_transformer(seed, zero_cond_t=zero_cond_t),
     )
     pipe.save_pretrained(dest, safe_serialization=True)
     if not edit:
         return
     # Qwen-Image-Edit shares every component with Qwen-Image and adds a vision-language
-    # processor. Saved as its parts (image processor + tokenizer) in the layout of the real
-    # checkpoint: transformers 5's Qwen2VLProcessor also wants a video processor, which needs
-    # torchvision, so loaders build the processor from these two parts.
-    processor_dir = dest / "processor"
-    c.qwen_vl_image_processor().save_pretrained(processor_dir)
-    tokenizer.save_pretrained(processor_dir)
-    _patch_model_index(
-        dest,
-        _class_name="QwenImageEditPipeline",
-        processor=["transformers", "Qwen2VLProcessor"],
-    )
+    # processor (saved as its parts, as the real checkpoint's).
+    c.save_edit_processor(dest, c.qwen_vl_image_processor(), tokenizer)
+    c.patch_model_index(dest, _class_name="QwenImageEditPipeline")
 
 
-def _patch_model_index(dest: Path, **entries: Any) -> None:
-    index_path = dest / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index.update(entries)
-    index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+def _build_qwen_edit_plus(dest: Path, seed: int) -> None:
+    """Qwen-Image-Edit-2511 style: the Edit folder (same components, the same weights) whose
+    model index names QwenImageEditPlusPipeline and whose DiT sets ``zero_cond_t``, as the
+    published 2511 checkpoint's does (2509's leaves it off; a test builds that variant from
+    this folder by its config alone: the flag adds no weights)."""
+    _build_qwen(dest, seed, edit=True, zero_cond_t=True)
+    c.patch_model_index(dest, _class_name="QwenImageEditPlusPipeline")
 
 
 def _marker(task: str, seed: int) -> dict[str, Any]:
@@ -164,6 +160,8 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
             as tmp, torch.no_grad():
         if task.startswith("wan_"):
             _build_wan(tmp, seed, i2v=task == "wan_i2v")
+        elif task == "qwen_i2i_plus":
+            _build_qwen_edit_plus(tmp, seed)
         else:
             _build_qwen(tmp, seed, edit=task == "qwen_i2i")
         marker = {

@@ -104,7 +104,9 @@ def _qwen_templates() -> list[tuple[str, int]]:
     pipelines, as the encoder stage reads them (so they match the installed diffusers)."""
     from workers.models.qwen_text import prompt_template
 
-    return [(t.template, t.drop) for t in (prompt_template(False), prompt_template(True))]
+    # EditPlus (2509 / 2511) shares the Edit system prompt and cut: no template of its own.
+    classes = ("QwenImagePipeline", "QwenImageEditPipeline")
+    return [(t.template, t.drop) for t in map(prompt_template, classes)]
 
 
 def build_qwen_tokenizer() -> Any:

@@ -212,7 +212,7 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny random-weight models of the four pipelines, built once per session (offline)."""
+    """Tiny random-weight models of every pipeline, built once per session (offline)."""
     env = os.environ.get("DIFFRING_TINY_MODELS")
     out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
     from modelkit.tiny import build_all
@@ -231,6 +231,22 @@ def input_png() -> bytes:
 
     y, x = np.mgrid[0:48, 0:40]
     rgb = np.stack([x * 6, y * 5, (x * y) % 251], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def input_png_2() -> bytes:
+    """A second input image of another aspect ratio (64x40, landscape), for the multi-image
+    edit (Picture 2): its condition sizes differ from the first image's."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:40, 0:64]
+    rgb = np.stack([(x * y) % 253, 250 - x * 3, y * 6], axis=-1).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     return buf.getvalue()

@@ -179,6 +179,23 @@ def test_model_folder(tmp_path: Path, tiny_models: Path) -> None:
     assert "no model_path" in c["model (transformer)"].detail
 
 
+def test_checkpoint_class(tmp_path: Path, tiny_models: Path) -> None:
+    """--check says when the folder is a checkpoint of another pipeline than the config's,
+    and what to set (the stages would refuse it at start)."""
+    raw = {**_raw(controller_cfg(model_path=str(tiny_models / "qwen_i2i_plus"))),
+           "model_cls": "qwen_image"}
+    wrong = ServiceConfig.from_dict({**raw, "task": "i2i"})
+    c = by_name(run_checks("encoder", wrong, GOOD_TOKEN, {}, infiniband_dir=str(tmp_path)))
+    assert c["checkpoint"].status == "fail"
+    assert "QwenImageEditPlusPipeline checkpoint" in c["checkpoint"].detail
+    assert "Set task to 'i2i_plus'" in c["checkpoint"].detail
+    right = ServiceConfig.from_dict({**raw, "task": "i2i_plus"})
+    c = by_name(run_checks("all", right, GOOD_TOKEN, {}, infiniband_dir=str(tmp_path)))
+    assert c["checkpoint"].status == "ok"
+    assert "zero_cond_t (Qwen-Image-Edit-2511 style), served as qwen_i2i_plus" in \
+        c["checkpoint"].detail
+
+
 def test_component_table_matches_what_the_stages_read(tiny_models: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """STAGE_COMPONENTS (what --check verifies) is exactly what each stage loads."""

@@ -215,3 +215,101 @@ def test_api_key_from_the_environment_of_a_real_controller(tmp_path: Path) -> No
         assert r.status_code == 401
     finally:
         group.stop()
+
+
+# -- several input images (qwen_i2i_plus) ---------------------------------------------------
+@pytest.fixture
+def plus(tmp_path: Path) -> Iterator[TestClient]:
+    front = make_front(tmp_path, pipeline="qwen_i2i_plus", max_input_images=2,
+                       max_image_bytes=1 << 20)
+    with TestClient(build_app(front)) as c:
+        c.front = front  # type: ignore[attr-defined]
+        yield c
+    front.close()
+    front.co.close()
+
+
+def test_several_images_travel_as_one_pack(plus: TestClient) -> None:
+    """A list in image_path (or several OpenAI image parts) becomes the one buffer that is
+    staged and kept for retries, in Picture order; one image stays its own bytes."""
+    from contracts.input_images import pack_images, unpack_images
+
+    front: FrontDoor = plus.front  # type: ignore[attr-defined]
+    a, b = png(40, 48), png(64, 40)
+    assert post(plus, {"image_path": [b64(a), b64(b)], "task_id": "two"}).status_code == 200
+    kept = front.co.table.get("two").image_bytes
+    assert kept == pack_images([a, b]) and unpack_images(kept, "t") == [a, b]
+    assert post(plus, {"image_path": b64(a), "task_id": "one"}).status_code == 200
+    assert front.co.table.get("one").image_bytes == a
+    assert post(plus, {"image_path": [b64(b)], "task_id": "list-of-one"}).status_code == 200
+    assert front.co.table.get("list-of-one").image_bytes == b
+
+
+def test_image_count_and_size_limits(plus: TestClient) -> None:
+    image = b64(png(16, 16))
+    r = post(plus, {"image_path": [image] * 3})
+    assert r.status_code == 413, r.text
+    assert "3 input images in image_path exceed the limit of 2" in r.json()["detail"]
+    r = post(plus, {"image_path": []})
+    assert r.status_code == 422 and "needs an input image" in r.json()["detail"]
+    r = post(plus, {"image_path": [image, ""]})
+    assert r.status_code == 422 and "empty image" in r.json()["detail"]
+    # Each image is held to the per-image limits, and the refusal says which one.
+    r = post(plus, {"image_path": [image, b64(png_header_only(8_000, 6_000))]})
+    assert r.status_code == 413 and "image_path[1] (Picture 2)" in r.json()["detail"]
+    r = post(plus, {"image_path": [b64(b"not an image"), image]})
+    assert r.status_code == 422 and "image_path[0] (Picture 1)" in r.json()["detail"]
+    # The body cap follows the image count: two largest images fit, far more does not.
+    big = b"{" + b" " * ((2 << 20) + 3 * (1 << 20)) + b"}"
+    r = plus.post("/v1/tasks/image/", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "request body exceeds" in r.json()["detail"]
+
+
+def test_one_image_pipeline_refuses_a_second(client: TestClient) -> None:
+    image = b64(png(16, 16))
+    r = post(client, {"image_path": [image, image]})
+    assert r.status_code == 422
+    assert "qwen_i2i takes one input image, got 2" in r.json()["detail"]
+    assert "qwen_i2i_plus" in r.json()["detail"]
+    assert post(client, {"image_path": [image]}).status_code == 200  # a list of one is fine
+    r = client.post("/v1/images/edits", data={"prompt": "p"},
+                    files=[("image", ("a.png", png(16, 16))), ("image", ("b.png", png(16, 16)))])
+    assert r.status_code == 400 and "exactly one image file (got 2)" in r.text
+
+
+def test_openai_edit_takes_several_image_parts(plus: TestClient, monkeypatch: Any) -> None:
+    from contracts.input_images import pack_images
+    from controller.openai_api import OpenAIDoor
+
+    door: OpenAIDoor = plus.app.state.openai  # type: ignore[attr-defined]
+
+    async def no_wait(tasks: Any) -> None:  # no workers here: stop after the tasks exist
+        raise RuntimeError("created")
+
+    monkeypatch.setattr(door, "wait", no_wait)
+    a, b = png(16, 16), png(24, 16)
+    r = plus.post("/v1/images/edits", data={"prompt": "p"},
+                  files=[("image[]", ("a.png", a)), ("image[]", ("b.png", b))])
+    assert r.status_code == 500 and "created" in r.text
+    task = next(iter(door.front.co.table))
+    assert task.image_bytes == pack_images([a, b])
+    r = plus.post("/v1/images/edits", data={"prompt": "p"},
+                  files=[("image", (f"{i}.png", a)) for i in range(3)])
+    assert r.status_code == 413 and "3 image files exceed the limit of 2" in r.text
+    assert r.json()["error"]["param"] == "image"
+
+
+def test_lightx2v_comma_separated_images(plus: TestClient) -> None:
+    """LightX2V's image_path takes several images separated by commas; a data: URL keeps
+    its own comma."""
+    from contracts.input_images import pack_images
+    from controller.schemas import split_images
+
+    front: FrontDoor = plus.front  # type: ignore[attr-defined]
+    a, b = png(16, 16), png(24, 16)
+    url = f"data:image/png;base64,{b64(b)}"
+    assert split_images(f"{b64(a)},{url}") == [b64(a), url]
+    assert split_images(url) == [url] and split_images(b64(a)) == [b64(a)]
+    r = post(plus, {"image_path": f"{b64(a)},{url}", "task_id": "commas"})
+    assert r.status_code == 200, r.text
+    assert front.co.table.get("commas").image_bytes == pack_images([a, b])

@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # The pipelines with a diffusers reference (the synthetic one has no model: test_synthetic.py).
 DIFFUSERS_TASKS = tuple(t for t in TASKS if task_spec(t).family != "synthetic")
 VIDEO_TASKS = ("wan_t2v", "wan_i2v")
-IMAGE_INPUT_TASKS = ("wan_i2v", "qwen_i2i")
+IMAGE_INPUT_TASKS = ("wan_i2v", "qwen_i2i", "qwen_i2i_plus")
+EDIT_TASKS = ("qwen_i2i", "qwen_i2i_plus")
 
 # Small but not degenerate: 2x2 DiT patches over a 4x4 latent, 3 latent frames for Wan, CFG on.
 SMALL: dict[str, dict[str, Any]] = {
@@ -52,6 +53,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "wan_i2v": {"height": 32, "width": 32, "num_frames": 9, "infer_steps": 3, "fps": 8},
     "qwen_t2i": {"height": 32, "width": 48, "infer_steps": 3},
     "qwen_i2i": {"height": 32, "width": 32, "infer_steps": 2},
+    "qwen_i2i_plus": {"height": 32, "width": 32, "infer_steps": 2},
 }
 PROMPT = "A red fox running through fresh snow"
 NEGATIVE = "blurred details, low quality"
@@ -104,23 +106,26 @@ def wire(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def diffusers_reference(
-    models: Path, req: GenerationRequest, image_png: bytes | None, dtype: str,
-    setup: Callable[[Any], None] | None = None,
+    models: Path, req: GenerationRequest, image_png: bytes | list[bytes] | None, dtype: str,
+    setup: Callable[[Any], None] | None = None, folder: Path | None = None,
 ) -> np.ndarray:
-    """diffusers' own one-process pipeline on the same folder, seed and sizes;
+    """diffusers' own one-process pipeline on the same folder (``models / task``, or
+    ``folder``), seed and sizes; a list of images goes to the pipeline as a list.
     ``setup(pipe)`` may change the pipeline first (load adapters, enable a cache)."""
     import diffusers
     from PIL import Image
 
     task = req.task
+    folder = folder or models / task
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     extra: dict[str, Any] = {}
-    if task == "qwen_i2i":
+    if task in EDIT_TASKS:
         from workers.models.qwen_text import QwenEditProcessor
 
-        extra["processor"] = QwenEditProcessor.from_pretrained(models / task / "processor")
-    pipeline_cls = getattr(diffusers, get_family(task).pipeline_class)
-    pipe = pipeline_cls.from_pretrained(models / task, dtype=torch_dtype, **extra)
+        extra["processor"] = QwenEditProcessor.from_pretrained(folder / "processor")
+    pipeline_class = get_family(task).pipeline_class
+    assert pipeline_class is not None
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(folder, dtype=torch_dtype, **extra)
     pipe.set_progress_bar_config(disable=True)
     if setup is not None:
         setup(pipe)
@@ -133,7 +138,9 @@ def diffusers_reference(
         "generator": torch.Generator("cpu").manual_seed(req.seed),
         "output_type": "np",
     }
-    if image_png is not None:
+    if isinstance(image_png, list):
+        kwargs["image"] = [Image.open(io.BytesIO(i)).convert("RGB") for i in image_png]
+    elif image_png is not None:
         kwargs["image"] = Image.open(io.BytesIO(image_png)).convert("RGB")
     if task in VIDEO_TASKS:
         kwargs.update(num_frames=req.num_frames, guidance_scale=req.guidance_scale)
@@ -206,6 +213,7 @@ def test_conditioning_tensors(tiny_models: Path, input_png: bytes) -> None:
             "image_latents",
         },
     }
+    names["qwen_i2i_plus"] = names["qwen_i2i"]  # one image; a second adds image_latents_2
     for task in DIFFUSERS_TASKS:
         req = small_request(task)
         image = input_png if task in IMAGE_INPUT_TASKS else None
@@ -292,15 +300,18 @@ OWN_COMPONENTS = {
     ],
     ("encoder", "qwen_t2i"): ["tokenizer", "text_encoder"],
     ("encoder", "qwen_i2i"): ["processor", "text_encoder", "vae"],
+    ("encoder", "qwen_i2i_plus"): ["processor", "text_encoder", "vae"],
     # The DiT stage reads only the VAE's config.json (latent geometry), never its weights.
     ("transformer", "wan_t2v"): ["transformer", "scheduler", "vae/config.json"],
     ("transformer", "wan_i2v"): ["transformer", "scheduler", "vae/config.json"],
     ("transformer", "qwen_t2i"): ["transformer", "scheduler", "vae/config.json"],
     ("transformer", "qwen_i2i"): ["transformer", "scheduler", "vae/config.json"],
+    ("transformer", "qwen_i2i_plus"): ["transformer", "scheduler", "vae/config.json"],
     ("decoder", "wan_t2v"): ["vae"],
     ("decoder", "wan_i2v"): ["vae"],
     ("decoder", "qwen_t2i"): ["vae"],
     ("decoder", "qwen_i2i"): ["vae"],
+    ("decoder", "qwen_i2i_plus"): ["vae"],
 }
 
 
@@ -341,9 +352,17 @@ def test_missing_model_folder(tmp_path: Path) -> None:
         stage_.load()
 
 
-def test_wrong_dit_for_task(tiny_models: Path) -> None:
-    with pytest.raises(ModelLoadError, match="is a T2V DiT, but the task is wan_i2v"):
+def test_wrong_folder_for_task(tiny_models: Path) -> None:
+    """A folder of another pipeline is refused at load, before any weight is read, with the
+    class it is and the task that serves it (tests/test_checkpoints.py has every case)."""
+    with pytest.raises(ModelLoadError, match=r"is a WanPipeline checkpoint .* served by "
+                       r"diffring as wan_t2v .* configured for wan_i2v"):
         TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_i2v").load()
+    # The Edit-2511 folder under the first Edit's task would give other pixels: refused.
+    for kind in ADAPTERS:
+        with pytest.raises(ModelLoadError, match=r"QwenImageEditPlusPipeline checkpoint .* "
+                           r"Set task to 'i2i_plus'"):
+            ADAPTERS[kind].for_task(tiny_models / "qwen_i2i_plus", "qwen_i2i").load()
 
 
 def test_stage_settings_are_checked(tiny_models: Path) -> None:
@@ -519,7 +538,8 @@ def _release_stages() -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 # DiT options: CFG batching, compile wiring, warm-up
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("task", ["wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i"])
+@pytest.mark.parametrize("task", ["wan_t2v", "wan_i2v", "qwen_t2i", "qwen_i2i",
+                                  "qwen_i2i_plus"])
 def test_cfg_batch_equals_two_forwards(tiny_models: Path, input_png: bytes, task: str) -> None:
     """One batch-2 forward computes what two batch-1 forwards do (other kernel shapes, so
     equal to float32 rounding, not bit for bit). Qwen's negative prompt is shorter than the

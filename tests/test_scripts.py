@@ -27,7 +27,8 @@ pytestmark = pytest.mark.integration  # starts processes or servers
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs" / "disagg"
-GROUPS = {"wan_t2v": "wan", "wan_i2v": "wan", "qwen_t2i": "qwen", "qwen_i2i": "qwen"}
+GROUPS = {"wan_t2v": "wan", "wan_i2v": "wan", "qwen_t2i": "qwen", "qwen_i2i": "qwen",
+          "qwen_i2i_plus": "qwen"}
 ROLES = ("controller", "encoder", "transformer", "decoder")
 START_T2I = ROOT / "scripts" / "server" / "disagg" / "qwen" / "start_qwen_t2i_disagg.sh"
 POST_T2I = ("-m", "scripts.post.post_qwen_t2i")
@@ -85,6 +86,8 @@ def test_ports_follow_lightx2v_table() -> None:
         "wan_i2v": (8004, 18104, 18004, 18005, 18007),
         "qwen_t2i": (8008, 18108, 18009, 18010, 18008),
         "qwen_i2i": (8012, 18112, 18012, 18013, 18014),
+        # diffring's own group (LightX2V runs 2509 / 2511 as its i2i task): the next free ports.
+        "qwen_i2i_plus": (8016, 18116, 18016, 18017, 18018),
     }
     for group, (front, *metrics) in expect.items():
         cfgs = {

@@ -6,6 +6,9 @@
     # GPU, real-size random-weight architectures built on the fly
     python -m scripts.bench.bench_serving --arch wan-1.3b --device cuda:0 --dtype bfloat16 \\
         --steps 8 --concurrency 1,2,4,8 --out $OUT
+    # Qwen-Image-Edit-2511 (QwenImageEditPlusPipeline), two 1024x1024 input pictures
+    python -m scripts.bench.bench_serving --arch qwen-image-edit-2511 --device cuda:0 \\
+        --images 2 --steps 8 --concurrency 1,2,4 --out $OUT
     # scale-out over G GPUs (BENCHMARKS.md, "Multi-GPU scale-out")
     python -m scripts.bench.bench_serving --arch wan-1.3b --device cuda --gpus 8 --steps 8 \\
         --out $OUT
@@ -76,8 +79,9 @@ from scripts.bench.bench_serving_layout import Endpoint
 from scripts.bench.bench_serving_report import environment, level_stats, plot, scrape, table
 
 # Default request geometry: tiny models on a CPU, real sizes with --arch.
-TINY_SIZE = {"wan_t2v": (32, 32, 9), "qwen_t2i": (64, 64, 1)}
-REAL_SIZE = {"wan_t2v": (480, 832, 81), "qwen_t2i": (1024, 1024, 1)}
+TINY_SIZE = {"wan_t2v": (32, 32, 9), "qwen_t2i": (64, 64, 1), "qwen_i2i_plus": (32, 32, 1)}
+REAL_SIZE = {"wan_t2v": (480, 832, 81), "qwen_t2i": (1024, 1024, 1),
+             "qwen_i2i_plus": (1024, 1024, 1)}
 
 
 # ------------------------------------------------------------------------------- groups
@@ -335,7 +339,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--models", type=Path, default=ROOT / "out" / "tiny-models",
                     help="tiny-model root (built there if missing); ignored with --arch")
     ap.add_argument("--model-path", type=Path, help="a model folder to serve as is")
-    ap.add_argument("--arch", choices=("wan-1.3b", "wan-14b", "qwen-image"),
+    ap.add_argument("--arch", choices=("wan-1.3b", "wan-14b", "qwen-image",
+                                       "qwen-image-edit-2511"),
                     help="build a real-size random-weight model of this architecture")
     ap.add_argument("--arch-dir", type=Path, default=Path("/tmp/diffring-real"))
     ap.add_argument("--layers", type=int, help="--arch: DiT depth (default: the published)")
@@ -371,6 +376,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--width", type=int)
     ap.add_argument("--frames", type=int)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--images", type=int, default=2, help="input pictures per request of an "
+                    "image-conditioned pipeline, each of the output's size (default 2: a "
+                    "multi-image edit; 1 for the one-image pipelines)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="service config override for every service of both modes, e.g. "
                          "--set cfg_batch=true --set 'warmup_shapes=[\"480x832x81\"]'")
@@ -483,6 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     body: dict[str, Any] = {"height": height, "width": width, "infer_steps": args.steps}
     if TASK_SPECS[args.pipeline].output == "video":
         body.update(target_video_length=frames, target_fps=16)
+    spec = TASK_SPECS[args.pipeline]
+    if spec.needs_image:
+        from scripts.bench.bench_inputs import input_images
+
+        body["image_path"] = input_images(args.images if spec.multi_image else 1, height,
+                                          width)
     overrides: dict[str, Any] = {"device": device, "dtype": dtype}
     for item in args.set:
         key, _, value = item.partition("=")

@@ -72,6 +72,11 @@ PIPELINES = {
             prompt="Change the background to a snowy mountain landscape, keep the subject "
             "unchanged.",
         ),
+        Pipeline(
+            task_spec("qwen_i2i_plus"),
+            port=8016,
+            prompt="The person from Picture 1 wears the jacket from Picture 2, same pose.",
+        ),
     )
 }
 
@@ -89,7 +94,9 @@ def parse_args(p: Pipeline, argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--negative-prompt", default=None)
     if p.needs_image:
         ap.add_argument(
-            "--image", required=True, type=Path, help="input image file (sent as base64)"
+            "--image", required=True, type=Path, action="append" if p.spec.multi_image
+            else "store", help="input image file (sent as base64)" + (
+                "; repeat it for Picture 2, 3, ..." if p.spec.multi_image else ""),
         )
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (infer_steps)")
@@ -135,7 +142,9 @@ def request_body(p: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
         optional["target_fps"] = args.fps
     body.update({k: v for k, v in optional.items() if v is not None})
     if p.needs_image:
-        body["image_path"] = encode_image(args.image)
+        images = args.image if isinstance(args.image, list) else [args.image]
+        encoded = [encode_image(i) for i in images]
+        body["image_path"] = encoded[0] if len(encoded) == 1 else encoded
     return body
 
 

@@ -24,6 +24,8 @@ from contracts.pipelines import (
 )
 from contracts.request import GenerationRequest
 
+from .checkpoint import Checkpoint, check_checkpoint, read_json
+
 if TYPE_CHECKING:
     import torch
 
@@ -74,6 +76,11 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 WEIGHTS, CONFIG, FILES, FILE = "weights", "config", "files", "file"
 _TEXT = {"tokenizer": FILES, "text_encoder": WEIGHTS}
 _DIT = {"transformer": WEIGHTS, "scheduler": FILES, "vae": CONFIG}
+_EDIT = {
+    "encoder": {"processor": FILES, "vae": WEIGHTS, "text_encoder": WEIGHTS},
+    "transformer": _DIT,
+    "decoder": {"vae": WEIGHTS},
+}
 STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
     "wan_t2v": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
     "wan_i2v": {
@@ -83,11 +90,8 @@ STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
         "decoder": {"vae": WEIGHTS},
     },
     "qwen_t2i": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
-    "qwen_i2i": {
-        "encoder": {"processor": FILES, "vae": WEIGHTS, "text_encoder": WEIGHTS},
-        "transformer": _DIT,
-        "decoder": {"vae": WEIGHTS},
-    },
+    "qwen_i2i": _EDIT,
+    "qwen_i2i_plus": _EDIT,  # the same components; the model index names another pipeline
     # No model: one settings file, read directly by each stage (workers/models/synthetic.py).
     "synthetic": {r: {"synthetic.json": FILE} for r in ("encoder", "transformer", "decoder")},
 }
@@ -132,9 +136,14 @@ def component_problem(folder: Path, kind: str) -> str | None:
     return None
 
 
-def check_stage_folder(model_dir: Path, task: str, role: str) -> None:
+def check_stage_folder(model_dir: Path, task: str, role: str) -> Checkpoint:
     """Fail fast (seconds, not the minutes of a load) when the folder lacks something the
-    ``role`` stage of ``task`` reads; the error names folder and component."""
+    ``role`` stage of ``task`` reads, or is a checkpoint ``task`` does not serve
+    (:func:`~workers.models.checkpoint.check_checkpoint`); the error names folder and
+    component, or the pipeline class. Returns what the folder is."""
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model folder {model_dir} does not exist (task {task})")
+    found = check_checkpoint(model_dir, task)
     for component, kind in STAGE_COMPONENTS[task_spec(task).name][role].items():
         if kind != FILE:
             component_dir(model_dir, component, task, role)  # the loader's own message
@@ -144,6 +153,7 @@ def check_stage_folder(model_dir: Path, task: str, role: str) -> None:
                 f"model folder {model_dir}: the {component!r} component is incomplete "
                 f"({problem}); the {role} stage of {task} needs it"
             )
+    return found
 
 
 # -- loading -----------------------------------------------------------------------------
@@ -185,28 +195,10 @@ def read_component_config(model_dir: Path, component: str, task: str, role: str)
     scale factors this way)."""
     path = component_dir(model_dir, component, task, role)
     for name in ("config.json", "scheduler_config.json"):
-        file = path / name
-        if file.is_file():
-            try:
-                data = json.loads(file.read_text())
-            except (OSError, ValueError) as e:
-                raise ModelLoadError(f"unreadable config {file}: {e}") from e
-            if not isinstance(data, dict):
-                raise ModelLoadError(f"config {file} is not a JSON object")
+        data = read_json(path / name)
+        if data is not None:
             return data
     raise ModelLoadError(f"component folder {path} has no config.json")
-
-
-def read_model_index(model_dir: Path) -> dict[str, Any]:
-    """``model_index.json`` of a diffusers folder, or ``{}`` if there is none."""
-    file = model_dir / "model_index.json"
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"unreadable {file}: {e}") from e
-    return data if isinstance(data, dict) else {}
 
 
 def require_tensor(

@@ -26,28 +26,30 @@ class ModelFamily:
     for the synthetic family, which has no model."""
 
 
-# task -> (module, encoder, transformer, decoder, diffusers pipeline class). Families are
-# imported on first use, so that importing this package does not import torch or diffusers.
-_FAMILIES: dict[str, tuple[str, str, str, str, str | None]] = {
-    "wan_t2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder", "WanPipeline"),
-    "wan_i2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder", "WanImageToVideoPipeline"),
-    "qwen_t2i": ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder", "QwenImagePipeline"),
-    "qwen_i2i": ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder", "QwenImageEditPipeline"),
-    "synthetic": (
-        "synthetic", "SyntheticEncoder", "SyntheticTransformer", "SyntheticDecoder", None
-    ),
+# task -> (module, encoder, transformer, decoder). Families are imported on first use, so that
+# importing this package does not import torch or diffusers. The diffusers pipeline each row
+# follows is the pipeline table's (contracts.pipelines.TaskSpec.pipeline_class).
+_QWEN = ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder")
+_FAMILIES: dict[str, tuple[str, str, str, str]] = {
+    "wan_t2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder"),
+    "wan_i2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder"),
+    "qwen_t2i": _QWEN,
+    "qwen_i2i": _QWEN,
+    "qwen_i2i_plus": _QWEN,
+    "synthetic": ("synthetic", "SyntheticEncoder", "SyntheticTransformer", "SyntheticDecoder"),
 }
 assert set(_FAMILIES) == set(TASKS)
 
 
 def get_family(task: str) -> ModelFamily:
     """The adapters serving ``task``. Imports the family module, and with it torch."""
-    module_name, enc, dit, dec, pipeline = _FAMILIES[task_spec(task).name]
+    spec = task_spec(task)
+    module_name, enc, dit, dec = _FAMILIES[spec.name]
     module = importlib.import_module(f"{__package__}.{module_name}")
     return ModelFamily(
         task=task,
         encoder=getattr(module, enc),
         transformer=getattr(module, dit),
         decoder=getattr(module, dec),
-        pipeline_class=pipeline,
+        pipeline_class=spec.pipeline_class,
     )

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from contracts.errors import StageError, StageInputError
+from contracts.input_images import is_pack, unpack_images
 from contracts.pipelines import VIDEO_CODECS, X264_PRESETS
 
 if TYPE_CHECKING:
@@ -35,11 +36,15 @@ _MAX_INPUT_PIXELS = 256 * 1024 * 1024
 
 
 def decode_image(data: bytes | bytearray | memoryview | None, task: str) -> Image.Image:
-    """Decode the input image of an I2V / I2I request to an RGB PIL image."""
+    """Decode one input image of an I2V / I2I request to an RGB PIL image (a buffer of
+    several packed images is refused: the pipeline of ``task`` takes one)."""
     from PIL import Image, UnidentifiedImageError
 
     if data is None or len(data) == 0:
         raise StageInputError(f"{task} needs an input image (PNG or JPEG bytes); none was given")
+    if is_pack(data):  # several images packed together (contracts.input_images)
+        n = len(unpack_images(data, task))
+        raise StageInputError(f"{task} takes one input image, got {n}")
     try:
         with Image.open(io.BytesIO(bytes(data))) as img:
             if img.width * img.height > _MAX_INPUT_PIXELS:

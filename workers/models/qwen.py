@@ -1,8 +1,9 @@
-"""Qwen-Image text-to-image and Qwen-Image-Edit, split into three stages.
+"""Qwen-Image text-to-image, Qwen-Image-Edit and Edit-2509 / 2511, split into three stages.
 
-This follows diffusers' ``QwenImagePipeline`` and ``QwenImageEditPipeline`` (0.42.1) operation
-by operation, so that for a seed the three stages give the same pixels as the one-process
-pipeline (given a CPU generator seeded with the same seed).
+This follows diffusers' ``QwenImagePipeline``, ``QwenImageEditPipeline`` and
+``QwenImageEditPlusPipeline`` (0.42.1) operation by operation, so that for a seed the three
+stages give the same pixels as the one-process pipeline (given a CPU generator seeded with
+the same seed).
 
 Tensors between the stages (batch size 1):
 
@@ -13,15 +14,18 @@ encoder -> transformer
                                      stage then passes no mask, as the pipeline does)
     ``negative_prompt_embeds`` / ``negative_prompt_embeds_mask``
                                      same, present when ``true_cfg_scale > 1``
-    ``image_latents``                (1, z, 1, h', w'), Edit only: normalised VAE latents of
-                                     the input image resized to ~1 megapixel
+    ``image_latents``                (1, z, 1, h', w'), edits only: normalised VAE latents of
+                                     the (first) input image resized to ~1 megapixel
+    ``image_latents_2``, ``_3``, ... EditPlus only: the same for each further input image
+                                     ("Picture 2", ...), each at its own ~1 megapixel size
 transformer -> decoder
     ``latents``                      (1, z, 1, h, w) in the transformer's dtype: unpacked
                                      (VAE layout), normalised (VAE stats not applied)
 
 with h, w = height / 8, width / 8 for the published VAE. Edit requests without a size get
-the pipeline's default, the condition image's ~1 megapixel size, which the transformer stage
-reads from ``image_latents``.
+the pipeline's default, the (last) condition image's ~1 megapixel size, which the
+transformer stage reads from its latents. Edit-2511's ``zero_cond_t`` (the condition
+images' tokens modulated at timestep 0) is the DiT's own: it follows from ``img_shapes``.
 
 The encoder stage is :mod:`workers.models.qwen_encoder`; this module is the family's
 (:func:`workers.models.get_family`): transformer and decoder here, all three exported.
@@ -62,6 +66,7 @@ from .diffusers_glue import (
     load_scheduler,
 )
 from .qwen_encoder import QwenEncoder
+from .qwen_text import image_latents_name
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ class QwenTransformer(TransformerAdapter):
         from diffusers import QwenImageTransformer2DModel
 
         self.edit = self.spec.needs_image
-        self.text_sees_image = self.edit  # the VL prompt embeds the input image
+        self.plus = self.spec.multi_image  # EditPlus: several condition images
         self.vae_scale_factor = _vae_scale_factor(self._config("vae"))  # config only
         self.transformer: Any = self._component(
             lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.placement),
@@ -254,32 +259,32 @@ class QwenTransformer(TransformerAdapter):
 
         prompt_embeds, prompt_mask = text("prompt_embeds")
         negative_embeds, negative_mask = text("negative_prompt_embeds") if cfg else (None, None)
-        image_latents = None
-        if self.edit:
-            image_latents = require_tensor(tensors, "image_latents", self.role, ndim=5)
-            image_latents = image_latents.to(self.device, dtype=prompt_embeds.dtype)
-        height, width = self._output_size(req, image_latents)
+        conditions = [
+            c.to(self.device, dtype=prompt_embeds.dtype) for c in self._condition_latents(tensors)
+        ]
+        # The output size defaults to the last condition image's (EditPlus: image[-1]).
+        height, width = self._output_size(req, conditions[-1] if conditions else None)
 
         vsf = self.vae_scale_factor
         channels = self.transformer.config.in_channels // 4
         shapes: list[tuple[int, int, int]] = [(1, height // vsf // 2, width // vsf // 2)]
-        if image_latents is not None:
-            if image_latents.shape[1] != channels:
+        packed = []
+        for index, latents in enumerate(conditions):
+            if latents.shape[1] != channels:
                 raise StageInputError(
-                    f"transformer stage input 'image_latents' has {image_latents.shape[1]} "
-                    f"channels, the DiT expects {channels}"
+                    f"transformer stage input {image_latents_name(index)!r} has "
+                    f"{latents.shape[1]} channels, the DiT expects {channels}"
                 )
-            cond_h, cond_w = image_latents.shape[-2:]
-            image_latents = QwenImagePipeline._pack_latents(
-                image_latents, 1, channels, cond_h, cond_w
-            )
+            cond_h, cond_w = latents.shape[-2:]
+            packed.append(QwenImagePipeline._pack_latents(latents, 1, channels, cond_h, cond_w))
             shapes.append((1, cond_h // 2, cond_w // 2))
         return _DitInputs(
             prompt=prompt_embeds,
             prompt_mask=prompt_mask,
             negative=negative_embeds,
             negative_mask=negative_mask,
-            image_latents=image_latents,
+            # One sequence of every condition image's tokens, in "Picture" order.
+            image_latents=torch.cat(packed, dim=1) if packed else None,
             img_shapes=[shapes],  # one list of (frames, rows, cols) token grids per item
             height=height,
             width=width,
@@ -287,6 +292,17 @@ class QwenTransformer(TransformerAdapter):
             lat_w=2 * (width // (vsf * 2)),
             channels=channels,
         )
+
+    def _condition_latents(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The condition images' latents, in order: none (T2I), one (Edit), one or more
+        (EditPlus: ``image_latents``, ``image_latents_2``, ...)."""
+        if not self.edit:
+            return []
+        found = [require_tensor(tensors, image_latents_name(0), self.role, ndim=5)]
+        while self.plus and image_latents_name(len(found)) in tensors:
+            found.append(require_tensor(tensors, image_latents_name(len(found)), self.role,
+                                        ndim=5))
+        return found
 
     def _guidance(self, req: GenerationRequest) -> torch.Tensor | None:
         """The embedded guidance of guidance-distilled checkpoints (None for the others)."""

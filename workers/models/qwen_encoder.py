@@ -1,5 +1,6 @@
-"""Qwen-Image and Qwen-Image-Edit, stage 1: the prompt (and, for Edit, the condition image)
-encoded as :mod:`workers.models.qwen` lays out the tensors to the transformer."""
+"""Qwen-Image, Qwen-Image-Edit and Edit-2509 / 2511 (EditPlus), stage 1: the prompt (and,
+for the edits, the condition images) encoded as :mod:`workers.models.qwen` lays out the
+tensors to the transformer."""
 
 from __future__ import annotations
 
@@ -8,27 +9,32 @@ from typing import Any
 import torch
 
 from contracts.errors import InvalidRequestError
+from contracts.input_images import unpack_images
 from contracts.request import GenerationRequest
 
 from .base import EncoderAdapter
 from .diffusers_glue import latent_stats, load_diffusers_model, load_transformers_model
 from .media import decode_image
-from .qwen_text import QwenEditProcessor, prompt_template
+from .qwen_text import QwenEditProcessor, image_latents_name, picture_prompt, prompt_template
 
 # Qwen-Image-Edit sizes its condition image to this many pixels (diffusers: 1024 * 1024).
 _EDIT_CONDITION_AREA = 1024 * 1024
 
 
 class QwenEncoder(EncoderAdapter):
-    """Qwen2.5-VL prompt encoding; for Edit also the vision-language prompt with the input
-    image and the VAE latents of that image."""
+    """Qwen2.5-VL prompt encoding; for the edits also the vision-language prompt with the
+    input images and the VAE latents of those images (EditPlus: each image sized twice, as
+    QwenImageEditPlusPipeline does: ~384x384 for the vision-language encoder, ~1024x1024
+    for the VAE)."""
 
     def _load(self) -> None:
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         self.edit = self.spec.needs_image
-        self.text_sees_image = self.edit  # the VL prompt embeds the input image
-        self.template, self.drop, self.max_tokens = prompt_template(self.edit)
+        self.plus = self.spec.multi_image
+        self.text_sees_image = self.edit  # the VL prompt embeds the input images
+        assert self.spec.pipeline_class is not None
+        self.template, self.drop, self.max_tokens = prompt_template(self.spec.pipeline_class)
         if self.edit:
             from diffusers import AutoencoderKLQwenImage
             from diffusers.image_processor import VaeImageProcessor
@@ -55,9 +61,13 @@ class QwenEncoder(EncoderAdapter):
         )
 
     def load_image(self, req: GenerationRequest, image_bytes: bytes | None) -> Any:
-        """Edit: (the condition image resized to ~1 megapixel, its VAE input pixels)."""
+        """Edit: (the condition image resized to ~1 megapixel, its VAE input pixels).
+        EditPlus: (the images for the vision-language prompt, their VAE input pixels), both
+        lists in "Picture" order."""
         if not self.edit:
             return super().load_image(req, image_bytes)
+        if self.plus:
+            return self._plus_images(image_bytes)
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
         image = decode_image(image_bytes, self.task)
@@ -66,6 +76,25 @@ class QwenEncoder(EncoderAdapter):
         image = self.image_processor.resize(image, cond_h, cond_w)
         pixels = self.image_processor.preprocess(image, cond_h, cond_w).unsqueeze(2)
         return image, pixels
+
+    def _plus_images(self, image_bytes: bytes | None) -> tuple[list[Any], list[Any]]:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+            CONDITION_IMAGE_SIZE,
+            VAE_IMAGE_SIZE,
+            calculate_dimensions,
+        )
+
+        files = unpack_images(image_bytes, self.task) if image_bytes else [image_bytes]
+        conditions, pixels = [], []
+        for data in files:
+            image = decode_image(data, self.task)
+            ratio = image.size[0] / image.size[1]
+            cond_w, cond_h = calculate_dimensions(CONDITION_IMAGE_SIZE, ratio)
+            vae_w, vae_h = calculate_dimensions(VAE_IMAGE_SIZE, ratio)
+            conditions.append(self.image_processor.resize(image, cond_h, cond_w))
+            # From the decoded image, not the resized one: the pipeline sizes each twice.
+            pixels.append(self.image_processor.preprocess(image, vae_h, vae_w).unsqueeze(2))
+        return conditions, pixels
 
     def guidance_on(self, req: GenerationRequest) -> bool:
         assert req.true_cfg_scale is not None
@@ -97,13 +126,19 @@ class QwenEncoder(EncoderAdapter):
     def encode_image(self, req: GenerationRequest, image: Any) -> dict[str, torch.Tensor]:
         if not self.edit:
             return {}
-        pixels = image[1]
+        pixels = image[1] if self.plus else [image[1]]
+        out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            latents = self._image_latents(pixels.to(self.device, self.dtype))
-        return {"image_latents": latents}
+            for index, one in enumerate(pixels):  # each at its own size, one VAE pass each
+                latents = self._image_latents(one.to(self.device, self.dtype))
+                out[image_latents_name(index)] = latents
+        return out
 
     def _embeds(self, prompt: str, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        text = [self.template.format(prompt)]
+        # EditPlus names each image ("Picture 1: <image> Picture 2: <image> ...") before the
+        # prompt; the first Edit's template holds its one image itself.
+        prefix = picture_prompt(len(image)) if self.plus else ""
+        text = [self.template.format(prefix + prompt)]
         if self.edit:
             inputs = self.processor(text=text, images=image, padding=True, return_tensors="pt")
             inputs = inputs.to(self.device)

@@ -45,27 +45,37 @@ class PromptTemplate(NamedTuple):
 
 
 @cache
-def prompt_template(edit: bool) -> PromptTemplate:
-    """The prompt template of diffusers' pipeline, read from the pipeline class itself so that
-    it cannot drift from the installed diffusers."""
-    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+def prompt_template(pipeline_class: str) -> PromptTemplate:
+    """The prompt template of diffusers' pipeline ``pipeline_class`` (``QwenImagePipeline``,
+    ``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``), read from a bare instance of
+    the class itself so that it cannot drift from the installed diffusers."""
+    import inspect
 
-    bare: Any
-    if edit:
-        bare = QwenImageEditPipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=None,
-            tokenizer=None,
-            processor=None,
-            transformer=None,
-        )
-    else:
-        bare = QwenImagePipeline(
-            scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
-        )
+    import diffusers
+
+    cls: Any = getattr(diffusers, pipeline_class)
+    components = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+    bare = cls(**dict.fromkeys(components))
     return PromptTemplate(
         bare.prompt_template_encode,
         bare.prompt_template_encode_start_idx,
         bare.tokenizer_max_length,
     )
+
+
+PICTURE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+"""What QwenImageEditPlusPipeline puts before the prompt for each input image, numbered from
+1 (a local of its prompt encoder in diffusers 0.42.1, so not readable like the templates; the
+exact comparison with the pipeline in tests/test_models.py would show a change)."""
+
+
+def picture_prompt(count: int) -> str:
+    """The image part of an EditPlus prompt for ``count`` input images."""
+    return "".join(PICTURE_PROMPT.format(i + 1) for i in range(count))
+
+
+def image_latents_name(index: int) -> str:
+    """The tensor of the ``index``-th (from 0) condition image's VAE latents between the
+    encoder and the DiT: ``image_latents`` for the first (the only one of the first Edit),
+    ``image_latents_2``, ``image_latents_3``, ... after it ("Picture N")."""
+    return "image_latents" if index == 0 else f"image_latents_{index + 1}"

@@ -29,7 +29,6 @@ import torch
 
 from contracts.errors import (
     InvalidRequestError,
-    ModelLoadError,
     StageInputError,
 )
 from contracts.request import GenerationRequest
@@ -44,7 +43,6 @@ from .base import (
 )
 from .components import (
     check_request_task,
-    read_model_index,
     require_tensor,
 )
 from .diffusers_glue import (
@@ -196,15 +194,7 @@ class WanTransformer(TransformerAdapter):
     def _load(self) -> None:
         from diffusers import WanTransformer3DModel
 
-        index = read_model_index(self.model_dir)
-        if index.get("transformer_2") not in (None, [None, None]) or index.get("boundary_ratio"):
-            raise ModelLoadError(
-                f"{self.model_dir} is a two-expert (Wan2.2) checkpoint; only Wan2.1 is supported"
-            )
-        if index.get("expand_timesteps"):
-            raise ModelLoadError(
-                f"{self.model_dir} uses expand_timesteps (Wan2.2 TI2V); only Wan2.1 is supported"
-            )
+        # Wan2.2 folders and a DiT of the other task were refused before this (checkpoint.py).
         vae_config = self._config("vae")  # latent geometry only; the weights stay unread
         self.temporal = int(vae_config.get("scale_factor_temporal") or 4)
         self.spatial = int(vae_config.get("scale_factor_spatial") or 8)
@@ -216,11 +206,6 @@ class WanTransformer(TransformerAdapter):
         )
         self.scheduler: Any = self._component(load_scheduler, "scheduler")
         config = self.transformer.config
-        if self.spec.needs_image != (config.image_dim is not None):
-            raise ModelLoadError(
-                f"{self.model_dir}/transformer is {'an I2V' if config.image_dim else 'a T2V'} "
-                f"DiT, but the task is {self.task}"
-            )
         self.patch = tuple(config.patch_size)
         apply_attention_backend(
             self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim
