@@ -40,7 +40,7 @@ class TaskSpec:
     pipeline_class: str | None = None
     """diffusers' one-process pipeline this row follows operation by operation, and the
     ``_class_name`` a model folder's ``model_index.json`` must name to be served by it
-    (checked at load: :mod:`workers.models.checkpoint`). None for the synthetic pipeline,
+    (checked at load: :mod:`workers.models.model_folder`). None for the synthetic pipeline,
     which has no model."""
     multi_image: bool = False
     """Whether a request may carry several input images (up to the front door's
@@ -112,7 +112,7 @@ def _qwen(task: str, needs_image: bool, pipeline_class: str, multi_image: bool =
 # images: 422 / 413) and it never reads a model folder: the controller may run where the
 # weights are not. So what a service accepts has to follow from its config alone, and an
 # operator reads it there. The folder is checked against the config when a stage loads
-# (workers/models/checkpoint.py): a 2511 folder under a qwen_i2i config is refused at start
+# (workers/models/model_folder.py): a 2511 folder under a qwen_i2i config is refused at start
 # with an error naming QwenImageEditPlusPipeline and the task that serves it, rather than run
 # as the first Edit with other pixels. LightX2V also selects the 2509 / 2511 variants by
 # configuration (its i2i config files for them), not by looking into the folder.

@@ -333,12 +333,12 @@ def _model(r: _Report, role: str, cfg: ServiceConfig) -> None:
 def _checkpoint(r: _Report, cfg: ServiceConfig) -> None:
     """Whether the folder is a checkpoint of the configured pipeline (its model index and
     DiT config: what a stage checks before it loads)."""
-    from workers.models.checkpoint import check_checkpoint
+    from workers.models.model_folder import check_model_folder
 
     if not cfg.model_path or not Path(cfg.model_path).is_dir():
         return  # the model check says so
     try:
-        found = check_checkpoint(Path(cfg.model_path), cfg.pipeline)
+        found = check_model_folder(Path(cfg.model_path), cfg.pipeline)
     except DiffringError as exc:
         r.add("checkpoint", "fail", str(exc))
         return

@@ -1,4 +1,4 @@
-"""Checkpoint variants against diffusers' own pipelines, on tiny random-weight folders.
+"""ModelFolder variants against diffusers' own pipelines, on tiny random-weight folders.
 
 * Qwen-Image-Edit-2511 (``qwen_i2i_plus``: QwenImageEditPlusPipeline, ``zero_cond_t``) with
   two input images (one image: ``test_models.test_stages_match_diffusers_pipeline``), the
@@ -7,7 +7,7 @@
   not sizes change nothing the stages do; tiny folders carrying those fields give diffusers'
   pixels with the stages unchanged (docs/models.md lists the fields).
 
-The folders' classes are checked against the task at load (``tests/test_checkpoints.py``).
+The folders' classes are checked against the task at load (``tests/test_model_folder.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tests.test_models import (  # noqa: E402
     stage,
     wire,
 )
-from workers.models.checkpoint import check_checkpoint  # noqa: E402
+from workers.models.model_folder import check_model_folder  # noqa: E402
 
 pytestmark = pytest.mark.integration  # builds and runs the tiny models
 
@@ -88,7 +88,7 @@ def test_edit_plus_two_images_match_diffusers(tiny_models: Path, input_png: byte
                                               input_png_2: bytes) -> None:
     """Two pictures through the three stages (over the wire) == QwenImageEditPlusPipeline
     with the same two images, pixel for pixel (zero_cond_t on: the 2511 folder)."""
-    assert check_checkpoint(tiny_models / PLUS, PLUS).variant.startswith("zero_cond_t ")
+    assert check_model_folder(tiny_models / PLUS, PLUS).variant.startswith("zero_cond_t ")
     req = small_request(PLUS)
     cond = encoded(tiny_models, (input_png, input_png_2))
     one = encoded(tiny_models, (input_png,))
@@ -126,7 +126,7 @@ def test_edit_2509_style_matches_diffusers(tiny_models: Path, input_png: bytes,
     served as qwen_i2i_plus, diffusers' pixels, and other latents than 2511's."""
     folder = variant(tiny_models / PLUS, tmp_path / "edit-2509",
                      {"transformer/config.json": {"zero_cond_t": False}})
-    assert "2509" in check_checkpoint(folder, PLUS).describe()
+    assert "2509" in check_model_folder(folder, PLUS).describe()
     req = small_request(PLUS)
     ours = run_stages(folder, PLUS, req, input_png)
     reference = diffusers_reference(tiny_models, req, [input_png], "float32", folder=folder)
@@ -174,7 +174,7 @@ def test_published_configs_need_nothing_new(tiny_models: Path, input_png: bytes,
                                             tmp_path: Path, task: str,
                                             patches: Mapping[str, Mapping[str, Any]]) -> None:
     folder = variant(tiny_models / task, tmp_path / task, patches)
-    check_checkpoint(folder, task)  # served as the family's pipeline
+    check_model_folder(folder, task)  # served as the family's pipeline
     req = small_request(task)
     image = input_png if task == "wan_i2v" else None
     ours = run_stages(folder, task, req, image)

@@ -354,7 +354,7 @@ def test_missing_model_folder(tmp_path: Path) -> None:
 
 def test_wrong_folder_for_task(tiny_models: Path) -> None:
     """A folder of another pipeline is refused at load, before any weight is read, with the
-    class it is and the task that serves it (tests/test_checkpoints.py has every case)."""
+    class it is and the task that serves it (tests/test_model_folder.py has every case)."""
     with pytest.raises(ModelLoadError, match=r"is a WanPipeline checkpoint .* served by "
                        r"diffring as wan_t2v .* configured for wan_i2v"):
         TransformerAdapter.for_task(tiny_models / "wan_t2v", "wan_i2v").load()

@@ -61,8 +61,8 @@ from workers.idle import IdleWait
 from workers.link import ControlLink
 from workers.metrics import WorkerMetrics
 from workers.models.base import StageAdapter
-from workers.models.checkpoint import Checkpoint
 from workers.models.components import check_stage_folder
+from workers.models.model_folder import ModelFolder
 from workers.progress import ProgressReporter
 from workers.staged import StagedOutputs
 from workers.startup import StopSignal
@@ -139,8 +139,8 @@ class StageWorker:
         self.pool: Any = None
         self.tasks_done = 0
         self._metrics_server: Any = None
-        self.checkpoint: Checkpoint | None = None
-        """What the model folder is (workers.models.checkpoint), once start() checked it."""
+        self.model_folder: ModelFolder | None = None
+        """What the model folder is (workers.models.model_folder), once start() checked it."""
         self._stop = StopSignal()
         """The process's stop request; start-up checks it at each boundary (an uninstalled
         one, as here, never asks)."""
@@ -167,10 +167,10 @@ class StageWorker:
             )
         self.progress.start()
         own = default_advertised_host(self.cfg, controller=False)
-        self.checkpoint = check_stage_folder(Path(self.model_path()), self.cfg.pipeline,
+        self.model_folder = check_stage_folder(Path(self.model_path()), self.cfg.pipeline,
                                              self.role.value)
         log.info("worker %s: model folder %s is %s", self.name, self.model_path(),
-                 self.checkpoint.describe())
+                 self.model_folder.describe())
         settings = MooncakeSettings.resolve(
             self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own}
         )
@@ -366,7 +366,7 @@ class StageWorker:
             **self.adapter_options(),
         )
         self.stage.on_component = lambda _name: self._stop.boundary("startup.component")
-        self.stage.checkpoint = self.checkpoint  # checked at start: not again in load()
+        self.stage.model_folder = self.model_folder  # checked at start: not again in load()
         if self.cfg.torch_threads is not None and self.stage.torch_model:
             # Only a torch model pays for importing torch here (a synthetic stage has none).
             import torch

@@ -32,7 +32,6 @@ from contracts.request import GenerationRequest
 from contracts.roles import Role
 from contracts.stage_options import StageOptions
 
-from .checkpoint import Checkpoint, check_checkpoint
 from .components import (
     STAGE_COMPONENTS,
     WEIGHTS,
@@ -46,6 +45,7 @@ from .components import (
     warmup_geometry,
 )
 from .media import VideoSettings
+from .model_folder import ModelFolder, check_model_folder
 from .prompt_cache import PromptCache, PromptKey, image_digest
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class StageAdapter(ABC):
         except ConfigError as exc:  # the options belong to another stage
             raise ModelLoadError(str(exc)) from None
         self._loaded = False
-        self.checkpoint: Checkpoint | None = None
+        self.model_folder: ModelFolder | None = None
         """What the model folder is; checked in :meth:`load` unless the caller did."""
         self.on_component: Callable[[str], None] | None = None
         """Called with a component's name after it loaded (the worker's start-up boundary:
@@ -144,10 +144,10 @@ class StageAdapter(ABC):
             return
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist (task {self.task})")
-        if self.checkpoint is None:  # a worker checked it at start, before Mooncake
+        if self.model_folder is None:  # a worker checked it at start, before Mooncake
             # The folder must be a checkpoint of this task's pipeline (JSON only, before
             # any weight is read).
-            self.checkpoint = check_checkpoint(self.model_dir, self.task)
+            self.model_folder = check_model_folder(self.model_dir, self.task)
         self._resolve_settings()
         self._check_budget()
         self._load()

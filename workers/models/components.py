@@ -24,7 +24,7 @@ from contracts.pipelines import (
 )
 from contracts.request import GenerationRequest
 
-from .checkpoint import Checkpoint, check_checkpoint, read_json
+from .model_folder import ModelFolder, check_model_folder, read_json
 
 if TYPE_CHECKING:
     import torch
@@ -136,14 +136,14 @@ def component_problem(folder: Path, kind: str) -> str | None:
     return None
 
 
-def check_stage_folder(model_dir: Path, task: str, role: str) -> Checkpoint:
+def check_stage_folder(model_dir: Path, task: str, role: str) -> ModelFolder:
     """Fail fast (seconds, not the minutes of a load) when the folder lacks something the
     ``role`` stage of ``task`` reads, or is a checkpoint ``task`` does not serve
-    (:func:`~workers.models.checkpoint.check_checkpoint`); the error names folder and
+    (:func:`~workers.models.model_folder.check_model_folder`); the error names folder and
     component, or the pipeline class. Returns what the folder is."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist (task {task})")
-    found = check_checkpoint(model_dir, task)
+    found = check_model_folder(model_dir, task)
     for component, kind in STAGE_COMPONENTS[task_spec(task).name][role].items():
         if kind != FILE:
             component_dir(model_dir, component, task, role)  # the loader's own message

@@ -1,4 +1,4 @@
-"""The model-folder class check (workers/models/checkpoint.py): each folder a task does not
+"""The model-folder class check (workers/models/model_folder.py): each folder a task does not
 serve is refused, before any weight is read, with an error naming the class, what serves it
 and what to change. JSON files only: no model library, no process."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from contracts.errors import ModelLoadError
 from contracts.pipelines import TASK_SPECS, served_classes
-from workers.models.checkpoint import check_checkpoint
 from workers.models.components import STAGE_COMPONENTS, check_stage_folder
+from workers.models.model_folder import check_model_folder
 
 QWEN_DIT = {"_class_name": "QwenImageTransformer2DModel", "zero_cond_t": False}
 WAN_T2V_DIT = {"_class_name": "WanTransformer3DModel", "image_dim": None}
@@ -35,7 +35,7 @@ def folder(tmp_path: Path, index: dict[str, Any] | None, dit: dict[str, Any] | N
 
 def refused(root: Path, task: str) -> str:
     with pytest.raises(ModelLoadError) as info:
-        check_checkpoint(root, task)
+        check_model_folder(root, task)
     return str(info.value)
 
 
@@ -46,7 +46,7 @@ DITS = {"wan_t2v": WAN_T2V_DIT, "wan_i2v": WAN_I2V_DIT, "qwen_t2i": QWEN_DIT,
 @pytest.mark.parametrize("task", sorted(DITS))
 def test_each_served_class_loads_under_its_task(tmp_path: Path, task: str) -> None:
     cls = TASK_SPECS[task].pipeline_class
-    found = check_checkpoint(folder(tmp_path, {"_class_name": cls}, DITS[task]), task)
+    found = check_model_folder(folder(tmp_path, {"_class_name": cls}, DITS[task]), task)
     assert found.pipeline_class == cls
     # ... and under no other task.
     for other in DITS:
@@ -82,7 +82,7 @@ def test_edit_2511_folder_under_the_first_edit_says_what_to_set(tmp_path: Path) 
         in message
     assert "configured for qwen_i2i, which serves QwenImageEditPipeline folders" in message
     assert "Set task to 'i2i_plus'" in message
-    assert check_checkpoint(root, "qwen_i2i_plus").describe() == (
+    assert check_model_folder(root, "qwen_i2i_plus").describe() == (
         "QwenImageEditPlusPipeline: zero_cond_t (Qwen-Image-Edit-2511 style)")
     # The other way round: the first Edit's folder is not an EditPlus one.
     first = folder(tmp_path, {"_class_name": "QwenImageEditPipeline"}, QWEN_DIT, "edit")
@@ -91,7 +91,7 @@ def test_edit_2511_folder_under_the_first_edit_says_what_to_set(tmp_path: Path) 
 
 def test_2509_is_edit_plus_with_zero_cond_t_off(tmp_path: Path) -> None:
     root = folder(tmp_path, {"_class_name": "QwenImageEditPlusPipeline"}, QWEN_DIT)
-    assert "2509" in check_checkpoint(root, "qwen_i2i_plus").describe()
+    assert "2509" in check_model_folder(root, "qwen_i2i_plus").describe()
 
 
 @pytest.mark.parametrize("index", [None, {"_class_name": "QwenImageEditPipeline"}])
@@ -145,8 +145,8 @@ def test_dit_of_another_family_and_broken_files(tmp_path: Path) -> None:
 
 
 def test_synthetic_and_index_less_folders(tmp_path: Path) -> None:
-    assert check_checkpoint(folder(tmp_path, None, None), "synthetic").pipeline_class is None
-    assert check_checkpoint(folder(tmp_path, None, QWEN_DIT, "bare"), "qwen_t2i").describe() \
+    assert check_model_folder(folder(tmp_path, None, None), "synthetic").pipeline_class is None
+    assert check_model_folder(folder(tmp_path, None, QWEN_DIT, "bare"), "qwen_t2i").describe() \
         == "no model_index.json"
 
 

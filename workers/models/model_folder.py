@@ -3,7 +3,7 @@
 A folder names its pipeline in ``model_index.json`` (``_class_name``); a few checkpoints of
 one class are yet another pipeline for the stages, told apart by a key of the model index or
 of the DiT's ``transformer/config.json`` (Qwen-Image-Edit-2511's ``zero_cond_t`` is served;
-Wan2.2's second expert or a first-last-frame DiT are not). :func:`check_checkpoint` reads
+Wan2.2's second expert or a first-last-frame DiT are not). :func:`check_model_folder` reads
 those JSON files only (no weights, no model library) and refuses, with an error that names
 the class and what diffring serves, every folder its task does not serve; without it a 2511
 folder would load under ``qwen_i2i`` and give other pixels than diffusers' pipeline.
@@ -32,8 +32,8 @@ _DIT_CLASS = {"wan": "WanTransformer3DModel", "qwen": "QwenImageTransformer2DMod
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """What :func:`check_checkpoint` found (for the start-up log and ``--check``)."""
+class ModelFolder:
+    """What :func:`check_model_folder` found (for the start-up log and ``--check``)."""
 
     pipeline_class: str | None
     """``model_index.json``'s ``_class_name``; None when the folder has no model index."""
@@ -125,12 +125,12 @@ def _dit_variant(model_dir: Path, dit: dict[str, Any], spec: TaskSpec) -> tuple[
     return None, ""
 
 
-def check_checkpoint(model_dir: Path, task: str) -> Checkpoint:
+def check_model_folder(model_dir: Path, task: str) -> ModelFolder:
     """Refuse (:class:`ModelLoadError`) a folder whose pipeline ``task`` does not serve;
     return what it is. JSON only: seconds before any weight is read."""
     spec = task_spec(task)
     if spec.pipeline_class is None:  # the synthetic pipeline reads its own settings file
-        return Checkpoint(None, "")
+        return ModelFolder(None, "")
     index = read_json(model_dir / "model_index.json")
     if index is not None:
         problem = _class_problem(model_dir, index.get("_class_name"), spec)
@@ -143,4 +143,4 @@ def check_checkpoint(model_dir: Path, task: str) -> Checkpoint:
         problem, variant = _dit_variant(model_dir, dit, spec)
         if problem is not None:
             raise ModelLoadError(problem)
-    return Checkpoint(None if index is None else str(index["_class_name"]), variant)
+    return ModelFolder(None if index is None else str(index["_class_name"]), variant)
