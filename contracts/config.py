@@ -178,6 +178,12 @@ class ServiceConfig:
     poison_worker_deaths: int = 3
     """Controller: consecutive attempts of one task that each lose the worker holding it
     before the task is quarantined as poison (failed, error_type ``poison``)."""
+    checkpoint_store_mb: int = 1024
+    """Controller: MiB of denoising checkpoints it keeps at most (host memory, and the same
+    again in files under ``<output_dir>/.journal/checkpoints`` so that they survive a
+    restart): each unfinished task's latest checkpoint and its encoder outputs, or its final
+    latents until the result is written. A checkpoint that does not fit is refused (the DiT
+    goes on; the task keeps its older one). 0: keep none (DiT workers do not checkpoint)."""
     faults: str | None = None
     """Fault points to arm in this process (tests and chaos runs only; syntax in
     contracts/faults.py, e.g. ``worker.after_pop:exit``); DIFFRING_FAULTS wins."""
@@ -250,6 +256,8 @@ class ServiceConfig:
             )
         if self.prompt_cache_mb < 0:
             raise ConfigError("prompt_cache_mb must be 0 (off) or a positive number of MiB")
+        if self.checkpoint_store_mb < 0:
+            raise ConfigError("checkpoint_store_mb must be 0 (keep none) or a number of MiB")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
         if self.max_task_failures < 1 or self.poison_worker_deaths < 1:

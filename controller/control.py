@@ -134,6 +134,8 @@ class ControlServer:
                         reply = await connect_back(msg, f"{self.host}:{self.port}")
                     elif msg.get("op") == Op.COMPLETE and worker is not None:
                         reply = await self._complete(msg, worker)
+                    elif msg.get("op") == Op.CHECKPOINT and worker is not None:
+                        reply = await self.coordinator.on_checkpoint(worker, msg)
                     else:
                         reply, worker = self._dispatch(msg, worker)
                     out = {"seq": seq, "ok": True, **reply}
@@ -256,11 +258,13 @@ class ControlServer:
                 str(msg.get("segment", "")),
                 loras=_names(msg.get("loras")),
                 caches=_names(msg.get("caches")),
+                checkpoints=msg.get("checkpoints") is True,
             )
             return {
                 "worker_id": worker.worker_id,
                 "heartbeat_interval_s": co.config.heartbeat_interval_s,
                 "lease_timeout_s": co.config.lease_timeout_s,
+                "checkpoints": co.checkpoints is not None,
             }, worker
         if op in (Op.FATAL, Op.BYE):
             return {}, worker  # _serve ends the connection (a worker failing at start too)
@@ -299,6 +303,8 @@ class ControlServer:
                 _opt_str(msg.get("fault")),
             )
             return {}, worker
+        if op == Op.RESUME:
+            return co.on_resume(worker, str(msg["task_id"]), int(msg["attempt"])), worker
         if op == Op.DROPPED:
             attempt = msg.get("attempt")
             co.on_dropped(

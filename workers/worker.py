@@ -24,7 +24,8 @@ still needs it), :class:`~workers.idle.IdleWait` (doorbell and back-off while th
 empty), :class:`~workers.progress.ProgressReporter` (denoising steps, off the critical path).
 
 Lifecycle: STOPPED -> RUNNING (:meth:`StageWorker.start`) -> DRAINING (SIGTERM/SIGINT: finish
-the claimed task, claim nothing new) -> STOPPED. A fatal error (lost ring or control
+the claimed task -- a DiT that checkpoints hands it back at the next step boundary instead
+(:mod:`workers.checkpoints`) --, claim nothing new) -> STOPPED. A fatal error (lost ring or control
 connection, model failure at start) propagates out of :meth:`~StageWorker.start` or
 :meth:`~StageWorker.run`; the process entry point (:func:`workers.main.run_worker`) reports
 it to the controller once (:meth:`~StageWorker.report_fatal`), so the worker's leases are
@@ -48,7 +49,13 @@ from typing import Any, ClassVar
 from contracts import faults
 from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
-from contracts.errors import ConnectionLost, ModelLoadError, PayloadCorrupt, StageError
+from contracts.errors import (
+    ConnectionLost,
+    ModelLoadError,
+    PayloadCorrupt,
+    StageError,
+    StageYielded,
+)
 from contracts.messages import Fault, Op
 from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.roles import Role
@@ -103,6 +110,13 @@ class Job:
     published: bool = False
     """The outputs are in the next ring: from now on the controller decides when the staged
     copies may go (a consumer may be pulling them)."""
+    yield_asked: threading.Event = field(default_factory=threading.Event)
+    """The controller asked for the task back at the next step boundary (preemption)."""
+    resume: Any = None
+    """The loop state a resumed attempt starts from (a DiT's resume item)."""
+    phase1_kept: bool = False
+    """The controller keeps this task's encoder outputs (a checkpoint with them was kept,
+    or the attempt resumed from one): later checkpoints leave them out."""
 
     def descriptors(self) -> list[TensorDescriptor]:
         """The input tensors the producer staged for this task."""
@@ -282,6 +296,9 @@ class StageWorker:
         except TaskDropped as exc:
             self.metrics.tasks.labels(self.role.value, "cancelled").inc()
             self._fail(job, str(exc), "cancelled", Fault.CANCELLED)
+        except StageYielded as exc:  # checkpointed at a step boundary: handed back, uncharged
+            self.metrics.tasks.labels(self.role.value, "yielded").inc()
+            self._fail(job, str(exc), "yielded", Fault.YIELDED)
         except Exception as exc:
             self.metrics.tasks.labels(self.role.value, "failed").inc()
             self._fail(job, *describe_failure(exc))
