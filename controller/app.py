@@ -172,8 +172,10 @@ async def run_controller_async(
     front = None
     try:
         await control.start()
-        front = FrontDoor(co, status_extra=lambda: {**_ring_status(rings),
-                                                     "recovery": dict(co.recovery.counts)},
+        front = FrontDoor(co, status_extra=lambda: {
+            **_ring_status(rings), "recovery": dict(co.recovery.counts),
+            "checkpoints": checkpoints.summary() if checkpoints is not None else None,
+            "priorities": dict(co.priorities.counts)},
                           service="controller", server=cfg.server)
         app = build_app(front)
         if images is not None:  # start the decoding processes before the first image

@@ -103,8 +103,15 @@ class CheckpointStore:
 
     @property
     def used_bytes(self) -> int:
-        return sum(c.nbytes for c in self._latest.values()) + sum(
-            k.nbytes for ks in self._phase1.values() for k in ks)
+        """Bytes kept (list(): the metrics thread reads while the loop changes them)."""
+        return sum(c.nbytes for c in list(self._latest.values())) + sum(
+            k.nbytes for ks in list(self._phase1.values()) for k in ks)
+
+    def summary(self) -> dict[str, Any]:
+        """For the service status: what is kept, the bound, and the counts."""
+        return {"tasks": len(self._latest), "bytes": self.used_bytes,
+                "capacity": self.pool.capacity, "pull_seconds": round(self.pull_seconds, 3),
+                **self.counts}
 
     def resume_reply(self, task_id: str) -> dict[str, Any] | None:
         """What a resuming DiT worker fetches (``resume``), or None: nothing kept."""

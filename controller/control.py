@@ -21,6 +21,7 @@ from controller.coordinator import Coordinator
 from controller.doorbell import Doorbell
 from controller.errors import ControlError
 from controller.preflight import connect_back
+from controller.priorities import DEFERRED
 from controller.registry import WorkerInfo
 from rings import wire
 from rings.ports import bind_error
@@ -275,11 +276,14 @@ class ControlServer:
                 co.result_writes.report(worker.name, msg["storage"])
             staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
             worker.stats = _stats(msg.get("stats"))
-            cancel, drop = co.on_heartbeat(worker, list(msg.get("tasks", [])), staged)
-            return {"cancel": cancel, "drop": drop}, worker
+            tasks = [str(t) for t in msg.get("tasks", [])]
+            cancel, drop = co.on_heartbeat(worker, tasks, staged)
+            return {"cancel": cancel, "drop": drop,
+                    "yield": co.priorities.asked(tasks)}, worker
         if op == Op.CLAIM:
             ok, why = co.on_claim(worker, str(msg["task_id"]), int(msg["attempt"]))
-            return {"proceed": ok, "reason": why}, worker
+            return {"proceed": ok, "reason": why,
+                    "defer": not ok and why.startswith(DEFERRED)}, worker
         if op == Op.PROGRESS:
             stop = co.on_progress(
                 worker,
@@ -288,7 +292,8 @@ class ControlServer:
                 int(msg["step"]),
                 int(msg["steps"]),
             )
-            return {"cancel": stop}, worker
+            return {"cancel": stop,
+                    "yield": bool(co.priorities.asked([str(msg["task_id"])]))}, worker
         if op == Op.HANDOFF:
             co.on_handoff(worker, str(msg["task_id"]), int(msg["attempt"]))
             return {}, worker

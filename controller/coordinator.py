@@ -141,12 +141,13 @@ from typing import Any
 
 from contracts.errors import ResultWriteBlocked
 from contracts.messages import Fault
-from contracts.roles import ROLE_RINGS
-from controller.budget import Cause, RetryBudget
+from contracts.roles import ROLE_RINGS, Role
+from controller.budget import RetryBudget
 from controller.checkpoints import CheckpointStore
 from controller.config import CoordinatorConfig
 from controller.errors import QueueFull
 from controller.leases import Leases
+from controller.priorities import Priorities
 from controller.rates import CompletionRate
 from controller.reconcile import Census
 from controller.recovery import Recovery
@@ -207,7 +208,9 @@ class Coordinator:
         self.requeue = Requeue(  # pushed by the controller: from the start, or resumed (8)
             request_ring, table, self._announce,
             lambda t: self._emit("queued" if t.stage == Stage.QUEUED else "resumed", t),
-            rings=rings, route=self.resumes.route)
+            rings=rings, route=self.resumes.route, limit=self._release_limit, clock=clock)
+        self.priorities = Priorities(table, self.registry, self._emit, config.preempt_after_s,
+                                     config.max_preemptions)
         self.recovery = Recovery(table, self.budget, self.requeue, self._emit, self._stage,
                                  config.lease_timeout_s, clock())
         self.listeners: list[Callable[[str, Task], None]] = []
@@ -236,6 +239,13 @@ class Coordinator:
         if self.release_image is not None and task.image:
             self.release_image(task)
         task.image = self.stage_image(task.image_bytes)
+
+    def _release_limit(self) -> int | None:
+        """Tasks of a class and up that may be ahead of the DiTs (:mod:`controller.requeue`)."""
+        if self.config.release_ahead is None:
+            return None
+        return self.config.release_ahead + sum(
+            w.role in (Role.ENCODER, Role.TRANSFORMER) for w in self.registry)
 
     def retry_after(self) -> float:
         """Seconds until a slot is likely free, from the measured completion rate."""
@@ -275,6 +285,12 @@ class Coordinator:
                             self.retry_after())
         self.requeue.check(task)
         self.table.add(task)
+        task.waiting_since = self.clock()
+        if self.config.release_ahead is not None:  # released in priority order, shallow
+            log.info("task %s accepted pipeline=%s priority=%s", task.task_id, task.pipeline,
+                     task.priority)
+            self.requeue.later(task)
+            return
         if not self.requeue.push(task):
             self.table.forget(task)
             raise QueueFull("the request ring is full", self.retry_after())
@@ -305,6 +321,7 @@ class Coordinator:
         log.info("worker %d registered: %s %s pid=%d segment=%s", info.worker_id, role, name,
                  pid, segment)
         self.budget.worker_back(name, self.table)  # it was not killed: its connection dropped
+        self.requeue.drain()  # the release bound grew
         return info
 
     def on_heartbeat(
@@ -321,11 +338,17 @@ class Coordinator:
             worker.role, staged)
 
     def on_claim(self, worker: WorkerInfo, task_id: str, attempt: int) -> tuple[bool, str]:
-        """A worker popped ``task_id`` from its ring: grant it the lease, or refuse (2, 5)."""
+        """A worker popped ``task_id`` from its ring: grant it the lease, or refuse (2, 5),
+        or defer it (a more urgent task waits in that ring: :mod:`controller.priorities`)."""
+        deferred = self.priorities.defer(worker, task_id)
+        if deferred is not None:
+            return False, deferred
         ok, reason = self.table.claim(task_id, attempt, worker.role, worker.name,
                                       worker.worker_id, self.leases.until(self.clock()))
         task = self.table.get(task_id)
         if ok and task is not None:
+            if worker.role == Role.TRANSFORMER:
+                self.requeue.drain()  # one fewer ahead of the DiTs
             worker.tasks.add(task_id)
             log.info("task %s stage=%s worker=%s attempt=%d", task_id, task.stage.value,
                      worker.name, attempt)
@@ -417,31 +440,10 @@ class Coordinator:
                     worker.name, attempt, error_type, fault, error)
         if fault is None:  # a worker of an older build: only ``retryable``
             fault = Fault.TASK if retryable else Fault.INPUT
-        reason = f"{worker.role} {worker.name}: {error}"
-        if fault == Fault.CANCELLED or error_type == "cancelled" or task.cancel_requested:
-            self.table.cancelled(task, "cancelled by the client while running")
-            self._emit("cancelled", task)
-        elif fault == Fault.INPUT:
-            self.table.failed(task, error, error_type)
-            self._emit("failed", task)
-        elif fault == Fault.YIELDED:  # window 8: drained or preempted, its state kept
-            self._emit("yielded", task)
-            self.recovery.retry(task, reason, Cause.SYSTEM)
-        elif error_type == "CheckpointError" or (
-                fault == Fault.TRANSFER and task.resumed_from is not None
-                and task.producer_id is None):
-            # Window 8: its kept checkpoint cannot be resumed: start over, uncharged.
-            self.resumes.drop(task)
-            self.recovery.retry(task, f"{reason} (its checkpoint is dropped)", Cause.SYSTEM)
-        elif fault == Fault.TRANSFER:  # window 6
-            producer = task.producer_id
-            if producer is None or not self.registry.alive(producer, self.clock()):
-                self.recovery.retry(task, f"{reason} (its producer is gone)", Cause.SYSTEM)
-            else:
-                self.budget.blame_producer(producer, task_id)
-                self.recovery.retry(task, reason, Cause.TASK)
-        else:
-            self.recovery.retry(task, reason, Cause.TASK if fault == Fault.TASK else Cause.SYSTEM)
+        self.recovery.failed(
+            task, f"{worker.role} {worker.name}: {error}", error, error_type, fault,
+            alive=lambda w: self.registry.alive(w, self.clock()), drop=self.resumes.drop,
+            preempted=self.priorities.yielded)
 
     def on_dropped(
         self, worker: WorkerInfo, ring: str, reason: str, task_id: str | None,
@@ -484,6 +486,7 @@ class Coordinator:
         if self.census is not None:
             self.reconcile(self.census(), now)
         self.requeue.drain()
+        self.priorities.sweep(now)
 
     def reconcile(self, present: Census, now: float) -> int:
         """Put back in play every task missing from its ring for ``lease_timeout_s``

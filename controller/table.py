@@ -271,6 +271,7 @@ class TaskTable:
         task.step = 0
         task.resumed_from = None
         task.yield_requested = False
+        task.waiting_since = None
         task.error = reason
         self._set(task, Stage.ACCEPTED)
         return True

@@ -206,8 +206,8 @@ class JobHooks:
             self.yield_refused = True  # go on: finish the task rather than lose the steps
             log.warning("task %s: cannot yield (%s): its checkpoint was not kept; finishing "
                         "it", self.job.task_id, why)
-        if not (self.owed or self.policy.due(step, steps)):
-            return
+        if step >= steps or not (self.owed or self.policy.due(step, steps)):
+            return  # (after the last step the final latents go instead: send_final)
         if sender.busy():
             self.owed = True  # taken at the first boundary after the one in flight went
             return
