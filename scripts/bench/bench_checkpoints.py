@@ -143,6 +143,7 @@ def lost_work(workdir: Path, checkpoints: bool, trials: int, steps: int, step_s:
             victim = holder(g, st["worker"])
             victim.proc.send_signal(signal.SIGKILL)
             victim.proc.wait(60)
+            g.services.remove(victim)  # reaped: no longer part of the group
             reached = st["step"]  # its last reported step (the kill lands within a step)
             dit(g, extra)  # the replacement; the other DiT takes the retry meanwhile
             final = wait(g.url, tid, done)
@@ -195,6 +196,7 @@ def drain_time(workdir: Path, checkpoints: bool, trials: int, steps: int, step_s
     extra = {"transformer": {"checkpoint_every_steps": 1000}} if checkpoints else {}
     rng = random.Random(seed)
     times: list[float] = []
+    handed: list[float] = []
     with group(workdir, step_s, 2, extra) as g:
         for i in range(trials):
             k = rng.randint(1, steps // 2)
@@ -203,15 +205,24 @@ def drain_time(workdir: Path, checkpoints: bool, trials: int, steps: int, step_s
             victim = holder(g, st["worker"])
             t0 = time.monotonic()
             victim.proc.send_signal(signal.SIGTERM)
-            victim.proc.wait(600)
+            back = None
+            while victim.proc.poll() is None:
+                if back is None and status(g.url, tid)["attempt"] > st["attempt"]:
+                    back = time.monotonic() - t0  # the task is the controller's again
+                time.sleep(0.005)
             times.append(time.monotonic() - t0)
+            if back is not None:
+                handed.append(back)
+            g.services.remove(victim)
             dit(g, extra)
             wait(g.url, tid, done)
             g.wait_workers({"transformer": 2}, timeout=300)
             log(f"drain ({'checkpoints' if checkpoints else 'off'}): SIGTERM at step "
                 f"{st['step']}/{steps}, exit after {times[-1]:.2f} s")
     return {"checkpoints": checkpoints, "trials": trials, "step_s": step_s, "steps": steps,
-            "drain_s": times, "median_s": statistics.median(times), "max_s": max(times)}
+            "drain_s": times, "median_s": statistics.median(times), "max_s": max(times),
+            "handed_back_s": handed,
+            "handed_median_s": statistics.median(handed) if handed else None}
 
 
 # -- priority --------------------------------------------------------------------------------
@@ -231,11 +242,12 @@ def priority_latency(workdir: Path, mode: str, urgent: int, low_steps: int, step
     stop = threading.Event()
     with group(workdir, step_s, 2, extra, max_pending_tasks=1024, **controller) as g:
 
-        def feed() -> None:  # keep the DiTs saturated with long low-priority work
+        def feed() -> None:  # keep the DiTs saturated: 8 low-priority requests unfinished
             n = 0
             while not stop.is_set():
-                waiting = sum(status(g.url, t)["status"] == "pending" for t in lows[-12:])
-                if waiting < 6:
+                unfinished = sum(status(g.url, t)["status"] in ("pending", "processing")
+                                 for t in lows[-16:])
+                if unfinished < 8:
                     body = {"prompt": "low", "seed": n, "infer_steps": low_steps}
                     if prioritised:
                         body["priority"] = "low"
@@ -251,7 +263,7 @@ def priority_latency(workdir: Path, mode: str, urgent: int, low_steps: int, step
             if prioritised:
                 body["priority"] = "high"
             highs.append(submit(g.url, body))
-            time.sleep(rng.expovariate(1 / (low_steps * step_s / 2)))
+            time.sleep(rng.expovariate(4 / (low_steps * step_s)))  # 4 per low request
         stop.set()
         feeder.join()
         high_lat = [(st["end_time"] - st["created_at"]) for st in
@@ -274,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-s", type=float, default=0.25, help="seconds per DiT step")
     ap.add_argument("--steps", type=int, default=40, help="steps of a request")
     ap.add_argument("--every", type=int, default=5, help="checkpoint_every_steps (lost)")
+    ap.add_argument("--low-steps", type=int, default=40,
+                    help="steps of a low-priority request (priority; high ones take 2)")
     ap.add_argument("--seed", type=int, default=23)
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_checkpoints")
     args = ap.parse_args(argv)
@@ -293,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                             for on in (True, False)]
     if "priority" in parts:
         results["priority"] = [priority_latency(work / f"prio-{m}", m,
-                                                8 if args.quick else 30, 20, 0.1, args.seed)
+                                                8 if args.quick else 30, args.low_steps,
+                                                args.step_s, args.seed)
                                for m in ("none", "release", "preempt")]
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print(report(results, args))
@@ -324,16 +339,20 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> str:
                   f"{c['controller_pull_s']:.2f} s | {c['kept']} / {c['final']} |", ""]
     if "drain" in r:
         lines += ["Drain: SIGTERM to exit of a DiT in the middle of a request",
-                  "| checkpoints | trials | median | max | step time | rest of a request |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| checkpoints | trials | task handed back, median | exit, median | exit, "
+                  "max | step time | a whole request |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for x in r["drain"]:
-            lines.append(f"| {'on' if x['checkpoints'] else 'off'} | {x['trials']} | "
+            back = (f"{x['handed_median_s']:.2f} s" if x["handed_median_s"] is not None
+                    else "(finished it)")
+            lines.append(f"| {'on' if x['checkpoints'] else 'off'} | {x['trials']} | {back} | "
                          f"{x['median_s']:.2f} s | {x['max_s']:.2f} s | {x['step_s']:g} s | "
-                         f"up to {x['steps'] * x['step_s']:.0f} s |")
+                         f"{x['steps'] * x['step_s']:.0f} s |")
         lines.append("")
     if "priority" in r:
         lines += ["High-priority short requests (2 steps) among saturating low-priority long "
-                  "ones (2 DiTs)", "| mode | urgent requests | p50 | p99 | low completed | "
+                  f"ones ({args.low_steps} steps x {args.step_s:g} s; 2 DiTs, 8 low unfinished)",
+                  "| mode | urgent requests | p50 | p99 | low completed | "
                   "preemptions |", "| --- | --- | --- | --- | --- | --- |"]
         for x in r["priority"]:
             lines.append(f"| {x['mode']} | {x['urgent']} | {x['p50_s']:.2f} s | "
