@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,6 +28,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help="build a real-size random-weight model of this architecture")
     ap.add_argument("--arch-dir", type=Path, default=Path("/tmp/diffring-real"),
                     help="--arch: where its folder is built (and reused)")
+    ap.add_argument("--clean-arch-dir", action="store_true",
+                    help="--arch: first remove the other folders in --arch-dir (in /dev/shm "
+                         "they hold host memory the services need)")
     ap.add_argument("--layers", type=int, help="--arch: DiT depth (default: the published)")
     ap.add_argument("--text-encoders", choices=TEXT_ENCODERS, default="stub",
                     help="--arch: stub (real width, 2 layers; default) or full (the published "
@@ -54,6 +58,8 @@ def model_folder(args: argparse.Namespace, device: str, dtype: str,
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return build_task(args.models, args.pipeline, seed=0), None
     model = arch_folder(args)
+    if args.clean_arch_dir:
+        remove_others(model, log)
     log(f"building {args.arch} in {model} on {device} ({dtype})")
     cmd = [sys.executable, "-m", "modelkit.real", "--arch", args.arch, "--out", str(model),
            "--device", device, "--dtype", dtype, "--text-encoders", args.text_encoders]
@@ -65,6 +71,17 @@ def model_folder(args: argparse.Namespace, device: str, dtype: str,
     built: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     log(f"built: {built}")
     return model, built
+
+
+def remove_others(model: Path, log: Callable[[str], None]) -> None:
+    """Everything beside ``model`` in its folder (other architectures, interrupted builds)."""
+    for other in model.parent.iterdir() if model.parent.is_dir() else []:
+        if other != model:
+            log(f"removing {other} (--clean-arch-dir)")
+            if other.is_dir():
+                shutil.rmtree(other)
+            else:
+                other.unlink()
 
 
 def arch_pipeline(arch: str) -> str:
