@@ -116,6 +116,22 @@ def test_i2v_folder_at_toy_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
                       image_layers=2)["reused"] is True
 
 
+def test_clean_arch_dir_keeps_only_the_folder_built(tmp_path: Path) -> None:
+    """--clean-arch-dir: another architecture's folder and an interrupted build go (in
+    /dev/shm they hold host memory), the folder of this recipe stays for reuse."""
+    from scripts.bench.bench_models import remove_others
+
+    for name in ("wan-14b-full", "qwen-image-full", "wan-14b-full.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x").write_text("x")
+    (tmp_path / "stray").write_text("x")
+    said: list[str] = []
+    remove_others(tmp_path / "wan-14b-full", said.append)
+    assert [p.name for p in tmp_path.iterdir()] == ["wan-14b-full"]
+    assert len(said) == 3
+    remove_others(tmp_path / "missing" / "x", said.append)  # no folder yet: nothing to do
+
+
 # -- option parsing -------------------------------------------------------------------------
 
 def test_modes_settings_and_ratios_parse() -> None:
