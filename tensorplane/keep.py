@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 from tensorplane.descriptor import TensorDescriptor, checksum
 from tensorplane.engine import TransferEngine
-from tensorplane.errors import ChecksumMismatch, PoolExhausted, TransferFailed
+from tensorplane.errors import ChecksumMismatch, PoolExhausted
+from tensorplane.handoff import read_block, verify
 from tensorplane.pool import Block, StagingPool
 
 
@@ -66,23 +67,9 @@ def keep_pulled(engine: TransferEngine, pool: StagingPool, descs: Sequence[Tenso
                 kept.append(Kept(None, d))
                 continue
             block = _take(pool, d.nbytes, task_id)
-            try:
-                engine.read(d.segment, pool.addr(block), d.address, d.nbytes, task_id=task_id,
-                            tensor=d.name)
-            except TransferFailed as exc:
-                if exc.pending is not None:
-                    pool.quarantine(block, exc.pending)
-                else:
-                    pool.free(block)
-                raise
+            read_block(engine, pool, block, d, task_id)
             kept.append(Kept(block, _described(pool, engine, block, d)))
-            actual = checksum(pool.host_view(block), d.checksum_algo)
-            if actual != d.checksum:
-                raise ChecksumMismatch(
-                    f"checksum mismatch on {d.nbytes} bytes kept from {d.address:#x}: "
-                    f"{d.checksum_algo} expected {d.checksum:#x}, got {actual:#x}",
-                    expected=d.checksum, actual=actual, task_id=task_id, tensor=d.name,
-                    peer=d.segment)
+            verify(pool.host_view(block), d, task_id)
     except BaseException:
         free_kept(pool, kept)
         raise
