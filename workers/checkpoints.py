@@ -190,17 +190,23 @@ class JobHooks:
         self.policy.start(resume.step if resume is not None else 0)
         self.owed = False
         self.yield_refused = False
+        self.cannot = False
+        """The loop's state cannot be captured (CheckpointError): no more checkpoints of
+        this job, which runs on as without them."""
 
     def _pending(self, state: LoopState) -> Pending:
         return Pending(self.job, state, None if self.job.phase1_kept else self.inputs)
 
     def boundary(self, step: int, steps: int, snapshot: Callable[[], LoopState]) -> None:
         step_point()
+        if self.cannot:
+            return
         why = None if self.yield_refused or step >= steps else self.yield_reason()
         sender = self.owner.sender
         if why is not None:
             sender.wait_idle()
-            if sender.send(self._pending(self._timed(snapshot))):
+            state = self._timed(snapshot)
+            if state is not None and sender.send(self._pending(state)):
                 raise StageYielded(f"handed back after step {step} of {steps} ({why}), "
                                    "its state checkpointed", step, steps, why)
             self.yield_refused = True  # go on: finish the task rather than lose the steps
@@ -213,11 +219,20 @@ class JobHooks:
             return
         self.owed = False
         self.policy.taken(step)
-        sender.submit(self._pending(self._timed(snapshot)))
+        state = self._timed(snapshot)
+        if state is not None:
+            sender.submit(self._pending(state))
 
-    def _timed(self, snapshot: Callable[[], LoopState]) -> LoopState:
+    def _timed(self, snapshot: Callable[[], LoopState]) -> LoopState | None:
         t0 = time.monotonic()
-        state = snapshot()
+        try:
+            state = snapshot()
+        except CheckpointError as exc:
+            # A checkpoint is worth less than the task: it goes on without them.
+            self.cannot = True
+            self.owner.counter.labels("failed").inc()
+            log.warning("task %s: no checkpoints of this loop: %s", self.job.task_id, exc)
+            return None
         self.owner.metrics.stage_seconds.labels("transformer", "checkpoint_capture").observe(
             time.monotonic() - t0)
         return state
