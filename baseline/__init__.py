@@ -104,7 +104,7 @@ class BaselineWorker:
             offers = self.pipeline.transformer.offers() if role == Role.TRANSFORMER else {}
             self.roles[role] = self.co.on_register(
                 role, f"all/{role}", 0, self.co.config.pipeline, "",
-                **{k: tuple(v) for k, v in offers.items()})
+                loras=tuple(offers.get("loras", ())), caches=tuple(offers.get("caches", ())))
         self.thread.start()
 
     def close(self) -> None:

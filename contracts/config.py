@@ -178,6 +178,27 @@ class ServiceConfig:
     poison_worker_deaths: int = 3
     """Controller: consecutive attempts of one task that each lose the worker holding it
     before the task is quarantined as poison (failed, error_type ``poison``)."""
+    release_ahead: int | None = 2
+    """Controller: how far queued work runs ahead of the DiT workers. Tasks between the
+    controller and a DiT's claim (queued, encoding, encoded and waiting) are held to the
+    registered encoders + transformers + this, counted per priority class and up (a task is
+    released while fewer than that of its class or a higher one are ahead); the rest wait in
+    the controller, released highest priority first, oldest first within a class. So the
+    rings stay shallow and the ordering happens in the controller. None: every task goes to
+    the request ring at once, in arrival order (a full ring answers 429)."""
+    preempt_after_s: float | None = 30.0
+    """Controller: a task encoded and waiting for a DiT this long, while every DiT worker is
+    busy and one runs a task of a lower priority class, has that DiT hand its task back at
+    its next step boundary (checkpointed: it resumes later, unchanged and uncharged). Only
+    DiT workers that checkpoint can be asked. None: never preempt."""
+    max_preemptions: int = 2
+    """Controller: times one task can be preempted at most (then it runs to its end)."""
+    checkpoint_store_mb: int = 1024
+    """Controller: MiB of denoising checkpoints it keeps at most (host memory, and the same
+    again in files under ``<output_dir>/.journal/checkpoints`` so that they survive a
+    restart): each unfinished task's latest checkpoint and its encoder outputs, or its final
+    latents until the result is written. A checkpoint that does not fit is refused (the DiT
+    goes on; the task keeps its older one). 0: keep none (DiT workers do not checkpoint)."""
     faults: str | None = None
     """Fault points to arm in this process (tests and chaos runs only; syntax in
     contracts/faults.py, e.g. ``worker.after_pop:exit``); DIFFRING_FAULTS wins."""
@@ -250,6 +271,14 @@ class ServiceConfig:
             )
         if self.prompt_cache_mb < 0:
             raise ConfigError("prompt_cache_mb must be 0 (off) or a positive number of MiB")
+        if self.release_ahead is not None and self.release_ahead < 1:
+            raise ConfigError("release_ahead must be at least 1 (or null: release at once)")
+        if self.preempt_after_s is not None and not self.preempt_after_s >= 0:
+            raise ConfigError("preempt_after_s must be >= 0 seconds (or null: never)")
+        if self.max_preemptions < 0:
+            raise ConfigError("max_preemptions must be >= 0")
+        if self.checkpoint_store_mb < 0:
+            raise ConfigError("checkpoint_store_mb must be 0 (keep none) or a number of MiB")
         if self.staging_pool_mb <= 0 or self.max_pending_tasks <= 0:
             raise ConfigError("staging_pool_mb and max_pending_tasks must be positive")
         if self.max_task_failures < 1 or self.poison_worker_deaths < 1:

@@ -28,13 +28,16 @@ Nobody invents a new root.
     └── TaskError                   a task-level failure (carries the task id)
         ├── TransferError           moving a tensor between stages failed (task, tensor,
         │   │                       peer named); subclasses in tensorplane.errors
+        ├── CheckpointError         a denoising checkpoint cannot be taken, kept or resumed
         └── StageError              a model stage failed to load or run
             └── ModelError          raised by the stage adapters
                 ├── ModelLoadError       missing folder/component, bad device/dtype/backend
                 ├── InvalidRequestError  a request field the task or model cannot serve
                 ├── StageInputError      a stage got inputs outside its contract
                 │   └── AdapterError     a LoRA adapter a request names cannot be served
-                └── StageCancelled       the caller asked a running stage to stop
+                ├── StageCancelled       the caller asked a running stage to stop
+                └── StageYielded         the loop stopped at a step boundary with its state
+                                         checkpointed (drain, preemption): handed back
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from rings.errors import (
 
 __all__ = [
     "AdapterError",
+    "CheckpointError",
     "ConfigError",
     "ConnectionLost",
     "ControlRefused",
@@ -80,6 +84,7 @@ __all__ = [
     "StageCancelled",
     "StageError",
     "StageInputError",
+    "StageYielded",
     "TaskError",
     "TransferError",
     "TransportUnavailable",
@@ -189,3 +194,22 @@ class StageCancelled(ModelError):
         super().__init__(message)
         self.completed_steps = completed_steps
         self.total_steps = total_steps
+
+
+class StageYielded(ModelError):
+    """The denoising loop stopped at a step boundary after its state was checkpointed outside
+    the worker (a drain or a preemption): the task is handed back, not failed, and resumes
+    from that step on any DiT worker."""
+
+    def __init__(self, message: str, step: int, total: int, why: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.total = total
+        self.why = why
+        """``drain`` (the worker is stopping) or ``preempted`` (a more urgent task)."""
+
+
+class CheckpointError(TaskError):
+    """A denoising checkpoint could not be taken, kept or resumed (the task id named): the
+    scheduler holds state that cannot travel, the controller refused it (its store is full),
+    or a resume could not fetch it."""

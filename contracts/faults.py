@@ -109,6 +109,11 @@ POINTS: Final[dict[str, str]] = {
     "the rings",
     "startup.ready": "the worker joined the rings and registered; its pull loop has not "
     "started",
+    "dit.step": "a DiT worker at a step boundary: a denoising step is done (and its "
+    "checkpoint, if one is due, captured), the next one not started (nth=K: after the K-th "
+    "step this process ran)",
+    "dit.checkpointed": "a DiT worker's checkpoint reached the controller (acknowledged); "
+    "nth=K: after the K-th one this process sent",
     "group.step": "every rank of a transformer group, before each denoising step, after the "
     "group agreed to go on (raise: FaultInjected in that rank alone)",
 }

@@ -9,6 +9,10 @@ Ring payloads
     request ring  {kind: "task", task_id, attempt, pipeline, request, image}
     phase1 ring   {kind: "phase1", task_id, attempt, pipeline, request, tensors, producer}
     phase2 ring   {kind: "phase2", task_id, attempt, pipeline, request, tensors, producer}
+  A phase1 item the controller pushes itself to resume a task from its checkpoint carries
+  ``tensors: []``, ``producer: "controller"`` and ``resume: {step, steps}`` (the DiT fetches
+  the kept tensors with ``resume``); a phase2 item it pushes to re-run only the decoder names
+  the kept final latents, whose descriptors have no release word (the controller frees them).
   ``request`` is the generation request as a map; ``image`` a tensor descriptor map or None;
   ``tensors`` a list of tensor descriptor maps (segment, address, bytes, dtype, shape,
   checksum, release word); ``producer`` the producing worker's name (for error messages).
@@ -19,16 +23,31 @@ Control channel (worker -> controller; every request gets one reply with the sam
               the controller opens a TCP connection to each endpoint the worker advertises
               (its Mooncake segment) and refuses (ok: False, error naming the address and
               what failed) when one cannot be reached; sent before register
-    register  {role, name, pid, pipeline, segment}  -> {worker_id, heartbeat_interval_s,
-                                                          lease_timeout_s}
+    register  {role, name, pid, pipeline, segment, checkpoints}
+                                                    -> {worker_id, heartbeat_interval_s,
+                                                        lease_timeout_s, checkpoints}
+              checkpoints (request): the DiT checkpoints its loops and can yield at a step
+              boundary; (reply): the controller keeps checkpoints (its store is on)
     heartbeat {tasks: [task_id], staged: [[task_id, attempt]], storage}
-                                                    -> {cancel: [task_id], drop: [task_id]}
+                                                    -> {cancel: [task_id], drop: [task_id],
+                                                        yield: [task_id]}
               cancel: tasks to stop (cancelled, over, or no longer this worker's: its lease
               expired); drop: staged outputs nobody will pull any more; storage (decoders
               only): None, or {error, held, since} while results are held because their
               files cannot be written (the front door refuses new tasks meanwhile)
     claim     {task_id, attempt, stage}             -> {proceed: bool, reason}
-    progress  {task_id, attempt, step, steps}       -> {cancel: bool}
+              yield: tasks to hand back at the next step boundary, checkpointed (preempted)
+    progress  {task_id, attempt, step, steps}       -> {cancel: bool, yield: bool}
+    checkpoint {task_id, attempt, step, steps, final, meta, phase1, state}
+                                                    -> {accepted: bool, reason}
+              a DiT's loop state after ``step`` of ``steps``, staged in its pool: ``state``
+              (latents and scheduler tensors, or with ``final`` the Phase2 outputs) and
+              ``phase1`` (the encoder's outputs, or None when the controller has them) are
+              descriptor lists, ``meta`` the non-tensor scheduler state; answered once the
+              controller pulled them (its reads release the DiT's blocks)
+    resume    {task_id, attempt}                    -> {step, steps, meta, phase1, state}
+              the kept checkpoint a resumed attempt starts from (descriptors without a
+              release word, in the controller's pool)
     handoff   {task_id, attempt, stage}             -> {}
     complete  {task_id, attempt, extension, media_type, data, worker_path}
                                                     -> {accepted, storage_error}
@@ -90,6 +109,8 @@ class Op(enum.StrEnum):
     BYE = "bye"
     WAIT = "wait"
     DROPPED = "dropped"
+    CHECKPOINT = "checkpoint"
+    RESUME = "resume"
 
 
 DOORBELL_CHANNEL: Final = "doorbell"
@@ -112,6 +133,9 @@ class Fault(enum.StrEnum):
     """The task can never succeed (a request the model cannot serve): failed at once."""
     CANCELLED = "cancelled"
     """The client cancelled it."""
+    YIELDED = "yielded"
+    """The worker handed the task back at a step boundary after checkpointing it (drained,
+    or preempted by a more urgent task): resumed from that step, never counted."""
 
 
 # Ring payload kind each role consumes.

@@ -27,6 +27,12 @@ torch's own mechanisms:
   (docs/lora.md). A request without adapters computes exactly what the base model does.
 * ``cache`` (transformer): the default step cache of the worker's requests (``{"kind":
   ..., <parameters>}`` in diffusers' names, :mod:`contracts.dit_request`). Lossy.
+* ``checkpoint_every_s`` / ``checkpoint_every_steps`` (transformer): the denoising loop's
+  state is checkpointed to the controller every so many seconds of DiT time and/or steps, so
+  a lost DiT attempt resumes at its last checkpoint on any DiT worker, a drained or
+  preempted one hands its task back at a step boundary, and the final latents are kept until
+  the result is written (docs/operations.md, "What survives what"). Exact: a resumed loop
+  computes the same bytes.
 * ``parallel`` (transformer): the layout of a transformer group, one DiT worker over several
   devices (``"cfg=2,ulysses=2"``: :mod:`contracts.parallel`; the devices are the service's
   ``devices``), with ``group_timeout_s`` and ``group_restarts`` for its faults.
@@ -51,7 +57,7 @@ OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
 LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
 _TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "lora_dir", "lora_max_loaded",
                      "lora_max_mb", "lora_max_rank", "cache", "parallel", "group_timeout_s",
-                     "group_restarts")
+                     "group_restarts", "checkpoint_every_s", "checkpoint_every_steps")
 _DECODER_ONLY = ("vae_tiling",)
 
 
@@ -102,6 +108,16 @@ class StageOptions:
     group_restarts: int = 3
     """Transformer group: restarts of the whole group after a rank died or hung, before its
     supervisor gives up and exits with an error naming the rank."""
+    checkpoint_every_s: float | None = None
+    """Transformer: checkpoint a request's denoising state (latents, the scheduler's whole
+    state, the step, the encoder's outputs) to the controller after a step boundary once this
+    many seconds of DiT time passed since the last checkpoint. Either checkpoint option turns
+    checkpointing on: a lost attempt then resumes from its last checkpoint, SIGTERM and
+    preemption hand the task back at the next step boundary, and the final latents are kept
+    until the result is written. None (with ``checkpoint_every_steps`` None): off, as before."""
+    checkpoint_every_steps: int | None = None
+    """Transformer: checkpoint every this many denoising steps (see ``checkpoint_every_s``;
+    with both set, whichever comes first)."""
 
     def __post_init__(self) -> None:
         layout = ParallelLayout.parse(self.parallel)  # a bad layout is refused by name
@@ -110,6 +126,15 @@ class StageOptions:
                 "transformer.cache cannot be a sequence-parallel group's default (its ranks "
                 "could skip different blocks of one forward); use it with parallel 'cfg=2' "
                 "or one device")
+        if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
+            raise ConfigError("checkpoint_every_s must be a positive number of seconds (or "
+                              f"null: off), got {self.checkpoint_every_s}")
+        if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
+            raise ConfigError("checkpoint_every_steps must be at least 1 (or null: off), got "
+                              f"{self.checkpoint_every_steps}")
+        if self.checkpointing and layout.size > 1:
+            raise ConfigError("checkpoint_every_s / checkpoint_every_steps are not supported "
+                              "for a transformer group (parallel) yet; drop one of them")
         if not self.group_timeout_s > 0 or self.group_restarts < 0:
             raise ConfigError("group_timeout_s must be positive and group_restarts >= 0")
         if self.weight_storage not in WEIGHT_STORAGE:
@@ -169,6 +194,11 @@ class StageOptions:
                 f"{'transformer' if misplaced[0] in _TRANSFORMER_ONLY else 'decoder'} stage "
                 "only"
             )
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the DiT checkpoints its loops (either checkpoint option is set)."""
+        return self.checkpoint_every_s is not None or self.checkpoint_every_steps is not None
 
     @property
     def default_cache(self) -> CacheSpec | None:

@@ -151,7 +151,9 @@ async def run_controller_async(
     http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
     rings = ControllerRings(d, token)
     await rings.start()
-    images = ImageStager.for_pipeline(cfg, env)
+    engine = tensor_engine(cfg, env)
+    images = ImageStager.for_pipeline(cfg, engine) if engine is not None else None
+    checkpoints = open_checkpoints(cfg, engine, output_dir) if engine is not None else None
     co = Coordinator(
         CoordinatorConfig.from_service(cfg, output_dir),
         open_table_for(cfg, output_dir),
@@ -159,6 +161,8 @@ async def run_controller_async(
         stage_image=images.stage if images else None,
         release_image=images.release if images else None,
         census=lambda: census(rings.local),
+        checkpoints=checkpoints,
+        rings=rings.local,
     )
     doorbell = Doorbell({name: ring.verbs for name, ring in rings.local.items()})
     co.on_work = doorbell.ring
@@ -168,8 +172,10 @@ async def run_controller_async(
     front = None
     try:
         await control.start()
-        front = FrontDoor(co, status_extra=lambda: {**_ring_status(rings),
-                                                     "recovery": dict(co.recovery.counts)},
+        front = FrontDoor(co, status_extra=lambda: {
+            **_ring_status(rings), "recovery": dict(co.recovery.counts),
+            "checkpoints": checkpoints.summary() if checkpoints is not None else None,
+            "priorities": dict(co.priorities.counts)},
                           service="controller", server=cfg.server)
         app = build_app(front)
         if images is not None:  # start the decoding processes before the first image
@@ -206,33 +212,58 @@ async def run_controller_async(
         co.close()
         if images is not None:
             images.close()
+        if checkpoints is not None:
+            checkpoints.pool.close()
+        if engine is not None:
+            engine.close()
         http_sock.close()
 
 
+def tensor_engine(cfg: ServiceConfig, env: Mapping[str, str]) -> Any:
+    """The controller's own Mooncake engine, started, when it moves tensors: the input
+    images of I2V / I2I pipelines, denoising checkpoints (``checkpoint_store_mb``); else
+    None. Its pools are host pools: no torch either way."""
+    if not task_spec(cfg.pipeline).needs_image and not cfg.checkpoint_store_mb:
+        return None
+    from tensorplane.engine import MooncakeSettings, TransferEngine
+
+    # Workers on other hosts pull from this segment: advertise the controller's own
+    # address unless the operator says otherwise.
+    own = default_advertised_host(cfg, controller=True)
+    settings = MooncakeSettings.resolve(
+        cfg.mooncake_config_path, env, defaults={"local_hostname": own}
+    )
+    engine = TransferEngine(settings)
+    engine.start()
+    return engine
+
+
+def open_checkpoints(cfg: ServiceConfig, engine: Any, output_dir: Path) -> Any:
+    """The store of denoising checkpoints (None with ``checkpoint_store_mb`` 0): a host pool
+    of that size, files beside the task store."""
+    if not cfg.checkpoint_store_mb:
+        return None
+    from controller.checkpoints import CheckpointStore
+    from tensorplane.pool import StagingPool
+
+    pool = StagingPool(cfg.checkpoint_store_mb << 20, device="cpu")
+    pool.start(engine)
+    return CheckpointStore(engine, pool, output_dir / ".journal" / "checkpoints")
+
+
 class ImageStager:
-    """The controller's own Mooncake engine and pool, for I2V / I2I input images."""
+    """The controller's pool for I2V / I2I input images (on its engine)."""
 
     def __init__(self, engine: Any, pool: Any) -> None:
         self.engine = engine
         self.pool = pool
 
     @classmethod
-    def for_pipeline(cls, cfg: ServiceConfig, env: Mapping[str, str]) -> ImageStager | None:
+    def for_pipeline(cls, cfg: ServiceConfig, engine: Any) -> ImageStager | None:
         if not task_spec(cfg.pipeline).needs_image:
             return None
-        # Only controllers of image-conditioned pipelines need an engine and a pool (a
-        # host pool: no torch either way).
-        from tensorplane.engine import MooncakeSettings, TransferEngine
         from tensorplane.pool import StagingPool
 
-        # Encoders on other hosts pull the image from this segment: advertise the
-        # controller's own address unless the operator says otherwise.
-        own = default_advertised_host(cfg, controller=True)
-        settings = MooncakeSettings.resolve(
-            cfg.mooncake_config_path, env, defaults={"local_hostname": own}
-        )
-        engine = TransferEngine(settings)
-        engine.start()
         pool = StagingPool(cfg.staging_pool_mb << 20, device="cpu")
         pool.start(engine)
         return cls(engine, pool)
@@ -255,7 +286,6 @@ class ImageStager:
 
     def close(self) -> None:
         self.pool.close()
-        self.engine.close()
 
 
 class LocalQueue:

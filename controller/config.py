@@ -32,6 +32,13 @@ class CoordinatorConfig:
     """Failures a task itself causes before it is failed."""
     poison_worker_deaths: int = ServiceConfig.poison_worker_deaths
     """Attempts in a row that lose their worker before the task is quarantined as poison."""
+    release_ahead: int | None = None
+    """Tasks released ahead of the DiT workers beyond the registered encoders and
+    transformers, per priority class and up (None: all at once; the service default is 2)."""
+    preempt_after_s: float | None = None
+    """A waiting task preempts a lower-priority one after this long (None: never)."""
+    max_preemptions: int = ServiceConfig.max_preemptions
+    """Times one task can be preempted."""
 
     def __post_init__(self) -> None:
         if not (self.lease_timeout_s > 0 and self.heartbeat_interval_s > 0):
@@ -53,4 +60,7 @@ class CoordinatorConfig:
             max_pending=cfg.max_pending_tasks,
             max_task_failures=cfg.max_task_failures,
             poison_worker_deaths=cfg.poison_worker_deaths,
+            release_ahead=cfg.release_ahead,
+            preempt_after_s=cfg.preempt_after_s,
+            max_preemptions=cfg.max_preemptions,
         )

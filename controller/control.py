@@ -21,6 +21,7 @@ from controller.coordinator import Coordinator
 from controller.doorbell import Doorbell
 from controller.errors import ControlError
 from controller.preflight import connect_back
+from controller.priorities import DEFERRED
 from controller.registry import WorkerInfo
 from rings import wire
 from rings.ports import bind_error
@@ -134,6 +135,8 @@ class ControlServer:
                         reply = await connect_back(msg, f"{self.host}:{self.port}")
                     elif msg.get("op") == Op.COMPLETE and worker is not None:
                         reply = await self._complete(msg, worker)
+                    elif msg.get("op") == Op.CHECKPOINT and worker is not None:
+                        reply = await self.coordinator.on_checkpoint(worker, msg)
                     else:
                         reply, worker = self._dispatch(msg, worker)
                     out = {"seq": seq, "ok": True, **reply}
@@ -256,11 +259,13 @@ class ControlServer:
                 str(msg.get("segment", "")),
                 loras=_names(msg.get("loras")),
                 caches=_names(msg.get("caches")),
+                checkpoints=msg.get("checkpoints") is True,
             )
             return {
                 "worker_id": worker.worker_id,
                 "heartbeat_interval_s": co.config.heartbeat_interval_s,
                 "lease_timeout_s": co.config.lease_timeout_s,
+                "checkpoints": co.checkpoints is not None,
             }, worker
         if op in (Op.FATAL, Op.BYE):
             return {}, worker  # _serve ends the connection (a worker failing at start too)
@@ -271,11 +276,14 @@ class ControlServer:
                 co.result_writes.report(worker.name, msg["storage"])
             staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
             worker.stats = _stats(msg.get("stats"))
-            cancel, drop = co.on_heartbeat(worker, list(msg.get("tasks", [])), staged)
-            return {"cancel": cancel, "drop": drop}, worker
+            tasks = [str(t) for t in msg.get("tasks", [])]
+            cancel, drop = co.on_heartbeat(worker, tasks, staged)
+            return {"cancel": cancel, "drop": drop,
+                    "yield": co.priorities.asked(tasks)}, worker
         if op == Op.CLAIM:
             ok, why = co.on_claim(worker, str(msg["task_id"]), int(msg["attempt"]))
-            return {"proceed": ok, "reason": why}, worker
+            return {"proceed": ok, "reason": why,
+                    "defer": not ok and why.startswith(DEFERRED)}, worker
         if op == Op.PROGRESS:
             stop = co.on_progress(
                 worker,
@@ -284,7 +292,8 @@ class ControlServer:
                 int(msg["step"]),
                 int(msg["steps"]),
             )
-            return {"cancel": stop}, worker
+            return {"cancel": stop,
+                    "yield": bool(co.priorities.asked([str(msg["task_id"])]))}, worker
         if op == Op.HANDOFF:
             co.on_handoff(worker, str(msg["task_id"]), int(msg["attempt"]))
             return {}, worker
@@ -299,6 +308,8 @@ class ControlServer:
                 _opt_str(msg.get("fault")),
             )
             return {}, worker
+        if op == Op.RESUME:
+            return co.on_resume(worker, str(msg["task_id"]), int(msg["attempt"])), worker
         if op == Op.DROPPED:
             attempt = msg.get("attempt")
             co.on_dropped(

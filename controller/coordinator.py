@@ -28,6 +28,9 @@ decoding                      it                                      fatal repo
                                                                       lease expiry
 ============================  ======================================  ====================
 
+A denoising checkpoint (8) adds no owner: it is the task's *progress*, kept by the
+controller, and says only where the next attempt starts.
+
 The windows, one by one (the fault point of :mod:`contracts.faults` that kills or fails a
 process inside each is named; ``tests/test_fault_points.py`` fires every one of them and
 ``tests/test_recovery.py`` walks each window in-process):
@@ -91,6 +94,34 @@ process inside each is named; ``tests/test_fault_points.py`` fires every one of 
    fail on their dead connections and they register again -- heard from again, they are no
    longer held against the tasks they lost.
 
+8. *Checkpointed* (``dit.step``, ``dit.checkpointed``; :mod:`controller.checkpoints`). A
+   DiT that checkpoints sends its loop state (``checkpoint``) while it holds the lease (4);
+   the controller pulls it off the loop and keeps it only if the sender holds the lease of
+   the current attempt, checked before the pull and again after it, so a task has at most
+   one checkpoint and it is always its owning attempt's latest: one that was in flight when
+   the attempt ended is discarded, never replacing the state a new attempt resumes from.
+   Keeping it changes no ownership: the lease still owns the task. When the attempt ends
+   (worker gone, lease expired, a failure, a yield) the task is put back in play exactly as
+   in 1 -- accepted, owned by the controller -- and only its route differs
+   (:class:`controller.requeue.Route`): with a kept checkpoint the controller pushes a
+   Phase1 item of the new attempt that names no tensors but ``resume: {step}`` (the DiT
+   that claims it fetches the kept tensors with ``resume``, which only the lease holder of
+   the current attempt may); with kept final latents, a Phase2 item naming them, so a
+   decoder lost after the handoff costs one decode. From the push the task waits in that
+   ring's stage and reconciliation (2) covers the item as any other. Final latents are kept
+   from the DiT that produced them (the lease holder, or -- the decoder having claimed
+   first -- the producer of the current attempt's Phase2 item) until the task ends.
+   Kept tensors are read by consumers but never released by them (their descriptors carry no
+   release word): the store frees them when the task ends (any terminal stage) or its
+   checkpoint is replaced or found unusable (then the task starts over, uncharged).
+   A drain or a preemption is the same move: at a step boundary the DiT checkpoints, waits
+   until the controller has it, and reports ``fail`` with fault ``yielded``: uncharged, the
+   task resumes from that step; refused, the DiT does not yield (it finishes the task).
+   A zombie DiT that wakes after its task resumed elsewhere holds an old attempt: its
+   checkpoints, progress, handoff, failure and ``resume`` are refused and its heartbeat tells
+   it to stop; a Phase2 item it still publishes is refused at the decoder's claim (5). A
+   restart (7) keeps what the checkpoint files hold: the unfinished tasks resume from them.
+
 Cancelling ends ownership like any terminal stage: a task no worker holds is cancelled at
 once, and whoever claims its ring item next is refused and frees the buffers the item names;
 a running one is told at its next progress report or heartbeat and stops at a step boundary.
@@ -105,22 +136,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from contracts.errors import ResultWriteBlocked
 from contracts.messages import Fault
-from contracts.roles import ROLE_RINGS
-from controller.budget import Cause, RetryBudget
+from contracts.roles import ROLE_RINGS, Role
+from controller.budget import RetryBudget
+from controller.checkpoints import CheckpointStore
 from controller.config import CoordinatorConfig
 from controller.errors import QueueFull
 from controller.leases import Leases
+from controller.priorities import Priorities
 from controller.rates import CompletionRate
 from controller.reconcile import Census
 from controller.recovery import Recovery
 from controller.registry import WorkerInfo, WorkerRegistry
 from controller.requeue import Requeue
 from controller.results import Results
+from controller.resumes import Resumes
 from controller.store import StoreError
 from controller.table import TaskTable
 from controller.tasks import TERMINAL, Stage, Task
@@ -136,7 +170,9 @@ class Coordinator:
     already open; the coordinator closes it), the controller's own handle on the request
     ring, and optionally the input-image staging (``stage_image`` / ``release_image``) and
     the census of the rings it hosts (``census``; None: nothing to reconcile, e.g. the
-    in-process baseline, whose queue hands items over without a gap). ``clock`` is the
+    in-process baseline, whose queue hands items over without a gap). ``checkpoints``: the
+    store of denoising checkpoints, with ``rings`` the controller's handles on the Phase1
+    and Phase2 rings it pushes resumes to (None: no checkpoints kept). ``clock`` is the
     monotonic clock of leases and liveness; tests drive their own.
     """
 
@@ -149,6 +185,8 @@ class Coordinator:
         stage_image: Callable[[bytes], dict[str, Any]] | None = None,
         release_image: Callable[[Task], None] | None = None,
         census: Callable[[], Census] | None = None,
+        checkpoints: CheckpointStore | None = None,
+        rings: Mapping[str, Ring] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -165,8 +203,14 @@ class Coordinator:
         """Whether results can be written (the front door refuses new tasks while not)."""
         self.budget = RetryBudget(config.max_task_failures, config.poison_worker_deaths)
         self.rates = CompletionRate()
-        self.requeue = Requeue(request_ring, table, self._announce,
-                               lambda task: self._emit("queued", task))
+        self.checkpoints = checkpoints  # window 8
+        self.resumes = Resumes(checkpoints, table, self._emit)
+        self.requeue = Requeue(  # pushed by the controller: from the start, or resumed (8)
+            request_ring, table, self._announce,
+            lambda t: self._emit("queued" if t.stage == Stage.QUEUED else "resumed", t),
+            rings=rings, route=self.resumes.route, limit=self._release_limit, clock=clock)
+        self.priorities = Priorities(table, self.registry, self._emit, config.preempt_after_s,
+                                     config.max_preemptions)
         self.recovery = Recovery(table, self.budget, self.requeue, self._emit, self._stage,
                                  config.lease_timeout_s, clock())
         self.listeners: list[Callable[[str, Task], None]] = []
@@ -183,6 +227,8 @@ class Coordinator:
                 self.release_image(task)
             task.image = None
             task.image_bytes = None
+            if self.checkpoints is not None:
+                self.checkpoints.drop(task.task_id)  # window 8: its progress is over too
 
     def _stage(self, task: Task) -> None:
         """Stage the kept input image of ``task`` for its new attempt. The encoder of an
@@ -193,6 +239,13 @@ class Coordinator:
         if self.release_image is not None and task.image:
             self.release_image(task)
         task.image = self.stage_image(task.image_bytes)
+
+    def _release_limit(self) -> int | None:
+        """Tasks of a class and up that may be ahead of the DiTs (:mod:`controller.requeue`)."""
+        if self.config.release_ahead is None:
+            return None
+        return self.config.release_ahead + sum(
+            w.role in (Role.ENCODER, Role.TRANSFORMER) for w in self.registry)
 
     def retry_after(self) -> float:
         """Seconds until a slot is likely free, from the measured completion rate."""
@@ -210,6 +263,7 @@ class Coordinator:
     def restore(self) -> int:
         """After a restart: reload the task store and put unfinished tasks back in play."""
         unfinished = self.table.restore()
+        self.resumes.load(unfinished)  # window 8: they resume from their files
         for task in unfinished:
             self._stage(task)
             self.requeue.later(task)
@@ -219,6 +273,8 @@ class Coordinator:
         """Finish pending result writes and close the task table (commits what is queued)."""
         self.results.close()
         self.table.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
 
     # -- front door ------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
@@ -229,10 +285,15 @@ class Coordinator:
                             self.retry_after())
         self.requeue.check(task)
         self.table.add(task)
+        task.waiting_since = self.clock()
+        if self.config.release_ahead is not None:  # released in priority order, shallow
+            log.info("task %s accepted pipeline=%s priority=%s", task.task_id, task.pipeline,
+                     task.priority)
+            self.requeue.later(task)
+            return
         if not self.requeue.push(task):
             self.table.forget(task)
             raise QueueFull("the request ring is full", self.retry_after())
-        self.table.queued(task)
         log.info("task %s stage=queued pipeline=%s", task.task_id, task.pipeline)
         self._emit("queued", task)
 
@@ -252,13 +313,15 @@ class Coordinator:
     # -- control channel -------------------------------------------------------------------
     def on_register(
         self, role: str, name: str, pid: int, pipeline: str, segment: str, *,
-        loras: tuple[str, ...] = (), caches: tuple[str, ...] = (),
+        loras: tuple[str, ...] = (), caches: tuple[str, ...] = (), checkpoints: bool = False,
     ) -> WorkerInfo:
         info = self.registry.register(role, name, pid, pipeline, segment, self.clock(),
-                                      loras=loras, caches=caches)
+                                      loras=loras, caches=caches,
+                                      checkpoints=checkpoints and self.checkpoints is not None)
         log.info("worker %d registered: %s %s pid=%d segment=%s", info.worker_id, role, name,
                  pid, segment)
         self.budget.worker_back(name, self.table)  # it was not killed: its connection dropped
+        self.requeue.drain()  # the release bound grew
         return info
 
     def on_heartbeat(
@@ -275,11 +338,17 @@ class Coordinator:
             worker.role, staged)
 
     def on_claim(self, worker: WorkerInfo, task_id: str, attempt: int) -> tuple[bool, str]:
-        """A worker popped ``task_id`` from its ring: grant it the lease, or refuse (2, 5)."""
+        """A worker popped ``task_id`` from its ring: grant it the lease, or refuse (2, 5),
+        or defer it (a more urgent task waits in that ring: :mod:`controller.priorities`)."""
+        deferred = self.priorities.defer(worker, task_id)
+        if deferred is not None:
+            return False, deferred
         ok, reason = self.table.claim(task_id, attempt, worker.role, worker.name,
                                       worker.worker_id, self.leases.until(self.clock()))
         task = self.table.get(task_id)
         if ok and task is not None:
+            if worker.role == Role.TRANSFORMER:
+                self.requeue.drain()  # one fewer ahead of the DiTs
             worker.tasks.add(task_id)
             log.info("task %s stage=%s worker=%s attempt=%d", task_id, task.stage.value,
                      worker.name, attempt)
@@ -371,22 +440,10 @@ class Coordinator:
                     worker.name, attempt, error_type, fault, error)
         if fault is None:  # a worker of an older build: only ``retryable``
             fault = Fault.TASK if retryable else Fault.INPUT
-        reason = f"{worker.role} {worker.name}: {error}"
-        if fault == Fault.CANCELLED or error_type == "cancelled" or task.cancel_requested:
-            self.table.cancelled(task, "cancelled by the client while running")
-            self._emit("cancelled", task)
-        elif fault == Fault.INPUT:
-            self.table.failed(task, error, error_type)
-            self._emit("failed", task)
-        elif fault == Fault.TRANSFER:  # window 6
-            producer = task.producer_id
-            if producer is None or not self.registry.alive(producer, self.clock()):
-                self.recovery.retry(task, f"{reason} (its producer is gone)", Cause.SYSTEM)
-            else:
-                self.budget.blame_producer(producer, task_id)
-                self.recovery.retry(task, reason, Cause.TASK)
-        else:
-            self.recovery.retry(task, reason, Cause.TASK if fault == Fault.TASK else Cause.SYSTEM)
+        self.recovery.failed(
+            task, f"{worker.role} {worker.name}: {error}", error, error_type, fault,
+            alive=lambda w: self.registry.alive(w, self.clock()), drop=self.resumes.drop,
+            preempted=self.priorities.yielded)
 
     def on_dropped(
         self, worker: WorkerInfo, ring: str, reason: str, task_id: str | None,
@@ -410,6 +467,15 @@ class Coordinator:
                     worker.role, worker.name, reason, len(held))
         self.recovery.worker_lost(worker, reason, held)
 
+    # -- checkpoints (window 8: controller.resumes) -----------------------------------------
+    async def on_checkpoint(self, worker: WorkerInfo, msg: Mapping[str, Any]) -> dict[str, Any]:
+        """Keep a DiT's checkpoint (pulled off the loop); answered once kept or refused."""
+        return await self.resumes.keep(worker, msg)
+
+    def on_resume(self, worker: WorkerInfo, task_id: str, attempt: int) -> dict[str, Any]:
+        """The kept checkpoint the lease holder of a resumed attempt starts from."""
+        return self.resumes.fetch(worker, task_id, attempt)
+
     # -- periodic --------------------------------------------------------------------------
     def sweep(self, now: float) -> None:
         """Expire leases whose worker stopped heartbeating (window 4), reconcile the table
@@ -420,6 +486,7 @@ class Coordinator:
         if self.census is not None:
             self.reconcile(self.census(), now)
         self.requeue.drain()
+        self.priorities.sweep(now)
 
     def reconcile(self, present: Census, now: float) -> int:
         """Put back in play every task missing from its ring for ``lease_timeout_s``

@@ -18,6 +18,14 @@ Event names on the wire:
 ``progress``   denoising step ``step`` of ``steps``
 ``completed``  the result is ready: ``result_url``, ``media_type``, ``thumbnail_url``
 ``failed``, ``cancelled``   with ``error`` and ``error_type``
+``checkpoint`` the controller kept a checkpoint of the denoising loop: ``checkpoint_step``
+               of ``steps`` (``final``: the final latents, kept until the result is written)
+``resumed``    a new attempt starts from the kept checkpoint, not from the encoder: waiting
+               in ``stage`` (phase1: for a DiT from step ``resumed_from``; phase2: only the
+               decoder runs again)
+``yielded``    its DiT handed it back at a step boundary, checkpointed (drained)
+``preempting`` its DiT was asked to yield for a more urgent task (``priority``)
+``preempted``  ... and did: it resumes later (``preemptions`` so far); never charged
 ``lagged``     this subscriber fell too far behind and is dropped; reconnect
 """
 
@@ -47,7 +55,9 @@ GALLERY_SIZE = 24
 TERMINAL_EVENTS = frozenset({"completed", "failed", "cancelled"})
 # Coordinator event -> wire event; claimed / handoff / queued are all stage changes.
 _WIRE_NAME = {"queued": "stage", "claimed": "stage", "handoff": "stage", "progress": "progress",
-              "completed": "completed", "failed": "failed", "cancelled": "cancelled"}
+              "completed": "completed", "failed": "failed", "cancelled": "cancelled",
+              **{e: e for e in ("checkpoint", "resumed", "yielded", "preempting", "preempted")}}
+_CHECKPOINT_EVENTS = frozenset({"checkpoint", "resumed", "yielded", "preempting", "preempted"})
 
 
 def result_path(task_id: str) -> str:
@@ -76,6 +86,13 @@ def task_event(name: str, task: Task) -> dict[str, Any]:
         data["media_type"] = task.media_type
     if name in ("failed", "cancelled"):
         data["error"], data["error_type"] = task.error, task.error_type
+    if name in _CHECKPOINT_EVENTS:
+        steps = task.steps or task.request.get("infer_steps")
+        data.update(checkpoint_step=task.checkpoint_step, steps=steps,
+                    resumed_from=task.resumed_from, resumes=task.resumes,
+                    preemptions=task.preemptions, priority=task.priority)
+        if name == "checkpoint":  # the last step's: the final latents
+            data["final"] = task.checkpoint_step is not None and task.checkpoint_step == steps
     return data
 
 

@@ -27,6 +27,7 @@ from contracts.config import ServerConfig
 from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
 from contracts.input_images import pack_images
 from contracts.pipelines import TaskSpec, task_spec
+from contracts.priority import check_priority
 from contracts.request import GenerationRequest
 from controller.coordinator import Coordinator
 from controller.decoding import ImageDecoder
@@ -136,6 +137,10 @@ class FrontDoor:
                 f"POST to /v1/tasks/{served}/ instead",
             )
         request = self._generation_request(body, kind)
+        try:
+            priority = check_priority(body.priority)
+        except InvalidRequestError as exc:
+            raise http_error(422, str(exc)) from None
         task_id = body.task_id or uuid.uuid4().hex
         if not TASK_ID_RE.match(task_id):
             raise http_error(
@@ -155,6 +160,7 @@ class FrontDoor:
             pipeline=self.pipeline,
             request=request,
             save_result_path=save,
+            priority=priority,
         )
         if image is not None:
             task.image_bytes = image
@@ -260,6 +266,9 @@ class FrontDoor:
         out["queue_position"] = self.co.table.queue_position(task)
         if task.stage == Stage.DENOISING and task.steps:
             out["progress"] = f"denoising step {task.step}/{task.steps}"
+        store = self.co.checkpoints
+        ckpt = store.get(task.task_id) if store is not None else None
+        out["checkpoint"] = ckpt.public() if ckpt is not None else None
         if task.result_path:
             out["save_result_path"] = str(
                 Path(task.result_path).relative_to(self.co.config.output_dir))

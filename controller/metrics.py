@@ -79,8 +79,8 @@ class ControllerMetrics:
     def _dit_work(self) -> Iterable[Sample]:
         waiting = 0
         for t in list(self.co.table.tasks.values()):
-            if t.stage in BEFORE_DIT:
-                waiting += int(t.request.get("infer_steps") or 0)
+            if t.stage in BEFORE_DIT:  # a resumed task has only the rest of its steps
+                waiting += max(0, int(t.request.get("infer_steps") or 0) - (t.resumed_from or 0))
             elif t.stage == Stage.DENOISING:
                 waiting += max(0, (t.steps or int(t.request.get("infer_steps") or 0)) - t.step)
         yield ("diffring_dit_steps_waiting", "Denoising steps not yet run of tasks that have "
@@ -124,12 +124,30 @@ class ControllerMetrics:
             for kind, n in st["repairs"].items():
                 yield ("diffring_ring_repairs", "Ring repairs since start", {**labels,
                        "kind": kind}, float(n))
+        yield from self._checkpoints()
         if self.pool_stats is not None:
             st = self.pool_stats()
             yield ("diffring_staging_pool_used_bytes", "Bytes allocated in the staging pool",
                    {"role": "controller"}, float(st.used_bytes))
             yield ("diffring_staging_pool_capacity_bytes", "Capacity of the staging pool",
                    {"role": "controller"}, float(st.capacity))
+
+    def _checkpoints(self) -> Iterable[Sample]:
+        """Denoising checkpoints kept, resumes, preemptions (the lifecycle events themselves
+        are counted in ``diffring_task_events``: checkpoint, resumed, yielded, preempted)."""
+        store = self.co.checkpoints
+        if store is not None:
+            yield ("diffring_checkpoint_bytes", "Bytes of denoising checkpoints the controller "
+                   "keeps (checkpoint_store_mb bounds them)", {}, float(store.used_bytes))
+            yield ("diffring_checkpoint_tasks", "Tasks whose checkpoint or final latents the "
+                   "controller keeps", {}, float(len(store)))
+            for outcome, n in list(store.counts.items()):
+                yield ("diffring_checkpoints", "Checkpoints since start, by outcome (kept, "
+                       "final, refused, resumes, dropped, restored)", {"outcome": outcome},
+                       float(n))
+        for what, n in list(self.co.priorities.counts.items()):
+            yield ("diffring_priority_actions", "Since start: DiT claims deferred for a "
+                   "more urgent task, and preemptions", {"action": what}, float(n))
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
         """The front door's requests counted and timed, as a plain ASGI middleware (Starlette's

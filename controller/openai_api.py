@@ -61,6 +61,9 @@ class _Extensions(BaseModel):
         None, description='diffring: LoRA adapters [{"name", "strength"}] (GET /v1/loras)')
     cache: dict[str, Any] | None = Field(
         None, description='diffring: step cache {"kind", ...} in diffusers\' names')
+    priority: str | None = Field(
+        None, description="diffring: low, normal (default) or high (release order, "
+        "preemption)")
 
 
 class ImageParams(_Extensions):
@@ -191,7 +194,7 @@ class OpenAIDoor:
                 exc.status_code)
             # The size reaches the task as height / width: name the parameter the client sent.
             param = "size" if re.search(r"\b(height|width)\b", message) else None
-            for name in ("loras", "cache"):  # the adapters' and cache's errors name them
+            for name in ("loras", "cache", "priority"):  # their errors name them
                 if re.search(rf"\b({name}|{name.rstrip('s')})\b", message, re.I):
                     param = param or name
             if image_param in message:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from contracts.messages import Fault
 from controller.budget import Cause, RetryBudget
 from controller.reconcile import Census, MissingTracker
 from controller.registry import WorkerInfo
@@ -63,6 +64,38 @@ class Recovery:
             self.requeue.later(task)
         else:
             self.emit("failed" if task.stage == Stage.FAILED else "cancelled", task)
+
+    def failed(self, task: Task, reason: str, error: str, error_type: str, fault: str, *,
+               alive: Callable[[int], bool], drop: Callable[[Task], None],
+               preempted: Callable[[Task], bool]) -> None:
+        """The holder of ``task``'s attempt reported it failed, and whose ``fault`` it was:
+        cancelled, failed for good, or retried -- charged only for the task's own faults.
+        ``alive(worker_id)``: is a producer still there; ``drop(task)`` forgets its
+        checkpoint; ``preempted(task)``: was a yield a preemption (counts it)."""
+        if fault == Fault.CANCELLED or error_type == "cancelled" or task.cancel_requested:
+            self.table.cancelled(task, "cancelled by the client while running")
+            self.emit("cancelled", task)
+        elif fault == Fault.INPUT:
+            self.table.failed(task, error, error_type)
+            self.emit("failed", task)
+        elif fault == Fault.YIELDED:  # window 8: drained or preempted, its state kept
+            self.emit("preempted" if preempted(task) else "yielded", task)
+            self.retry(task, reason, Cause.SYSTEM)
+        elif error_type == "CheckpointError" or (
+                fault == Fault.TRANSFER and task.resumed_from is not None
+                and task.producer_id is None):
+            # Window 8: its kept checkpoint cannot be resumed: start over, uncharged.
+            drop(task)
+            self.retry(task, f"{reason} (its checkpoint is dropped)", Cause.SYSTEM)
+        elif fault == Fault.TRANSFER:  # window 6
+            producer = task.producer_id
+            if producer is None or not alive(producer):
+                self.retry(task, f"{reason} (its producer is gone)", Cause.SYSTEM)
+            else:
+                self.budget.blame_producer(producer, task.task_id)
+                self.retry(task, reason, Cause.TASK)
+        else:
+            self.retry(task, reason, Cause.TASK if fault == Fault.TASK else Cause.SYSTEM)
 
     def worker_lost(self, worker: WorkerInfo, reason: str, held: list[Task]) -> None:
         """``worker`` is gone (window 4): the tasks it held go back in play, and the

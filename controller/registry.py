@@ -37,6 +37,8 @@ class WorkerInfo:
     """The step-cache kinds a transformer worker's model runs."""
     stats: dict[str, float] = field(default_factory=dict)
     """What its last heartbeat reported (a model stage: resident and peak GPU bytes)."""
+    checkpoints: bool = False
+    """A transformer worker that checkpoints its loops: it can yield at a step boundary."""
 
     def public(self) -> dict[str, Any]:
         return {
@@ -49,7 +51,8 @@ class WorkerInfo:
             "last_heartbeat": self.last_heartbeat,
             "current_tasks": sorted(self.tasks),
             "segment": self.segment,
-            **({"loras": list(self.loras), "caches": list(self.caches)}
+            **({"loras": list(self.loras), "caches": list(self.caches),
+                "checkpoints": self.checkpoints}
                if self.role == Role.TRANSFORMER else {}),
             "stats": dict(self.stats),
         }
@@ -65,8 +68,8 @@ class WorkerRegistry:
         self._next = 1
 
     def register(self, role: str, name: str, pid: int, pipeline: str, segment: str,
-                 now: float, *, loras: tuple[str, ...] = (), caches: tuple[str, ...] = ()
-                 ) -> WorkerInfo:
+                 now: float, *, loras: tuple[str, ...] = (), caches: tuple[str, ...] = (),
+                 checkpoints: bool = False) -> WorkerInfo:
         """A new worker (ids are never reused), or ControlError saying why not."""
         if pipeline != self.pipeline:
             raise ControlError(
@@ -78,7 +81,7 @@ class WorkerRegistry:
         except ValueError:
             raise ControlError(f"unknown worker role {role!r}") from None
         info = WorkerInfo(self._next, known, name, pid, segment, pipeline, heard_at=now,
-                          loras=tuple(loras), caches=tuple(caches))
+                          loras=tuple(loras), caches=tuple(caches), checkpoints=checkpoints)
         self._workers[info.worker_id] = info
         self._next += 1
         return info

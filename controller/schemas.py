@@ -55,6 +55,9 @@ class TaskRequest(BaseModel):
     cache: dict[str, Any] | None = Field(
         None, description='step cache: {"kind": "first_block_cache", "threshold": 0.05} '
         '(diffusers\' names); {"kind": "none"} turns the workers\' default off')
+    priority: str | None = Field(
+        None, description="low, normal (default) or high: the order queued work is released "
+        "in; a high task waiting too long preempts a lower one at a step boundary")
 
     @field_validator("*", mode="after")
     @classmethod

@@ -166,6 +166,7 @@ class TaskTable:
             task.attempt += 1
             task.stage = Stage.ACCEPTED
             task.worker = task.worker_id = None
+            task.resumed_from = None
             task.error = "controller restarted; task put back in play"
             unfinished.append(task)
             self.tasks[task.task_id] = task
@@ -180,6 +181,14 @@ class TaskTable:
 
     def queued(self, task: Task) -> None:
         self._set(task, Stage.QUEUED)
+
+    def resumed(self, task: Task, stage: Stage, step: int) -> None:
+        """The controller pushed a resume item of ``task`` itself (from its kept checkpoint,
+        at ``step``): it waits in ``stage``'s ring (PHASE1: for a DiT, PHASE2: a decoder)."""
+        task.producer_id = None  # the controller staged these inputs
+        task.resumes += 1
+        task.resumed_from = task.step = step
+        self._set(task, stage)
 
     def claim(
         self, task_id: str, attempt: int, role: Role, worker: str, worker_id: int,
@@ -260,6 +269,9 @@ class TaskTable:
         task.worker_id = None
         task.lease_expires = None
         task.step = 0
+        task.resumed_from = None
+        task.yield_requested = False
+        task.waiting_since = None
         task.error = reason
         self._set(task, Stage.ACCEPTED)
         return True

@@ -96,6 +96,13 @@ class Task:
     failures: int = 0  # attempts the task itself failed (counted against max_task_failures)
     killers: list[str] = field(default_factory=list)  # workers lost in a row holding it
     producer_id: int | None = None  # worker that staged this attempt's inputs of its stage
+    priority: str = "normal"  # its class (controller.priority): the order of release
+    checkpoint_step: int | None = None  # step of its latest kept checkpoint (None: none)
+    resumed_from: int | None = None  # step its current attempt resumed from (None: start)
+    resumes: int = 0  # attempts started from a kept checkpoint
+    preemptions: int = 0  # times it handed its DiT back for a more urgent task
+    yield_requested: bool = False  # its DiT was asked to yield (preemption under way)
+    waiting_since: float | None = None  # monotonic: its current attempt began waiting
 
     @property
     def status(self) -> str:
@@ -129,6 +136,11 @@ class Task:
             "error": self.error,
             "error_type": self.error_type,
             "failures": self.failures,
+            "priority": self.priority,
+            "checkpoint_step": self.checkpoint_step,
+            "resumed_from": self.resumed_from,
+            "resumes": self.resumes,
+            "preemptions": self.preemptions,
             "save_result_path": self.save_result_path,
             "stage_times": self.stage_times,
         }
@@ -138,7 +150,8 @@ class DuplicateTask(Exception):
     """A task with this id exists already."""
 
 
-_TASK_FIELDS = {f.name for f in fields(Task)} - {"stage", "image_bytes", "lease_expires"}
+_TASK_FIELDS = {f.name for f in fields(Task)} - {"stage", "image_bytes", "lease_expires",
+                                                  "yield_requested", "waiting_since"}
 FIXED_FIELDS = ("kind", "pipeline", "request", "save_result_path", "created_at")
 """Written once, when the task is accepted; the rest is rewritten at every state change."""
 _RECORD_FIELDS = tuple(sorted(_TASK_FIELDS - {"image"}))

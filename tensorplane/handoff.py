@@ -198,11 +198,10 @@ def _empty(d: TensorDescriptor, device: Any, arrays: ArrayKind) -> Any:
     return torch.empty(d.shape, dtype=torch_dtype(d.dtype), device=torch.device(device))
 
 
-def _pull_one(
-    engine: TransferEngine, pool: StagingPool, d: TensorDescriptor, out: Any,
-    task_id: str | None, alloc_timeout: float,
-) -> None:
-    block = pool.alloc(d.nbytes, alloc_timeout, task_id=task_id)
+def read_block(engine: TransferEngine, pool: StagingPool, block: Block,
+               d: TensorDescriptor, task_id: str | None) -> None:
+    """Mooncake-read the bytes ``d`` describes into ``block``. On a failed read the block
+    is freed, or kept (quarantined) while Mooncake may still write into it."""
     try:
         engine.read(d.segment, pool.addr(block), d.address, d.nbytes, task_id=task_id,
                     tensor=d.name)
@@ -212,17 +211,30 @@ def _pull_one(
         else:
             pool.free(block)
         raise
+
+
+def verify(local: Any, d: TensorDescriptor, task_id: str | None) -> None:
+    """ChecksumMismatch unless the bytes read (``local``) are the ones ``d`` describes."""
+    actual = checksum(local, d.checksum_algo)
+    if actual != d.checksum:
+        raise ChecksumMismatch(
+            f"checksum mismatch on {d.nbytes} bytes read from {d.address:#x}: "
+            f"{d.checksum_algo} expected {d.checksum:#x}, got {actual:#x}",
+            expected=d.checksum, actual=actual, task_id=task_id, tensor=d.name,
+            peer=d.segment,
+        )
+
+
+def _pull_one(
+    engine: TransferEngine, pool: StagingPool, d: TensorDescriptor, out: Any,
+    task_id: str | None, alloc_timeout: float,
+) -> None:
+    block = pool.alloc(d.nbytes, alloc_timeout, task_id=task_id)
+    read_block(engine, pool, block, d, task_id)
     try:
         host = pool.is_host and not is_torch(out)
         local: Any = pool.host_view(block) if host else pool.view(block)
-        actual = checksum(local, d.checksum_algo)
-        if actual != d.checksum:
-            raise ChecksumMismatch(
-                f"checksum mismatch on {d.nbytes} bytes pulled from {d.address:#x}: "
-                f"{d.checksum_algo} expected {d.checksum:#x}, got {actual:#x}",
-                expected=d.checksum, actual=actual, task_id=task_id, tensor=d.name,
-                peer=d.segment,
-            )
+        verify(local, d, task_id)
         if host:
             import numpy as np
 

@@ -45,6 +45,7 @@ is exiting; a controller that does not answer by then learns of it from the leas
 class HeldTask(Protocol):
     task_id: str
     cancel: threading.Event
+    yield_asked: threading.Event
 
 
 class Heartbeats:
@@ -115,6 +116,8 @@ class Heartbeats:
             self._beat()
             if job is not None and job.task_id in reply.get("cancel", []):
                 job.cancel.set()
+            if job is not None and job.task_id in reply.get("yield", []):
+                job.yield_asked.set()  # preempted: hand it back at the next step boundary
             if reply.get("drop"):
                 self._staged.drop_tasks(set(reply["drop"]))
             holding = job is not None or bool(staged)
@@ -156,6 +159,8 @@ class ControlLink:
         self.offers: Callable[[], dict[str, Any]] = dict
         """What requests may ask of this worker's stage (a DiT's adapters and cache kinds),
         read again for every registration (a reconnected worker reports its folder now)."""
+        self.on_registered: Callable[[dict[str, Any]], None] = lambda _reply: None
+        """Told the controller's answer to each registration (a DiT: are checkpoints kept)."""
 
     @property
     def where(self) -> str:
@@ -196,6 +201,7 @@ class ControlLink:
             segment=engine.session_id,
             **self.offers(),
         )
+        self.on_registered(reply)
         interval = float(reply["heartbeat_interval_s"])
         # A worker holding nothing renews no lease: it heartbeats less often (its liveness
         # is its connection), but well within a lease of the task it may claim next.

@@ -28,6 +28,7 @@ class _Job(Protocol):
     task_id: str
     attempt: int
     cancel: threading.Event
+    yield_asked: threading.Event
 
 
 class ProgressReporter:
@@ -89,6 +90,8 @@ class ProgressReporter:
                 )
                 if reply.get("cancel"):
                     job.cancel.set()
+                if reply.get("yield"):  # preempted: hand it back at the next step boundary
+                    job.yield_asked.set()
             except DiffringError as exc:
                 # The loop's own calls (handoff, fail) see a lost controller too and
                 # reconnect; a progress report is not worth more than a log line.

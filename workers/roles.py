@@ -20,6 +20,7 @@ from contracts.request import GenerationRequest
 from contracts.roles import Role
 from tensorplane.descriptor import TensorDescriptor
 from tensorplane.handoff import pull_tensors, stage_tensors
+from workers.checkpoints import DitCheckpoints
 from workers.encode_pool import EncodePool
 from workers.held import Held, HeldResults
 from workers.models import Artifact, DecoderAdapter, EncoderAdapter, TransformerAdapter
@@ -115,9 +116,19 @@ class EncoderWorker(ProducerWorker):
 
 
 class TransformerWorker(ProducerWorker):
+    """The DiT's loop, checkpointed when ``transformer.checkpoint_every_*`` is set
+    (:mod:`workers.checkpoints`): a resume item starts from the kept checkpoint, a drain or
+    a preemption hands the task back at a step boundary, and the final latents are kept by
+    the controller until the result is written."""
+
     role = Role.TRANSFORMER
     adapter = TransformerAdapter
     output_kind = Kind.PHASE2
+
+    def __init__(self, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> None:
+        super().__init__(cfg, token, env)
+        self.checkpoints = DitCheckpoints(cfg.transformer, self.metrics, self.name)
+        self.link.on_registered = self.checkpoints.registered
 
     def adapter_options(self) -> dict[str, Any]:
         return transformer_options(self.cfg)
@@ -125,6 +136,7 @@ class TransformerWorker(ProducerWorker):
     def load_model(self) -> None:
         """Load the DiT, then warm it up (compile) before the worker registers: the first
         request must not pay for the compiler."""
+        self.checkpoints.start(self.link.call, self.pool, self.engine)
         super().load_model()
         if self.cfg.warmup_shapes:
             seconds = self.stage.warm_up(self.cfg.warmup_shapes)
@@ -133,24 +145,51 @@ class TransformerWorker(ProducerWorker):
                      ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
 
     def offers(self) -> dict[str, Any]:
-        return dict(self.stage.offers())
+        return {**self.stage.offers(), "checkpoints": self.checkpoints.wanted}
 
     def fetch_inputs(self, job: Job) -> dict[str, Any]:
+        if job.item.get("resume"):  # the controller's resume item: its kept checkpoint
+            inputs, job.resume = self.checkpoints.fetch(
+                self.link.call, self.engine, self.pool, job, self.cfg.device,
+                self.stage.tensor_kind)
+            return inputs
         return self.pull(job)
+
+    def yield_reason(self, job: Job) -> str | None:
+        """Why the loop should hand ``job`` back at this step boundary (None: go on)."""
+        if self.state is not State.RUNNING or self._stop.asked:
+            return "drain"
+        return "preempted" if job.yield_asked.is_set() else None
 
     def compute(self, job: Job, inputs: dict[str, Any]) -> dict[str, Any]:
         # Steps are reported in the background (workers.progress): no round trip between
         # two denoising steps. A cancel in a reply sets job.cancel, checked before each;
         # all reports are answered before the outputs are published.
         req = _request(job)
+        hooks = self.checkpoints.hooks(job, inputs, job.resume, lambda: self.yield_reason(job))
         with self.stage.guarded(_size(req)):
             out: dict[str, Any] = self.stage.denoise(
                 req, inputs,
                 on_step=lambda k, n: self.progress.report(job, k, n),
                 should_stop=job.cancel.is_set,
+                loop=hooks,
             )
         self.progress.flush(job)
+        job.result = out
         return out
+
+    def release(self, job: Job) -> None:
+        """Send the final latents to the controller's keeping (a lost decoder then costs a
+        decode), then report the handoff."""
+        if job.result is not None:
+            steps = _request(job).infer_steps
+            assert steps is not None
+            self.checkpoints.send_final(job, job.result, steps)
+        super().release(job)
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        super().close()
 
 
 class DecoderWorker(StageWorker):

@@ -25,7 +25,8 @@ empty), :class:`~workers.progress.ProgressReporter` (denoising steps, off the cr
 the base class :class:`~workers.stage_host.StageHost` (the role's model stage: load, offers).
 
 Lifecycle: STOPPED -> RUNNING (:meth:`StageWorker.start`) -> DRAINING (SIGTERM/SIGINT: finish
-the claimed task, claim nothing new) -> STOPPED. A fatal error (lost ring or control
+the claimed task -- a DiT that checkpoints hands it back at the next step boundary instead
+(:mod:`workers.checkpoints`) --, claim nothing new) -> STOPPED. A fatal error (lost ring or control
 connection, model failure at start) propagates out of :meth:`~StageWorker.start` or
 :meth:`~StageWorker.run`; the process entry point (:func:`workers.main.run_worker`) reports
 it to the controller once (:meth:`~StageWorker.report_fatal`), so the worker's leases are
@@ -49,7 +50,7 @@ from typing import Any, ClassVar
 from contracts import faults
 from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
-from contracts.errors import ConnectionLost, PayloadCorrupt, StageError
+from contracts.errors import ConnectionLost, PayloadCorrupt, StageError, StageYielded
 from contracts.messages import Fault, Op
 from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.roles import Role
@@ -104,6 +105,13 @@ class Job:
     published: bool = False
     """The outputs are in the next ring: from now on the controller decides when the staged
     copies may go (a consumer may be pulling them)."""
+    yield_asked: threading.Event = field(default_factory=threading.Event)
+    """The controller asked for the task back at the next step boundary (preemption)."""
+    resume: Any = None
+    """The loop state a resumed attempt starts from (a DiT's resume item)."""
+    phase1_kept: bool = False
+    """The controller keeps this task's encoder outputs (a checkpoint with them was kept,
+    or the attempt resumed from one): later checkpoints leave them out."""
 
     def descriptors(self) -> list[TensorDescriptor]:
         """The input tensors the producer staged for this task."""
@@ -281,6 +289,9 @@ class StageWorker(StageHost):
         except TaskDropped as exc:
             self.metrics.tasks.labels(self.role.value, "cancelled").inc()
             self._fail(job, str(exc), "cancelled", Fault.CANCELLED)
+        except StageYielded as exc:  # checkpointed at a step boundary: handed back, uncharged
+            self.metrics.tasks.labels(self.role.value, "yielded").inc()
+            self._fail(job, str(exc), "yielded", Fault.YIELDED)
         except Exception as exc:
             self.metrics.tasks.labels(self.role.value, "failed").inc()
             self._fail(job, *describe_failure(exc))
@@ -325,6 +336,13 @@ class StageWorker(StageHost):
         reply = self.link.call(
             Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
         )
+        if reply.get("defer"):
+            # A more urgent task waits behind it (controller.priorities): the item goes back
+            # to the ring's tail, its inputs untouched; should the ring be full, the
+            # controller puts the task back in play instead (window 3).
+            if in_ring.try_push(item) is not None:
+                self.link.report_drop(ring, None, "deferred and the ring is full", item)
+            return Idle.SKIPPED
         if not reply["proceed"]:
             log.info(
                 "task %s stage=%s worker=%s dropped: %s",

@@ -85,11 +85,27 @@ function renderWorkers(st) {
   }
 }
 
+// What a task's progress is worth beyond its worker: its kept checkpoint (or final
+// latents), the step its attempt resumed from, preemptions, a priority other than normal.
+function resilience(t) {
+  const parts = [];
+  if (t.priority && t.priority !== "normal") parts.push(t.priority);
+  if (t.checkpoint) {
+    parts.push(t.checkpoint.final ? "final latents kept"
+      : `checkpoint ${t.checkpoint.step}/${t.checkpoint.steps}`);
+  }
+  if (t.resumes) parts.push(`resumed ×${t.resumes}` +
+    (t.resumed_from !== null && t.resumed_from !== undefined ? ` (step ${t.resumed_from})` : ""));
+  if (t.preemptions) parts.push(`preempted ×${t.preemptions}`);
+  return parts.join(" · ");
+}
+
 function taskRow(t) {
   return el("tr", { "data-task-id": t.task_id },
     el("td", {}, t.task_id),
     el("td", { class: `stage-${t.stage}` }, t.stage),
     el("td", {}, bar(t.step, t.steps, t.stage)),
+    el("td", { class: "ckpt" }, resilience(t)),
     el("td", {}, t.attempt),
     el("td", {}, t.worker || ""),
     el("td", {}, age(t.age_s)),
@@ -99,7 +115,7 @@ function taskRow(t) {
 function renderTasks(st) {
   const body = document.querySelector("#tasks tbody");
   const rows = st.tasks.map(taskRow);
-  if (!rows.length) rows.push(el("tr", {}, el("td", { class: "none", colSpan: 7 },
+  if (!rows.length) rows.push(el("tr", {}, el("td", { class: "none", colSpan: 8 },
     "no task yet")));
   body.replaceChildren(...rows);
 }
@@ -174,7 +190,8 @@ function listen() {
   const source = new EventSource("/v1/events");
   source.onopen = () => { live.className = "live on"; live.textContent = "events: live"; };
   source.onerror = () => { live.className = "live off"; live.textContent = "events: reconnecting"; };
-  for (const name of ["stage", "progress", "completed", "failed", "cancelled"]) {
+  for (const name of ["stage", "progress", "completed", "failed", "cancelled", "checkpoint",
+    "resumed", "yielded", "preempting", "preempted"]) {
     source.addEventListener(name, onEvent);
   }
 }

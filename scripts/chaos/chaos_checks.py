@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,3 +110,31 @@ def pool_used(port: int) -> int:
         return 0  # died meanwhile
     m = re.search(r"^diffring_staging_pool_used_bytes\{[^}]*\} (\S+)$", text, re.M)
     return int(float(m.group(1))) if m else 0
+
+
+def check_resumed(r: Report, url: str, statuses: dict[str, dict[str, Any]], results: Path,
+                  pick: Callable[[list[str], int], list[str]], sample: int,
+                  body: dict[str, Any]) -> str:
+    """A sample (``pick(resumed, n)``) of the tasks that resumed from a checkpoint or from
+    kept final latents, run again with no fault: their result files must be byte-identical.
+    Adds a problem to ``r`` per difference; returns a note."""
+    resumed = sorted(t for t, st in statuses.items()
+                     if st.get("status") == "completed" and st.get("resumes"))
+    chosen = pick(resumed, min(sample, len(resumed)))
+    same = 0
+    for tid in chosen:
+        i = int(tid.rsplit("-", 1)[1])
+        ref = f"again-{i:05d}"
+        res = httpx.post(f"{url}/v1/tasks/image/", timeout=30,
+                         json={"prompt": f"chaos {i}", "seed": i, "task_id": ref, **body})
+        st = final_statuses(url, [ref], time.monotonic() + 300)[ref]
+        if res.status_code != 200 or st["status"] != "completed":
+            r.problems.append(f"re-run of {tid} did not complete: {st}")
+            continue
+        if (results / f"{tid}.png").read_bytes() == (results / f"{ref}.png").read_bytes():
+            same += 1
+        else:
+            r.problems.append(f"{tid}, resumed from step {statuses[tid].get('resumed_from')}, "
+                              "differs from an uninterrupted run")
+    return (f"resumed={len(resumed)} (from a checkpoint or kept final latents); "
+            f"sample={len(chosen)} identical={same}")

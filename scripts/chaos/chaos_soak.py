@@ -17,6 +17,11 @@ While tasks stream in over HTTP, it
 - writes garbage over a published ring item, and pushes a forged item of the wrong kind, as a
   peer holding the cluster token.
 
+With ``--checkpoints N`` the DiT workers checkpoint every N steps: a killed DiT's task
+resumes from its last checkpoint, a killed decoder's from the kept final latents. Then OK
+also needs every task of a sample of resumed ones (up to ``--sample``) to give the bytes of
+the same request run again, uninterrupted, at the end (``resumed=… identical=…``).
+
 It ends with one line::
 
     chaos: OK|FAILED tasks=… completed=… failed=… lost=… duplicated=… leaked_staging_bytes=…
@@ -54,7 +59,13 @@ from rings.layout import STAMPS_OFFSET, SlotState, unpack_stamp
 from rings.ring import Ring
 from rings.verbs import connect
 from scripts import ROOT
-from scripts.chaos.chaos_checks import Report, check_tasks, final_statuses, pool_used
+from scripts.chaos.chaos_checks import (
+    Report,
+    check_resumed,
+    check_tasks,
+    final_statuses,
+    pool_used,
+)
 from scripts.chaos.chaos_workers import ForkedWorker, Launcher
 
 ROLES = tuple(role.value for role in Role)  # the worker roles, in pipeline order
@@ -91,6 +102,10 @@ class Settings:
     drop_p: float = 0.001
     timeout_s: float = 3600.0
     seed: int = 0
+    checkpoint_every_steps: int | None = None
+    """DiT workers checkpoint every this many steps (None: no checkpoints)."""
+    sample: int = 20
+    """Resumed tasks whose results are compared with an uninterrupted run."""
 
 
 class Chaos:
@@ -102,7 +117,8 @@ class Chaos:
             s.pipeline, str(s.models / s.pipeline), s.workdir, lease_timeout_s=s.lease_s,
             heartbeat_interval_s=s.heartbeat_s, max_pending_tasks=max(256, 2 * s.in_flight),
             staging_pool_mb=16, poison_worker_deaths=POISON_DEATHS,
-            disagg_config={"claim_timeout_s": s.lease_s + 1, "rdma_buffer_slots": 64})
+            disagg_config={"claim_timeout_s": s.lease_s + 1, "rdma_buffer_slots": 64},
+            transformer={"checkpoint_every_steps": s.checkpoint_every_steps})
         self.group = LocalGroup(cfg, s.workdir)  # the controller
         self.launcher = Launcher(s.workdir)  # the workers
         self.url = self.group.url
@@ -424,6 +440,10 @@ class Chaos:
             if n:
                 self.events.append(f"{w.role} pid {w.pid} holds {n} staging bytes "
                                    f"(log {w.log_path.name})")
+        if self.s.checkpoint_every_steps is not None:
+            self.events.append(check_resumed(
+                r, self.url, statuses, self.s.workdir / "results",
+                self.rng.sample, self.s.sample, REQUESTS.get(self.s.pipeline, {})))
         recovery = httpx.get(f"{self.url}/v1/service/status", timeout=10).json()["recovery"]
         self.events.append(f"workers killed by role: {dict(self.kills_by_role)}, longest gap "
                            f"between kills {self.longest_gap:.1f} s; poison_worker_deaths="
@@ -448,13 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=Path, help="tiny models folder (default out/tiny-models)")
     p.add_argument("--workdir", type=Path, help="default out/chaos")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoints", type=int, metavar="N",
+                   help="DiT workers checkpoint every N steps; resumed results are checked")
+    p.add_argument("--sample", type=int, help="resumed tasks to compare (default 20)")
     args = p.parse_args(argv)
     s = Settings(tasks=100, workers=(2, 4, 2), kill_every=1.5, max_kills=10, restarts=1,
                  in_flight=16, rate=6.0, lease_s=3.0, heartbeat_s=0.5, read_fail_p=0.02,
                  drop_p=0.002, timeout_s=300) if args.quick else Settings()
-    for name in ("tasks", "kill_every", "restarts", "pipeline", "models", "workdir", "seed"):
+    for name in ("tasks", "kill_every", "restarts", "pipeline", "models", "workdir", "seed",
+                 "sample"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
+    s.checkpoint_every_steps = args.checkpoints
     if args.workers:
         e, t, d = (int(x) for x in args.workers.split(","))
         s.workers = (e, t, d)

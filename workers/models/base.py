@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from .dit_requests import RequestOptions
+    from .loop_state import LoopHooks
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,18 +244,20 @@ class TransformerAdapter(StageAdapter):
         tensors: Mapping[str, torch.Tensor],
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
+        loop: LoopHooks | None = None,
     ) -> dict[str, torch.Tensor]:
         """Run the denoising loop; returns ``{"latents": ...}`` in the VAE's latent layout.
 
         ``on_step(k, n)`` is called after step k of n; ``should_stop()`` is polled before
-        every step and a True answer raises :class:`StageCancelled`. On a GPU it returns
-        after the device finished (so that timing it measures the work, not the launches).
-        The request's LoRA adapters and step cache are on for this loop only
-        (:mod:`workers.models.dit_requests`).
+        every step and a True answer raises :class:`StageCancelled`. ``loop``: where the loop
+        starts (a checkpoint) and what runs at each step boundary
+        (:mod:`workers.models.loop_state`). On a GPU it returns after the device finished
+        (so that timing it measures the work, not the launches). The request's LoRA adapters
+        and step cache are on for this loop only (:mod:`workers.models.dit_requests`).
         """
         self._require_loaded()
         with self.requests.scope(req) if self.requests else contextlib.nullcontext():
-            return self._denoise(req, tensors, on_step, should_stop)
+            return self._denoise(req, tensors, on_step, should_stop, loop)
 
     def offers(self) -> dict[str, list[str]]:
         """What requests may ask of this stage (its adapters, its cache kinds)."""
@@ -263,8 +266,8 @@ class TransformerAdapter(StageAdapter):
 
     @abstractmethod
     def _denoise(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor],
-                 on_step: StepCallback | None = None, should_stop: StopCheck | None = None
-                 ) -> dict[str, torch.Tensor]:
+                 on_step: StepCallback | None = None, should_stop: StopCheck | None = None,
+                 loop: LoopHooks | None = None) -> dict[str, torch.Tensor]:
         """The family's denoising loop (:meth:`denoise` around it)."""
 
     @staticmethod

@@ -33,6 +33,7 @@ The encoder stage is :mod:`workers.models.qwen_encoder`; this module is the fami
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -46,6 +47,7 @@ from contracts.errors import (
 )
 from contracts.request import GenerationRequest
 
+from . import loop_state
 from .attention import apply_attention_backend
 from .base import (
     DecoderAdapter,
@@ -65,6 +67,7 @@ from .diffusers_glue import (
     load_diffusers_model,
     load_scheduler,
 )
+from .loop_state import LoopHooks
 from .qwen_encoder import QwenEncoder
 from .qwen_text import image_latents_name
 
@@ -119,6 +122,7 @@ class QwenTransformer(TransformerAdapter):
         tensors: Mapping[str, torch.Tensor],
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
+        loop: LoopHooks | None = None,
     ) -> dict[str, torch.Tensor]:
         from diffusers import QwenImagePipeline
         from diffusers.utils.torch_utils import randn_tensor
@@ -132,18 +136,22 @@ class QwenTransformer(TransformerAdapter):
         guidance = self._guidance(req)
         scheduler = fresh_scheduler(self.scheduler)
         with torch.no_grad():
-            latents = randn_tensor(
-                (1, 1, inp.channels, inp.lat_h, inp.lat_w),
-                generator=cpu_generator(req.seed),
-                device=self.device,
-                dtype=inp.prompt.dtype,
-            )
-            latents = QwenImagePipeline._pack_latents(
-                latents, 1, inp.channels, inp.lat_h, inp.lat_w
-            )
-            timesteps = self._schedule(scheduler, latents.shape[1], req.infer_steps)
+            # The schedule depends only on the packed sequence length: (lat_h/2) x (lat_w/2).
+            timesteps = self._schedule(scheduler, (inp.lat_h // 2) * (inp.lat_w // 2),
+                                       req.infer_steps)
+            # The packed initial noise, or the latents and scheduler state of a checkpoint.
+            latents, first = loop_state.start(loop, scheduler, lambda: QwenImagePipeline
+                                              ._pack_latents(randn_tensor(
+                                                  (1, 1, inp.channels, inp.lat_h, inp.lat_w),
+                                                  generator=cpu_generator(req.seed),
+                                                  device=self.device,
+                                                  dtype=inp.prompt.dtype,
+                                              ), 1, inp.channels, inp.lat_h, inp.lat_w),
+                                              self.device)
+            timesteps = scheduler.timesteps
             total = len(timesteps)
-            for i, t in enumerate(timesteps):
+            for i in range(first, total):
+                t = timesteps[i]
                 self._check_stop(should_stop, i, total)
                 model_input = latents
                 if inp.image_latents is not None:
@@ -182,6 +190,8 @@ class QwenTransformer(TransformerAdapter):
                 latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
                 if on_step is not None:
                     on_step(i + 1, total)
+                loop_state.boundary(loop, i + 1, total, scheduler,
+                                    functools.partial(dict, latents=latents))
             latents = QwenImagePipeline._unpack_latents(
                 latents, inp.height, inp.width, self.vae_scale_factor
             ).contiguous()

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # annotations only: a synthetic worker never imports torch
 from contracts.errors import InvalidRequestError, ModelLoadError, StageInputError
 from contracts.request import GenerationRequest
 
+from . import loop_state
 from .base import (
     Artifact,
     DecoderAdapter,
@@ -53,6 +54,7 @@ from .base import (
     TransformerAdapter,
 )
 from .components import check_request_task
+from .loop_state import LoopHooks
 from .media import encode_png
 
 CONFIG_NAME: Final = "synthetic.json"
@@ -344,6 +346,7 @@ class SyntheticTransformer(_SyntheticStage, TransformerAdapter):
         tensors: Mapping[str, Any],
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
+        loop: LoopHooks | None = None,
     ) -> dict[str, Any]:
         self._require_loaded()
         check_request_task(req, self.task, "transformer")
@@ -353,19 +356,24 @@ class SyntheticTransformer(_SyntheticStage, TransformerAdapter):
         steps = req.infer_steps
         assert steps is not None  # the request's defaults fill it
         start = time.monotonic()
-        crc = digest(tensors)
-        arrays = {name: _make(spec, req.seed, "phase2", crc, name)
-                  for name, spec in self.cfg.phase2.items()}
-        out = self._to_device(arrays, self.cfg.phase2)
-        for k in range(1, steps + 1):
+        if loop is not None and loop.resume is not None:
+            # The loop's state is its outputs and the step reached: from a checkpoint.
+            out, first = dict(loop.resume.tensors), loop.resume.step
+        else:
+            crc = digest(tensors)
+            arrays = {name: _make(spec, req.seed, "phase2", crc, name)
+                      for name, spec in self.cfg.phase2.items()}
+            out, first = self._to_device(arrays, self.cfg.phase2), 0
+        for k in range(first + 1, steps + 1):
             self._check_stop(should_stop, k - 1, steps)
-            # Step k ends k x step_s after the start (the first one also absorbs making the
-            # outputs): the stage takes its configured time, and the oversleeping of a busy
-            # host does not pile up over the steps. (Progress reports leave the worker's loop
-            # in the background; they cost a step nothing.)
-            self._spend(start + k * self.cfg.step_s)
+            # Step k ends (k - first) x step_s after the start (the first one also absorbs
+            # making the outputs): the stage takes its configured time, and the oversleeping
+            # of a busy host does not pile up over the steps. (Progress reports leave the
+            # worker's loop in the background; they cost a step nothing.)
+            self._spend(start + (k - first) * self.cfg.step_s)
             if on_step is not None:
                 on_step(k, steps)
+            loop_state.boundary(loop, k, steps, None, lambda: out)
         return out
 
 

@@ -22,6 +22,7 @@ refused at load time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,7 @@ from contracts.errors import (
 )
 from contracts.request import GenerationRequest
 
+from . import loop_state
 from .attention import apply_attention_backend
 from .base import (
     DecoderAdapter,
@@ -55,6 +57,7 @@ from .diffusers_glue import (
     load_scheduler,
     load_transformers_model,
 )
+from .loop_state import LoopHooks
 from .media import decode_image
 
 
@@ -228,6 +231,7 @@ class WanTransformer(TransformerAdapter):
         tensors: Mapping[str, torch.Tensor],
         on_step: StepCallback | None = None,
         should_stop: StopCheck | None = None,
+        loop: LoopHooks | None = None,
     ) -> dict[str, torch.Tensor]:
         from diffusers.utils.torch_utils import randn_tensor
 
@@ -263,16 +267,18 @@ class WanTransformer(TransformerAdapter):
         with torch.no_grad():
             scheduler.set_timesteps(req.infer_steps, device=self.device)
             check_schedule(scheduler, req.infer_steps, self.task)
-            timesteps = scheduler.timesteps
-            latents = randn_tensor(
-                shape, generator=cpu_generator(req.seed), device=self.device, dtype=torch.float32
-            )
             if not i2v:
                 # WanPipeline pins the step index; WanImageToVideoPipeline looks it up from the
                 # timestep. Both give the same schedule, but mirror each exactly.
                 scheduler.set_begin_index(0)
+            # The initial noise, or the latents and scheduler state of a checkpoint.
+            latents, first = loop_state.start(loop, scheduler, lambda: randn_tensor(
+                shape, generator=cpu_generator(req.seed), device=self.device, dtype=torch.float32
+            ), self.device)
+            timesteps = scheduler.timesteps
             total = len(timesteps)
-            for i, t in enumerate(timesteps):
+            for i in range(first, total):
+                t = timesteps[i]
                 self._check_stop(should_stop, i, total)
                 if i2v:
                     assert condition is not None
@@ -320,6 +326,8 @@ class WanTransformer(TransformerAdapter):
                 latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
                 if on_step is not None:
                     on_step(i + 1, total)
+                loop_state.boundary(loop, i + 1, total, scheduler,
+                                    functools.partial(dict, latents=latents))
             latents = latents.contiguous()
         self._synchronize()
         return {"latents": latents}
