@@ -5,6 +5,7 @@ synthetic stage too (tiny random-weight models, in this process)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,18 @@ def test_scheduler_state_that_cannot_travel_is_refused() -> None:
 
     with pytest.raises(CheckpointError, match="generator"):
         capture_scheduler(Odd())
+
+
+def test_bench_resume_runs_on_cpu(tmp_path: Path) -> None:
+    """The real-size GPU check's own code path, at a toy size: it stops the loop, takes the
+    state to host memory, resumes it and finds the bytes of the uninterrupted run."""
+    from scripts.bench import bench_resume
+
+    out = tmp_path / "out"
+    assert bench_resume.main(["--arch", "wan-1.3b", "--device", "cpu", "--layers", "1",
+                              "--shape", "16x16x5", "--steps", "3", "--stop-at", "1",
+                              "--models", str(tmp_path / "models"), "--out", str(out)]) == 0
+    row = json.loads((out / "bench_resume.json").read_text())
+    assert row["exact"] and row["resumed_steps"] == 2 and row["checkpoint_mib"] > 0
+    assert "| resumed latents equal to uninterrupted (bytes) | yes" in \
+        (out / "bench_resume.md").read_text()
