@@ -18,8 +18,9 @@ any write that reads it, so a write never reads a reused block. A task that ends
 failed, cancelled) has its checkpoint dropped: blocks freed, files removed.
 
 Pulls run on their own thread (a Mooncake read blocks), never on the event loop; everything
-else is called on the loop. Ownership (who may replace a task's checkpoint) is the
-coordinator's (the lease, the attempt): see window 8 of :mod:`controller.coordinator`.
+else is called on the loop. Ownership (who may replace a task's checkpoint) is
+:mod:`controller.resumes`' (the lease, the attempt): see window 8 of
+:mod:`controller.coordinator`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,22 @@
 """The controller's coordination logic: tasks in, worker events, leases, requeue, results.
 
-The coordinator is where the ownership argument below is enforced. It is handed the task
-table (:mod:`controller.table`) and the controller's own handle on the request ring; it
-keeps the worker registry (:mod:`controller.registry`), the leases
-(:mod:`controller.leases`), the requeue (:mod:`controller.requeue`), the result folder
-(:mod:`controller.results`) and the recovery paths (:mod:`controller.recovery`, with the
-retry budget of :mod:`controller.budget`). The front door calls ``submit`` / ``cancel``; the
-control server calls the ``on_*`` handlers; a sweeper calls ``sweep(now)`` periodically.
-Everything runs on the event-loop thread, except what would block it: result files are
-written on a thread pool (:meth:`Coordinator.on_complete` awaits them), and the task store
-writes on its own thread (:mod:`controller.store`). So each handler sees the table, the
-registry and (over tcp) the ring memory at one instant.
+The coordinator is where the ownership argument below is enforced: it assembles the parts
+that each enforce a piece of it, and is the one face the rest of the controller calls. It
+is handed the task table (:mod:`controller.table`) and the controller's own handle on the
+request ring; it keeps the worker registry (:mod:`controller.registry`), the admission of
+new tasks (:mod:`controller.admission`), the claims and their leases
+(:mod:`controller.claims`, :mod:`controller.leases`), the requeue
+(:mod:`controller.requeue`), the completions (:mod:`controller.completions`, into the result
+folder of :mod:`controller.results`), the recovery paths (:mod:`controller.recovery`, with
+the retry budget of :mod:`controller.budget`), the checkpoints (:mod:`controller.resumes`)
+and the priorities (:mod:`controller.priorities`). Each window below names the module that
+enforces it; what stays here joins them: registration, heartbeats, a worker gone, a reported
+failure, cancelling, the sweep and the restart. The front door calls ``submit`` /
+``cancel``; the control server calls the ``on_*`` handlers; a sweeper calls ``sweep(now)``
+periodically. Everything runs on the event-loop thread, except what would block it: result
+files are written on a thread pool (:meth:`Completions.complete` awaits them), and the task
+store writes on its own thread (:mod:`controller.store`). So each handler sees the table,
+the registry and (over tcp) the ring memory at one instant.
 
 Ownership without gaps
 ----------------------
@@ -35,96 +41,109 @@ The windows, one by one (the fault point of :mod:`contracts.faults` that kills o
 process inside each is named; ``tests/test_fault_points.py`` fires every one of them and
 ``tests/test_recovery.py`` walks each window in-process):
 
-1. *Accepted, then queued.* ``submit`` adds the task to the table -- which hands its row,
-   input image included, to the task store's writer thread -- pushes it to the request ring
-   and marks it queued, in one turn of the event loop. The front door answers only once the
-   row is durable (:meth:`TaskJournal.durable`), so an acknowledged task survives a restart
-   (7); a row the store cannot write cancels the task and refuses it (503). A full ring or
-   in-flight limit refuses it (429) and keeps nothing (the row is deleted again). A task put
-   back in play (2-7) is accepted again in a new attempt, its input image staged afresh (the
-   ended attempt's encoder may have freed it), and pushed at once -- or, the ring full, left
-   waiting in the ``requeue`` and pushed at a later sweep.
+1. *Accepted, then queued* (:mod:`controller.admission`, :mod:`controller.requeue`).
+   ``submit`` adds the task to the table -- which hands its row, input image included, to
+   the task store's writer thread -- pushes it to the request ring and marks it queued, in
+   one turn of the event loop. The front door answers only once the row is durable
+   (:meth:`TaskJournal.durable`), so an acknowledged task survives a restart (7); a row the
+   store cannot write cancels the task and refuses it (503). A full ring or in-flight limit
+   refuses it (429) and keeps nothing (the row is deleted again). With ``release_ahead``
+   set, a new task instead joins those waiting in the ``requeue`` (accepted, owned by the
+   controller) and is pushed in priority order as the release bound and the ring allow --
+   at once if they have room. A task put back in play (2-8) is accepted again in a new
+   attempt, its input image staged afresh (the ended attempt's encoder may have freed it),
+   and pushed at once -- or, the ring full (or the release bound reached), left waiting in
+   the ``requeue`` and pushed at a later sweep, claim or registration.
 2. *Popped, claim not yet heard* (``worker.after_pop``). A consumer's pop frees the slot
    before its ``claim`` message leaves, so for a moment nothing names the task. The gap is
-   closed by reconciliation (:meth:`Coordinator.reconcile`): every sweep the controller reads
-   the rings it hosts (:mod:`controller.reconcile`) and lists the (task, attempt) of every
-   item a consumer can still get (an ORPHANED item, re-offered by the host after its
-   consumer died or idled, counts). A task in a waiting stage, with no lease, whose current
-   attempt is in no such slot, is *missing*; missing for ``lease_timeout_s`` -- the implicit
-   lease of whoever popped it -- it is put back in play (a system fault: not counted). The
-   popper, if it lives, then claims an old attempt and is refused. The same check catches
-   every other way an item leaves its ring unclaimed: a consumer killed holding the slot
-   (the host frees it), a claim timed out, a payload corrupted so badly it cannot name its
-   task. The doorbell (:mod:`controller.doorbell`) that wakes idle consumers when an item is
-   pushed is only a hint: the item stays owned by its slot, so a lost or late ring delays a
-   task and never loses it.
-3. *Dropped item.* A worker that pops an item it cannot run (corrupt, wrong kind, malformed)
-   reports it (``dropped``). An item that names the task's current attempt, waiting for that
-   worker's role, puts the task back in play at once; one that names nothing is left to 2.
+   closed by reconciliation (:meth:`Coordinator.reconcile`, :meth:`Recovery.reconcile`):
+   every sweep the controller reads the rings it hosts (:mod:`controller.reconcile`) and
+   lists the (task, attempt) of every item a consumer can still get (an ORPHANED item,
+   re-offered by the host after its consumer died or idled, counts). A task in a waiting
+   stage, with no lease, whose current attempt is in no such slot, is *missing*; missing for
+   ``lease_timeout_s`` -- the implicit lease of whoever popped it -- it is put back in play
+   (a system fault: not counted). The popper, if it lives, then claims an old attempt and is
+   refused (:meth:`Claims.claim`). The same check catches every other way an item leaves its
+   ring unclaimed: a consumer killed holding the slot (the host frees it), a claim timed
+   out, a payload corrupted so badly it cannot name its task. The doorbell
+   (:mod:`controller.doorbell`) that wakes idle consumers when an item is pushed is only a
+   hint: the item stays owned by its slot, so a lost or late ring delays a task and never
+   loses it.
+3. *Dropped item* (:meth:`Recovery.dropped`). A worker that pops an item it cannot run
+   (corrupt, wrong kind, malformed) reports it (``dropped``). An item that names the task's
+   current attempt, waiting for that worker's role, puts the task back in play at once; one
+   that names nothing is left to 2.
 4. *Claimed: the lease* (``worker.after_claim``, ``worker.stage``,
-   ``worker.before_publish``, ``control.drop``). From the claim to the handoff, completion or
-   failure, the task is the worker's; each heartbeat renews every lease the worker holds and
-   names the tasks that are no longer its own, which it stops (``on_heartbeat``). A dropped
-   control connection (crash, network) or a fatal error the worker reports revokes all its
-   leases at once (``on_gone``); a worker that stops heartbeating (hung, SIGSTOPped) loses
-   them when they expire (``sweep``). The attempt number then fences the old holder: its
+   ``worker.before_publish``, ``control.drop``). From the claim (:mod:`controller.claims`,
+   the deadline of :mod:`controller.leases`) to the handoff, completion or failure, the task
+   is the worker's; each heartbeat renews every lease the worker holds and names the tasks
+   that are no longer its own, which it stops (``on_heartbeat``). A dropped control
+   connection (crash, network) or a fatal error the worker reports revokes all its leases at
+   once (``on_gone``); a worker that stops heartbeating (hung, SIGSTOPped) loses them when
+   they expire (``sweep``); either way :mod:`controller.recovery` puts the tasks back in
+   play. The attempt number then fences the old holder (:meth:`TaskTable.held`): its
    progress, handoff, failure and result are refused, so a zombie never completes a task
    twice. A result is refused even when its lease ends while the file is being written
-   (``decoder.result_write``; ``on_complete`` writes the file off the loop, records the
-   completion only if the lease still holds, and removes the file otherwise); completions of
-   one task are serialised, so only the winner's file stays. A decoder encoding its result
-   in the background (:mod:`workers.encode_pool`) keeps the lease until it reports; so does
-   one holding a result whose file the storage refuses (``decoder.before_write``,
-   ``controller.result_write``: a full disk, here or at the decoder), which retries the
-   write uncharged and, past ``result_write_retry_s``, hands the task back as a system fault
-   (:mod:`controller.result_writes`: new tasks are refused meanwhile).
-5. *Published, handoff in flight* (``worker.after_publish``). A producer publishes to the
-   next ring, then reports the handoff: meanwhile both its lease and the slot name the task
-   (an overlap, not a gap). The next stage may claim first (``CLAIMABLE_FROM``); the late
-   handoff is then ignored. A producer dying here loses its lease (4): the task is retried
-   and the published item, now of an old attempt, is refused at its claim.
-6. *Handed off, then the producer dies* (``transfer.pull``, ``transfer.read``). The item
-   names buffers that died with it: the consumer's pull fails, reports ``fault: transfer``,
-   and the task is retried; a producer that is gone does not count against the task (a
-   failure charged while it still looked alive is refunded when its connection drops).
-7. *Controller restart.* The rings live in the controller's memory and die with it, and
-   leases die with its connections. The task store brings back every accepted task (an older
-   controller's JSON-lines journal is imported into it once), the unfinished ones as
-   accepted in a new attempt (1), queued before the control channel opens; workers' old jobs
-   fail on their dead connections and they register again -- heard from again, they are no
-   longer held against the tasks they lost.
+   (``decoder.result_write``; :mod:`controller.completions` writes the file off the loop,
+   records the completion only if the lease still holds, and removes the file otherwise);
+   completions of one task are serialised, so only the winner's file stays. A decoder
+   encoding its result in the background (:mod:`workers.encode_pool`) keeps the lease until
+   it reports; so does one holding a result whose file the storage refuses
+   (``decoder.before_write``, ``controller.result_write``: a full disk, here or at the
+   decoder), which retries the write uncharged and, past ``result_write_retry_s``, hands the
+   task back as a system fault (:mod:`controller.result_writes`: new tasks are refused
+   meanwhile).
+5. *Published, handoff in flight* (``worker.after_publish``; :meth:`Claims.handoff`). A
+   producer publishes to the next ring, then reports the handoff: meanwhile both its lease
+   and the slot name the task (an overlap, not a gap). The next stage may claim first
+   (``CLAIMABLE_FROM``, :meth:`TaskTable.claim`); the late handoff is then ignored. A
+   producer dying here loses its lease (4): the task is retried and the published item, now
+   of an old attempt, is refused at its claim.
+6. *Handed off, then the producer dies* (``transfer.pull``, ``transfer.read``;
+   :meth:`Recovery.failed`, the refund of :mod:`controller.budget`). The item names buffers
+   that died with it: the consumer's pull fails, reports ``fault: transfer``, and the task
+   is retried; a producer that is gone does not count against the task (a failure charged
+   while it still looked alive is refunded when its connection drops).
+7. *Controller restart* (:meth:`Coordinator.restore`). The rings live in the controller's
+   memory and die with it, and leases die with its connections. The task store brings back
+   every accepted task (an older controller's JSON-lines journal is imported into it once),
+   the unfinished ones as accepted in a new attempt (1), queued before the control channel
+   opens; workers' old jobs fail on their dead connections and they register again -- heard
+   from again, they are no longer held against the tasks they lost.
+8. *Checkpointed* (``dit.step``, ``dit.checkpointed``; :mod:`controller.resumes`, the store
+   of :mod:`controller.checkpoints`). A DiT that checkpoints sends its loop state
+   (``checkpoint``) while it holds the lease (4); the controller pulls it off the loop and
+   keeps it only if the sender holds the lease of the current attempt, checked before the
+   pull and again after it, so a task has at most one checkpoint and it is always its
+   owning attempt's latest: one that was in flight when the attempt ended is discarded,
+   never replacing the state a new attempt resumes from. Keeping it changes no ownership:
+   the lease still owns the task. When the attempt ends (worker gone, lease expired, a
+   failure, a yield) the task is put back in play exactly as in 1 -- accepted, owned by the
+   controller -- and only its route differs (:class:`controller.requeue.Route`, from
+   :meth:`Resumes.route`): with a kept checkpoint the controller pushes a Phase1 item of the
+   new attempt that names no tensors but ``resume: {step}`` (the DiT that claims it fetches
+   the kept tensors with ``resume``, which only the lease holder of the current attempt
+   may); with kept final latents, a Phase2 item naming them, so a decoder lost after the
+   handoff costs one decode. From the push the task waits in that ring's stage and
+   reconciliation (2) covers the item as any other. Final latents are kept from the DiT
+   that produced them (the lease holder, or -- the decoder having claimed first -- the
+   producer of the current attempt's Phase2 item) until the task ends. Kept tensors are
+   read by consumers but never released by them (their descriptors carry no release word):
+   the store frees them when the task ends (any terminal stage) or its checkpoint is
+   replaced or found unusable (then the task starts over, uncharged). A drain or a
+   preemption (:mod:`controller.priorities` picks whom to ask) is the same move: at a step
+   boundary the DiT checkpoints, waits until the controller has it, and reports ``fail``
+   with fault ``yielded``: uncharged, the task resumes from that step; refused, the DiT does
+   not yield (it finishes the task). A zombie DiT that wakes after its task resumed
+   elsewhere holds an old attempt: its checkpoints, progress, handoff, failure and
+   ``resume`` are refused and its heartbeat tells it to stop; a Phase2 item it still
+   publishes is refused at the decoder's claim (5). A restart (7) keeps what the checkpoint
+   files hold: the unfinished tasks resume from them.
 
-8. *Checkpointed* (``dit.step``, ``dit.checkpointed``; :mod:`controller.checkpoints`). A
-   DiT that checkpoints sends its loop state (``checkpoint``) while it holds the lease (4);
-   the controller pulls it off the loop and keeps it only if the sender holds the lease of
-   the current attempt, checked before the pull and again after it, so a task has at most
-   one checkpoint and it is always its owning attempt's latest: one that was in flight when
-   the attempt ended is discarded, never replacing the state a new attempt resumes from.
-   Keeping it changes no ownership: the lease still owns the task. When the attempt ends
-   (worker gone, lease expired, a failure, a yield) the task is put back in play exactly as
-   in 1 -- accepted, owned by the controller -- and only its route differs
-   (:class:`controller.requeue.Route`): with a kept checkpoint the controller pushes a
-   Phase1 item of the new attempt that names no tensors but ``resume: {step}`` (the DiT
-   that claims it fetches the kept tensors with ``resume``, which only the lease holder of
-   the current attempt may); with kept final latents, a Phase2 item naming them, so a
-   decoder lost after the handoff costs one decode. From the push the task waits in that
-   ring's stage and reconciliation (2) covers the item as any other. Final latents are kept
-   from the DiT that produced them (the lease holder, or -- the decoder having claimed
-   first -- the producer of the current attempt's Phase2 item) until the task ends.
-   Kept tensors are read by consumers but never released by them (their descriptors carry no
-   release word): the store frees them when the task ends (any terminal stage) or its
-   checkpoint is replaced or found unusable (then the task starts over, uncharged).
-   A drain or a preemption is the same move: at a step boundary the DiT checkpoints, waits
-   until the controller has it, and reports ``fail`` with fault ``yielded``: uncharged, the
-   task resumes from that step; refused, the DiT does not yield (it finishes the task).
-   A zombie DiT that wakes after its task resumed elsewhere holds an old attempt: its
-   checkpoints, progress, handoff, failure and ``resume`` are refused and its heartbeat tells
-   it to stop; a Phase2 item it still publishes is refused at the decoder's claim (5). A
-   restart (7) keeps what the checkpoint files hold: the unfinished tasks resume from them.
-
-Cancelling ends ownership like any terminal stage: a task no worker holds is cancelled at
-once, and whoever claims its ring item next is refused and frees the buffers the item names;
-a running one is told at its next progress report or heartbeat and stops at a step boundary.
+Cancelling (``cancel``) ends ownership like any terminal stage: a task no worker holds is
+cancelled at once, and whoever claims its ring item next is refused and frees the buffers
+the item names; a running one is told at its next progress report or heartbeat and stops
+at a step boundary.
 
 Each task put back in play (:mod:`controller.recovery`) is charged to its retry budget by
 the cause of the ended attempt (:mod:`controller.budget`): only failures the task causes
@@ -133,19 +152,19 @@ count, and a task that keeps killing the workers that take it is quarantined as 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from contracts.errors import ResultWriteBlocked
 from contracts.messages import Fault
-from contracts.roles import ROLE_RINGS, Role
+from contracts.roles import Role
+from controller.admission import Admission
 from controller.budget import RetryBudget
 from controller.checkpoints import CheckpointStore
+from controller.claims import Claims
+from controller.completions import Completions
 from controller.config import CoordinatorConfig
-from controller.errors import QueueFull
 from controller.leases import Leases
 from controller.priorities import Priorities
 from controller.rates import CompletionRate
@@ -155,7 +174,6 @@ from controller.registry import WorkerInfo, WorkerRegistry
 from controller.requeue import Requeue
 from controller.results import Results
 from controller.resumes import Resumes
-from controller.store import StoreError
 from controller.table import TaskTable
 from controller.tasks import TERMINAL, Stage, Task
 from rings.ring import Ring
@@ -213,6 +231,12 @@ class Coordinator:
                                      config.max_preemptions)
         self.recovery = Recovery(table, self.budget, self.requeue, self._emit, self._stage,
                                  config.lease_timeout_s, clock())
+        self.claims = Claims(table, self.leases, self.priorities, self.requeue, self._emit,
+                             self._announce, clock)  # windows 4, 5
+        self.completions = Completions(table, self.results, self.rates, self._emit, clock)
+        self.admission = Admission(table, self.requeue, self.rates, self._emit, clock,
+                                   max_pending=config.max_pending,
+                                   release_ahead=config.release_ahead)  # window 1
         self.listeners: list[Callable[[str, Task], None]] = []
         self.on_work: Callable[[str], object] | None = None
         """Called with a ring's name when an item was pushed to it (by this controller, or
@@ -247,14 +271,6 @@ class Coordinator:
         return self.config.release_ahead + sum(
             w.role in (Role.ENCODER, Role.TRANSFORMER) for w in self.registry)
 
-    def retry_after(self) -> float:
-        """Seconds until a slot is likely free, from the measured completion rate."""
-        rate = self.rates.per_second(self.clock())
-        backlog = max(1, self.table.in_flight() - self.config.max_pending + 1)
-        if not rate:
-            return 5.0
-        return round(min(300.0, max(1.0, backlog / rate)), 1)
-
     def _announce(self, ring: str | None) -> None:
         """Ring the doorbell of ``ring`` (work was pushed to it)."""
         if ring is not None and self.on_work is not None:
@@ -278,24 +294,9 @@ class Coordinator:
 
     # -- front door ------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
-        """Accept a task and queue it, or raise QueueFull and keep nothing of it (window 1)."""
-        limit = self.config.max_pending
-        if self.table.in_flight() >= limit:
-            raise QueueFull(f"{self.table.in_flight()} tasks in flight (limit {limit})",
-                            self.retry_after())
-        self.requeue.check(task)
-        self.table.add(task)
-        task.waiting_since = self.clock()
-        if self.config.release_ahead is not None:  # released in priority order, shallow
-            log.info("task %s accepted pipeline=%s priority=%s", task.task_id, task.pipeline,
-                     task.priority)
-            self.requeue.later(task)
-            return
-        if not self.requeue.push(task):
-            self.table.forget(task)
-            raise QueueFull("the request ring is full", self.retry_after())
-        log.info("task %s stage=queued pipeline=%s", task.task_id, task.pipeline)
-        self._emit("queued", task)
+        """Accept a task and queue it, or raise QueueFull and keep nothing of it (window 1):
+        :meth:`Admission.submit`."""
+        self.admission.submit(task)
 
     def cancel(self, task: Task) -> str:
         """Cancel a task: queued ones never start, running ones stop at the next step."""
@@ -338,102 +339,33 @@ class Coordinator:
             worker.role, staged)
 
     def on_claim(self, worker: WorkerInfo, task_id: str, attempt: int) -> tuple[bool, str]:
-        """A worker popped ``task_id`` from its ring: grant it the lease, or refuse (2, 5),
-        or defer it (a more urgent task waits in that ring: :mod:`controller.priorities`)."""
-        deferred = self.priorities.defer(worker, task_id)
-        if deferred is not None:
-            return False, deferred
-        ok, reason = self.table.claim(task_id, attempt, worker.role, worker.name,
-                                      worker.worker_id, self.leases.until(self.clock()))
-        task = self.table.get(task_id)
-        if ok and task is not None:
-            if worker.role == Role.TRANSFORMER:
-                self.requeue.drain()  # one fewer ahead of the DiTs
-            worker.tasks.add(task_id)
-            log.info("task %s stage=%s worker=%s attempt=%d", task_id, task.stage.value,
-                     worker.name, attempt)
-            self._emit("claimed", task)
-        elif task is not None and task.stage == Stage.CANCELLED:
-            self._emit("cancelled", task)
-        else:
-            log.info("task %s claim by %s refused: %s", task_id, worker.name, reason)
-        return ok, reason
-
-    def _held(self, worker: WorkerInfo, task_id: str, attempt: int) -> Task | None:
-        task = self.table.get(task_id)
-        if task is None or not self.table.holds(task, attempt, worker.worker_id):
-            return None
-        return task
+        """Grant, refuse (windows 2, 5) or defer a claim: :meth:`Claims.claim`."""
+        return self.claims.claim(worker, task_id, attempt)
 
     def on_progress(
         self, worker: WorkerInfo, task_id: str, attempt: int, step: int, steps: int
     ) -> bool:
-        """Record a denoising step; returns True when the worker should stop (cancel)."""
-        task = self._held(worker, task_id, attempt)
-        if task is None:
-            return True
-        self.table.progress(task, step, steps)
-        self._emit("progress", task)
-        return task.cancel_requested
+        """Record a denoising step; True when the worker should stop (cancel)."""
+        return self.claims.progress(worker, task_id, attempt, step, steps)
 
     def on_handoff(self, worker: WorkerInfo, task_id: str, attempt: int) -> None:
-        # The producer published to its output ring before saying so (window 5): wake a
-        # consumer (even for a task it no longer holds: the item is in the ring all the same).
-        self._announce(ROLE_RINGS[worker.role][1])
-        worker.tasks.discard(task_id)
-        task = self._held(worker, task_id, attempt)
-        if task is None:
-            return
-        self.table.handoff(task, worker.role)
-        log.info("task %s stage=%s from worker=%s", task_id, task.stage.value, worker.name)
-        self._emit("handoff", task)
+        self.claims.handoff(worker, task_id, attempt)  # window 5
 
     async def on_complete(
         self, worker: WorkerInfo, task_id: str, attempt: int, extension: str, media_type: str,
         data: bytes,
     ) -> bool:
-        """Write the result file (off the loop), record the completion, and answer once it
-        is durable. Completions of one task take turns: a second one waits for the first
-        and is refused if it won, so a result file is only ever written by the winner."""
-        worker.tasks.discard(task_id)
-        async with self.results.turn(task_id):
-            task = self._held(worker, task_id, attempt)
-            if task is None:
-                # Completed already, or this worker's lease ran out and the task is another
-                # attempt's now: a late result is refused, never a second completion.
-                log.info("task %s: result of attempt %d from %s refused (not its lease)",
-                         task_id, attempt, worker.name)
-                return False
-            path = self.results.path(task, extension)
-            try:
-                await self.results.write(path, data)
-            except ResultWriteBlocked:  # the decoder holds the result and sends it again
-                worker.tasks.add(task_id)
-                raise
-            if task.stage in TERMINAL or not self.table.holds(task, attempt, worker.worker_id):
-                # Cancelled, failed or its lease lost while the file was written: no result.
-                await self.results.remove(path)
-                return False
-            if not self.table.complete(task, str(path), media_type):
-                return False
-            self.rates.completed(self.clock())
-            log.info("task %s stage=completed worker=%s attempt=%d result=%s (%d bytes)",
-                     task_id, worker.name, attempt, path, len(data))
-            self._emit("completed", task)
-            durable = self.table.journal.flush()
-            if durable is not None:
-                try:
-                    await asyncio.wrap_future(durable)
-                except StoreError as exc:  # the result stands; only its record is at risk
-                    log.error("task %s: completion not recorded durably: %s", task_id, exc)
-            return True
+        """Write the result file and record the completion (window 4):
+        :meth:`Completions.complete`."""
+        return await self.completions.complete(worker, task_id, attempt, extension,
+                                               media_type, data)
 
     def on_fail(
         self, worker: WorkerInfo, task_id: str, attempt: int, error: str, error_type: str,
         retryable: bool, fault: str | None = None,
     ) -> None:
         worker.tasks.discard(task_id)
-        task = self._held(worker, task_id, attempt)
+        task = self.table.held(task_id, attempt, worker.worker_id)
         if task is None:
             return  # not this worker's attempt (any more): its failure changes nothing
         log.warning("task %s failed at worker=%s attempt=%d (%s, %s): %s", task_id,

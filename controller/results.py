@@ -3,7 +3,7 @@
 Writes run on a small thread pool (``io``), so a large MP4 never stalls the loop that serves
 the ring verbs and the control channel. A file is written to ``<name>.part`` and renamed, so
 a reader never sees half a result. Completions of one task take turns (:meth:`Results.turn`):
-the coordinator writes a file only as the one completion that may win.
+:mod:`controller.completions` writes a file only as the one completion that may win.
 """
 
 from __future__ import annotations

@@ -82,8 +82,7 @@ class Resumes:
     def fetch(self, worker: WorkerInfo, task_id: str, attempt: int) -> dict[str, Any]:
         """What the lease holder of a resumed attempt fetches (``resume``); ControlError
         for anyone else, or when nothing is kept."""
-        task = self.table.get(task_id)
-        if task is None or not self.table.holds(task, attempt, worker.worker_id):
+        if self.table.held(task_id, attempt, worker.worker_id) is None:
             raise ControlError(f"task {task_id} attempt {attempt} is not {worker.name}'s")
         reply = self.store.resume_reply(task_id) if self.store is not None else None
         if reply is None:

@@ -226,6 +226,12 @@ class TaskTable:
             task.stage not in TERMINAL and task.attempt == attempt and task.worker_id == worker_id
         )
 
+    def held(self, task_id: str, attempt: int, worker_id: int) -> Task | None:
+        """The task, if ``worker_id`` holds the lease of its current ``attempt``; None: the
+        message of an old attempt or of another worker (the attempt fences zombies)."""
+        task = self.get(task_id)
+        return task if task is not None and self.holds(task, attempt, worker_id) else None
+
     def progress(self, task: Task, step: int, steps: int) -> None:
         task.step, task.steps = step, steps
         task.updated_at = time.time()
@@ -257,7 +263,8 @@ class TaskTable:
 
     def retry(self, task: Task, reason: str) -> bool:
         """Put a task back in play (new attempt); False when it is over (or was cancelled).
-        Whether it may be retried at all is the coordinator's call (the retry budget)."""
+        Whether it may be retried at all is :mod:`controller.recovery`'s call (the retry
+        budget)."""
         if task.stage in TERMINAL:
             return False
         if task.cancel_requested:
