@@ -50,8 +50,12 @@ def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 @pytest.fixture(scope="module")
 def reference(tiny_models: Path) -> Any:
+    import torch
+
     from workers.models import LocalPipeline
 
+    # As many threads as the workers (torch_threads 1): another count may sum in another order.
+    torch.set_num_threads(1)
     pipe = LocalPipeline(tiny_models / PIPELINE, PIPELINE)
     pipe.load()
     return pipe
@@ -80,11 +84,12 @@ def pixels(group: LocalGroup, task_id: str) -> np.ndarray:
 
 
 def start_group(cluster: LocalGroup, layout: str, faults: str, timeout_s: float,
-                restarts: int) -> Service:
+                restarts: int, **transformer: Any) -> Service:
+    """A group of two CPU ranks; ``transformer``: more of its ``transformer`` section."""
     svc = cluster.start("transformer", {
         "devices": ["cpu", "cpu"],
         "transformer": {"parallel": layout, "group_timeout_s": timeout_s,
-                        "group_restarts": restarts},
+                        "group_restarts": restarts, **transformer},
         "faults": faults,
     })
     cluster.wait_workers({"transformer": 1}, timeout=300)
