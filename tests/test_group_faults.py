@@ -10,6 +10,7 @@ one-process pipeline: a CFG-2 group's are exact (tests/test_group_layouts.py say
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -33,10 +34,10 @@ SIZE = {"height": 32, "width": 48, "infer_steps": 3}
 PROMPT = "group e2e"
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
-    workdir = tmp_path_factory.mktemp("group-cluster")
-    group = LocalGroup(group_config(PIPELINE, str(tiny_models / PIPELINE), workdir), workdir)
+@contextlib.contextmanager
+def awaiting_a_dit(cfg: dict[str, Any], workdir: Path) -> Iterator[LocalGroup]:
+    """A controller, an encoder and a decoder, stopped after; each test starts its DiT."""
+    group = LocalGroup(cfg, workdir)
     try:
         group.start("controller")
         group.wait_http(timeout=120)
@@ -46,6 +47,14 @@ def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield group
     finally:
         group.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
+    workdir = tmp_path_factory.mktemp("group-cluster")
+    with awaiting_a_dit(group_config(PIPELINE, str(tiny_models / PIPELINE), workdir),
+                        workdir) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
