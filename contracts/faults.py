@@ -111,9 +111,9 @@ POINTS: Final[dict[str, str]] = {
     "started",
     "dit.step": "a DiT worker at a step boundary: a denoising step is done (and its "
     "checkpoint, if one is due, captured), the next one not started (nth=K: after the K-th "
-    "step this process ran)",
+    "step this process ran); in a transformer group, rank 0 only",
     "dit.checkpointed": "a DiT worker's checkpoint reached the controller (acknowledged); "
-    "nth=K: after the K-th one this process sent",
+    "nth=K: after the K-th one this process sent; in a transformer group, rank 0 only",
     "group.step": "every rank of a transformer group, before each denoising step, after the "
     "group agreed to go on (raise: FaultInjected in that rank alone)",
 }

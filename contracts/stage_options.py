@@ -104,7 +104,9 @@ class StageOptions:
     group_timeout_s: float = 120.0
     """Transformer group: the longest any rank waits in a collective for the others, and the
     longest a rank may go without a heartbeat, before the group is taken down (and restarted).
-    Must exceed the longest step of one rank between two collectives (a DiT forward)."""
+    Must exceed the longest step of one rank between two collectives (a DiT forward) and,
+    with checkpoints, rank 0's sending of the checkpoint it hands a task back with (the other
+    ranks wait for its word at the next step meanwhile)."""
     group_restarts: int = 3
     """Transformer group: restarts of the whole group after a rank died or hung, before its
     supervisor gives up and exits with an error naming the rank."""
@@ -114,7 +116,9 @@ class StageOptions:
     many seconds of DiT time passed since the last checkpoint. Either checkpoint option turns
     checkpointing on: a lost attempt then resumes from its last checkpoint, SIGTERM and
     preemption hand the task back at the next step boundary, and the final latents are kept
-    until the result is written. None (with ``checkpoint_every_steps`` None): off, as before."""
+    until the result is written. In a transformer group rank 0 checkpoints for the group (every
+    rank holds the same loop state). None (with ``checkpoint_every_steps`` None): off, as
+    before."""
     checkpoint_every_steps: int | None = None
     """Transformer: checkpoint every this many denoising steps (see ``checkpoint_every_s``;
     with both set, whichever comes first)."""
@@ -132,9 +136,6 @@ class StageOptions:
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
             raise ConfigError("checkpoint_every_steps must be at least 1 (or null: off), got "
                               f"{self.checkpoint_every_steps}")
-        if self.checkpointing and layout.size > 1:
-            raise ConfigError("checkpoint_every_s / checkpoint_every_steps are not supported "
-                              "for a transformer group (parallel) yet; drop one of them")
         if not self.group_timeout_s > 0 or self.group_restarts < 0:
             raise ConfigError("group_timeout_s must be positive and group_restarts >= 0")
         if self.weight_storage not in WEIGHT_STORAGE:

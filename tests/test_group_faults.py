@@ -10,6 +10,7 @@ one-process pipeline: a CFG-2 group's are exact (tests/test_group_layouts.py say
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -33,10 +34,10 @@ SIZE = {"height": 32, "width": 48, "infer_steps": 3}
 PROMPT = "group e2e"
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
-    workdir = tmp_path_factory.mktemp("group-cluster")
-    group = LocalGroup(group_config(PIPELINE, str(tiny_models / PIPELINE), workdir), workdir)
+@contextlib.contextmanager
+def awaiting_a_dit(cfg: dict[str, Any], workdir: Path) -> Iterator[LocalGroup]:
+    """A controller, an encoder and a decoder, stopped after; each test starts its DiT."""
+    group = LocalGroup(cfg, workdir)
     try:
         group.start("controller")
         group.wait_http(timeout=120)
@@ -49,9 +50,21 @@ def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 @pytest.fixture(scope="module")
+def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
+    workdir = tmp_path_factory.mktemp("group-cluster")
+    with awaiting_a_dit(group_config(PIPELINE, str(tiny_models / PIPELINE), workdir),
+                        workdir) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_models: Path) -> Any:
+    import torch
+
     from workers.models import LocalPipeline
 
+    # As many threads as the workers (torch_threads 1): another count may sum in another order.
+    torch.set_num_threads(1)
     pipe = LocalPipeline(tiny_models / PIPELINE, PIPELINE)
     pipe.load()
     return pipe
@@ -80,11 +93,12 @@ def pixels(group: LocalGroup, task_id: str) -> np.ndarray:
 
 
 def start_group(cluster: LocalGroup, layout: str, faults: str, timeout_s: float,
-                restarts: int) -> Service:
+                restarts: int, **transformer: Any) -> Service:
+    """A group of two CPU ranks; ``transformer``: more of its ``transformer`` section."""
     svc = cluster.start("transformer", {
         "devices": ["cpu", "cpu"],
         "transformer": {"parallel": layout, "group_timeout_s": timeout_s,
-                        "group_restarts": restarts},
+                        "group_restarts": restarts, **transformer},
         "faults": faults,
     })
     cluster.wait_workers({"transformer": 1}, timeout=300)

@@ -10,7 +10,9 @@ Two channels, for two kinds of waiting:
 * **Tensors** go over torch.distributed (gloo on CPU, NCCL on CUDA) only while every rank is
   inside the same command, so every collective has a bounded wait: the process group's
   timeout (``transformer.group_timeout_s``), after which the waiting rank's collective
-  raises (gloo) or its watchdog ends the process (NCCL).
+  raises (gloo) or its watchdog ends the process (NCCL). The tensors of a ``denoise``
+  command are the task's inputs and, for a resumed attempt, the loop state rank 0 fetched
+  (:func:`broadcast_state`); the command says what to allocate for each.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from contracts.errors import ConnectionLost
 from contracts.parallel import ParallelLayout
 from rings import wire
 from rings.tcp import recv_frame
+from workers.models.loop_state import LoopState, from_wire, to_wire
 from workers.models.parallel import GroupMesh
 
-__all__ = ["Channel", "broadcast_tensors", "init_group", "tensor_specs"]
+__all__ = ["Channel", "broadcast_state", "broadcast_tensors", "init_group", "state_command",
+           "tensor_specs"]
 
 STORE_HOST = "127.0.0.1"
 """The rendezvous store binds here: a group spans the devices of one host."""
@@ -116,3 +120,30 @@ def broadcast_tensors(specs: list[dict[str, Any]], tensors: Mapping[str, torch.T
         dist.broadcast(t, src=0)
         out[spec["name"]] = t
     return out
+
+
+def state_command(state: LoopState | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Rank 0: what a ``denoise`` command says of the loop state it resumes from (None: a
+    fresh start), and the tensors :func:`broadcast_state` then sends. The state's own wire
+    form (:func:`~workers.models.loop_state.to_wire`, as a checkpoint travels): its ``meta``
+    in the command, its tensors in the process group."""
+    if state is None:
+        return None, {}
+    tensors, meta = to_wire(state)
+    # A stage whose state is numpy (none that runs in a group today) travels as torch.
+    tensors = {n: torch.as_tensor(t) for n, t in tensors.items()}
+    return ({"step": state.step, "steps": state.steps, "meta": meta,
+             "tensors": tensor_specs(tensors)}, tensors)
+
+
+def broadcast_state(command: Mapping[str, Any] | None, tensors: Mapping[str, Any] | None,
+                    device: torch.device) -> LoopState | None:
+    """Rank 0's resumed loop state on every rank (rank 0 passes its tensors, the others
+    None). Every tensor crosses on the group's device (NCCL moves no host memory) and is put
+    back where the state had it (:func:`~workers.models.loop_state.from_wire`: UniPC keeps
+    its sigmas on the CPU)."""
+    if command is None:
+        return None
+    sent = None if tensors is None else {n: t.to(device) for n, t in tensors.items()}
+    got = broadcast_tensors(command["tensors"], sent, device)
+    return from_wire(int(command["step"]), int(command["steps"]), got, command["meta"], device)

@@ -1,10 +1,12 @@
 """Ranks 1.. of a transformer group: they only compute, on rank 0's word.
 
 A follower loads its share of the model at start, says so, and then runs each command rank
-0 sends (``warmup``, ``denoise``) in step with it, reporting its outcome after each; it
-never talks to the controller, the rings or Mooncake. It waits for commands on its channel
-for as long as the group is idle (no collective is pending then) and exits on ``stop`` or
-when rank 0's end of the channel closes.
+0 sends (``warmup``, ``denoise``: from the seed's noise, or from the loop state of a resumed
+attempt that rank 0 sends with the inputs) in step with it, reporting its outcome after each
+(a hand-back, rank 0's word at a step, is an outcome like a cancel); it never talks to the
+controller, the rings or Mooncake, and never checkpoints (rank 0's loop state is its own).
+It waits for commands on its channel for as long as the group is idle (no collective is
+pending then) and exits on ``stop`` or when rank 0's end of the channel closes.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost
 from contracts.request import GenerationRequest
-from workers.group.dist import Channel, broadcast_tensors
-from workers.group.steps import outcome, report, step_gate
+from workers.group.dist import Channel, broadcast_state, broadcast_tensors
+from workers.group.steps import FollowerHooks, StepGate, outcome, report
 from workers.models import TransformerAdapter
 from workers.models.parallel import GroupMesh
 from workers.roles import _size, transformer_options
@@ -67,6 +69,8 @@ def follow(cfg: ServiceConfig, group: GroupMesh, leader: Channel) -> int:
 def _denoise(stage: Any, msg: dict[str, Any]) -> None:
     device: torch.device = stage.device
     tensors = broadcast_tensors(msg["tensors"], None, device)
+    resume = broadcast_state(msg.get("resume"), None, device)
     req = GenerationRequest.from_dict(msg["request"])
     with stage.guarded(_size(req)):
-        stage.denoise(req, tensors, should_stop=step_gate(device, None))
+        stage.denoise(req, tensors, should_stop=StepGate(device, None),
+                      loop=FollowerHooks(resume))

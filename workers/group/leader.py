@@ -5,6 +5,8 @@ It is a :class:`~workers.roles.TransformerWorker` in every respect the controlle
 with Mooncake, publishes Phase2, reports progress), with the compute step done by the whole
 group: the inputs go to every rank (:func:`~workers.group.dist.broadcast_tensors`), every
 rank denoises its share, and rank 0 publishes its latents, which equal every other rank's.
+With ``checkpoint_every_*`` it checkpoints, resumes and hands tasks back (drain, preemption)
+for the whole group, as a one-process DiT does: see :meth:`GroupLeader.compute`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,14 @@ from typing import Any, TypeVar
 
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost, ModelLoadError
-from workers.group.dist import Channel, broadcast_tensors, tensor_specs
-from workers.group.steps import GroupBroken, outcome, settle, step_gate
+from workers.group.dist import (
+    Channel,
+    broadcast_state,
+    broadcast_tensors,
+    state_command,
+    tensor_specs,
+)
+from workers.group.steps import GroupBroken, LeaderHooks, StepGate, outcome, settle
 from workers.models.parallel import GroupMesh
 from workers.roles import TransformerWorker, _request, _size, transformer_options
 from workers.worker import Job, StageWorker
@@ -46,6 +54,7 @@ class GroupLeader(TransformerWorker):
     def load_model(self) -> None:
         """Load this rank's share, wait for every rank's (the worker registers only when the
         whole group can compute), then warm the group up together."""
+        self.checkpoints.start(self.link.call, self.pool, self.engine)
         StageWorker.load_model(self)
         for rank, channel in self.peers:
             msg = channel.recv()  # a rank that dies or hangs while loading: the supervisor
@@ -62,23 +71,34 @@ class GroupLeader(TransformerWorker):
                      ", ".join(shapes), time.monotonic() - t0)
 
     def compute(self, job: Job, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The group's loop. Checkpoints, drain and preemption are rank 0's, exactly as a
+        one-process DiT's (:class:`~workers.roles.TransformerWorker`): its loop state is
+        every rank's; a resumed attempt's state goes to the others with the inputs, and a
+        hand-back reaches them through the step gate (:mod:`workers.group.steps`)."""
         req = _request(job)
         specs = tensor_specs(inputs)
+        resume, resume_tensors = state_command(job.resume)
         device = self.stage.device
+        gate = StepGate(device, job.cancel.is_set)
+        hooks = LeaderHooks(self.checkpoints.hooks(job, inputs, job.resume,
+                                                   lambda: self.yield_reason(job)), gate)
 
         def run() -> dict[str, Any]:
             tensors = broadcast_tensors(specs, inputs, device)
+            broadcast_state(resume, resume_tensors, device)
             with self.stage.guarded(_size(req)):
                 out: dict[str, Any] = self.stage.denoise(
                     req, tensors,
                     on_step=lambda k, n: self.progress.report(job, k, n),
-                    should_stop=step_gate(device, job.cancel.is_set),
+                    should_stop=gate,
+                    loop=hooks,
                 )
             return out
 
         out = self.together(f"task {job.task_id}", run, op="denoise",
-                            request=job.item["request"], tensors=specs)
+                            request=job.item["request"], tensors=specs, resume=resume)
         self.progress.flush(job)
+        job.result = out  # the final latents, kept by the controller (release)
         return out
 
     def together(self, what: str, run: Callable[[], T], **command: Any) -> T:

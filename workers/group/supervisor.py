@@ -16,8 +16,10 @@ and then watches them. The group lives and dies as one:
   rank refused to run (exit status 2: configuration, model load), the supervisor exits with
   an error that names the rank, its device and pid, and what happened to it.
 
-SIGTERM / SIGINT drain the group: rank 0 finishes its task, tells the others to stop, and
-everything exits; the supervisor waits for that, then for nothing else.
+SIGTERM / SIGINT drain the group: rank 0 finishes its task -- or, checkpointing
+(``checkpoint_every_*``), hands it back at the next step boundary, every rank leaving the
+loop there -- tells the others to stop, and everything exits; the supervisor waits for
+that, then for nothing else.
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ class GroupSupervisor:
                     return 0
 
     def drain(self) -> None:
-        """Signal handlers call this: rank 0 finishes its task, then the group stops."""
+        """Signal handlers call this: rank 0 finishes or hands back its task, then the group
+        stops."""
         self.draining = True
         if self.ranks and not self.ranks[0].exited:
             self.ranks[0].proc.send_signal(signal.SIGTERM)
