@@ -212,12 +212,24 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny random-weight models of every pipeline, built once per session (offline)."""
+    """Tiny random-weight models of every pipeline, built once per run (offline): with
+    pytest-xdist, in the run's common temp folder, by whichever worker comes first (the
+    others wait on the lock, then find the build up to date: build_all is idempotent)."""
+    import fcntl
+
     env = os.environ.get("DIFFRING_TINY_MODELS")
-    out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
+    if env:
+        out = Path(env)
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.getbasetemp().parent / "tiny-models"
+    else:
+        out = tmp_path_factory.mktemp("tiny-models")
     from modelkit.tiny import build_all
 
-    build_all(out, seed=0)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f"{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build_all(out, seed=0)
     return out
 
 
