@@ -6,6 +6,7 @@ Every group is started and stopped here by pid (controller.group.LocalGroup).
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import shutil
 import signal
@@ -87,11 +88,31 @@ def baselines(tiny_models: Path, input_png: bytes, tmp_path_factory: pytest.Temp
     yield out
 
 
-@pytest.mark.parametrize("pipeline", list(REQUESTS))
+@pytest.fixture(scope="module")
+def t2i_group(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[LocalGroup]:
+    """One qwen_t2i group of 2 encoders, 3 transformers and 2 decoders for the tests that
+    only post to it (its start-up is most of what each of them would cost on its own)."""
+    wd = tmp_path_factory.mktemp("t2i-group")
+    with start_group("qwen_t2i", tiny_models, wd) as group:
+        group.start_all(encoders=2, transformers=3, decoders=2)
+        yield group
+
+
+# qwen_t2i last: its group (t2i_group) then serves the tests after these, and is not kept
+# running beside the other pipelines' groups.
+@pytest.mark.parametrize("pipeline", ["wan_t2v", "wan_i2v", "qwen_i2i", "qwen_t2i"])
 def test_disaggregated_equals_baseline(pipeline: str, tiny_models: Path, input_png: bytes,
-                                       workdir: Path, baselines: dict[str, bytes]) -> None:
-    with start_group(pipeline, tiny_models, workdir) as group:
-        group.start_all()
+                                       workdir: Path, baselines: dict[str, bytes],
+                                       request: pytest.FixtureRequest) -> None:
+    """Each pipeline through a group (qwen_t2i's is the many-workers one) gives the bytes of
+    ``--service all``."""
+    with contextlib.ExitStack() as stack:
+        if pipeline == "qwen_t2i":
+            group = request.getfixturevalue("t2i_group")
+        else:
+            group = stack.enter_context(start_group(pipeline, tiny_models, workdir))
+            group.start_all()
         st = submit(group.url, KIND[pipeline], body(pipeline, input_png), timeout=300)
         assert st["status"] == "completed", st
         assert st["attempt"] == 1
@@ -105,28 +126,35 @@ def test_disaggregated_equals_baseline(pipeline: str, tiny_models: Path, input_p
     assert data == baselines[pipeline]  # same frames, same encoder settings: same bytes
 
 
-def test_many_to_many(tiny_models: Path, workdir: Path) -> None:
-    """2 encoders, 3 transformers, 2 decoders, 12 concurrent requests: each completes once."""
+def test_many_to_many(tiny_models: Path, t2i_group: LocalGroup) -> None:
+    """2 encoders, 3 transformers, 2 decoders, 12 concurrent requests: each completes once,
+    with diffusers' pixels, and both decoders serve."""
     from contracts.request import GenerationRequest
     from workers.models import LocalPipeline
 
-    pipeline, n = "qwen_t2i", 12
+    pipeline, n, group = "qwen_t2i", 12, t2i_group
     ref = LocalPipeline(tiny_models / pipeline, pipeline)
     ref.load()
-    with start_group(pipeline, tiny_models, workdir) as group:
-        group.start_all(encoders=2, transformers=3, decoders=2)
+    url = group.url
+    completed = httpx.get(f"{url}/v1/service/status", timeout=10).json()["counts"]["completed"]
 
-        def one(seed: int) -> tuple[int, dict[str, Any], bytes]:
-            st = submit(group.url, "image", body(pipeline, None, seed=seed,
-                                                 task_id=f"mn-{seed}"), timeout=240)
-            return seed, st, fetch(group.url, st["task_id"]) if st["status"] == "completed" \
-                else b""
+    def one(seed: int) -> tuple[int, dict[str, Any], bytes]:
+        st = submit(url, "image", body(pipeline, None, seed=seed, task_id=f"mn-{seed}"),
+                    timeout=240)
+        return seed, st, fetch(url, st["task_id"]) if st["status"] == "completed" else b""
 
-        with ThreadPoolExecutor(n) as pool:
-            results = list(pool.map(one, range(100, 100 + n)))
-        status = httpx.get(f"{group.url}/v1/service/status", timeout=10).json()
-        ctl_log = group.services[0].log()
-    assert status["counts"]["completed"] == n
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(100, 100 + n)))
+    # Which decoder claims a task is a race between the two; one may win all twelve on a
+    # loaded machine. Both serving is the event meant: more tasks, one at a time, until the
+    # other one has served too (each must still complete once, exactly).
+    seed = 100 + n
+    while len({st["worker"] for _, st, _ in results}) < 2 and seed < 100 + 4 * n:
+        results.append(one(seed))
+        seed += 1
+    status = httpx.get(f"{url}/v1/service/status", timeout=10).json()
+    ctl_log = group.services[0].log()
+    assert status["counts"]["completed"] - completed == len(results)
     # Every model stage's heartbeats carry its GPU memory figures (zeros on a CPU).
     for role in ("encoder", "transformer", "decoder"):
         for w in status["workers"][role]:
@@ -157,13 +185,10 @@ def test_missing_component_fails_at_startup(tiny_models: Path, workdir: Path) ->
         group.stop()
 
 
-def test_wrong_pipeline_request_is_refused(tiny_models: Path, workdir: Path) -> None:
-    with start_group("qwen_t2i", tiny_models, workdir) as group:
-        group.start("controller")
-        group.wait_http()
-        r = httpx.post(f"{group.url}/v1/tasks/video/", json={"prompt": "x"}, timeout=10)
-        assert r.status_code == 400
-        assert "serves qwen_t2i" in r.json()["detail"]
+def test_wrong_pipeline_request_is_refused(t2i_group: LocalGroup) -> None:
+    r = httpx.post(f"{t2i_group.url}/v1/tasks/video/", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 400
+    assert "serves qwen_t2i" in r.json()["detail"]
 
 
 @pytest.mark.parametrize("phase", ["worker starting (pid", "controller unreachable"])
