@@ -38,7 +38,7 @@ from controller.webapp import build_app
 from rings.ports import bind_socket
 from workers.metrics import WorkerMetrics
 from workers.models import LocalPipeline
-from workers.roles import video_settings
+from workers.roles import _size, video_settings
 
 log = logging.getLogger("diffring.baseline")
 T = TypeVar("T")
@@ -87,6 +87,12 @@ class BaselineWorker:
 
             torch.set_num_threads(self.cfg.torch_threads)
         self.pipeline.load()
+        # Each stage's GPU memory, as the workers report theirs (one process: each peak is
+        # the process's while that stage ran).
+        p = self.pipeline
+        self.metrics.watch_memories({Role.ENCODER.value: p.encoder,
+                                     Role.TRANSFORMER.value: p.transformer,
+                                     Role.DECODER.value: p.decoder})
         if self.cfg.warmup_shapes:
             seconds = self.pipeline.transformer.warm_up(self.cfg.warmup_shapes)
             log.info("baseline: warm-up of %s took %.1f s (compile=%s)",
@@ -134,18 +140,19 @@ class BaselineWorker:
         def timed(role: Role, step: str = "compute") -> Any:
             return self.metrics.timed(role.value, step)
 
+        size = _size(req)  # what an out-of-memory error names, as in the workers
         try:
-            with timed(Role.ENCODER):
+            with timed(Role.ENCODER), self.pipeline.encoder.guarded(size):
                 cond = self.pipeline.encoder.encode(req, image)
             self.on_loop(self.co.on_handoff, enc, tid, attempt)
             if not self.on_loop(self.co.on_claim, dit, tid, attempt)[0]:
                 return
-            with timed(Role.TRANSFORMER):
+            with timed(Role.TRANSFORMER), self.pipeline.transformer.guarded(size):
                 lat = self.pipeline.transformer.denoise(req, cond, on_step, stop.is_set)
             self.on_loop(self.co.on_handoff, dit, tid, attempt)
             if not self.on_loop(self.co.on_claim, dec, tid, attempt)[0]:
                 return
-            with timed(Role.DECODER):
+            with timed(Role.DECODER), self.pipeline.decoder.guarded(size):
                 pixels = self.pipeline.decoder.decode_pixels(req, lat)
             with timed(Role.DECODER, "encode_media"):
                 art = self.pipeline.decoder.encode_media(req, pixels)

@@ -1,8 +1,8 @@
 /*
- * The ring protocol of rings/ring.py (peers), rings/tickets.py and rings/host.py (the host's
+ * The ring protocol of rings/core.py (peers), rings/tickets.py and rings/repair.py (the host's
  * repairs), as a Promela model that spin searches exhaustively. Run it through
  *
- *   python scripts/check_ring_model.py [--long]     (tests/test_ring_model.py runs the quick set)
+ *   python -m scripts.chaos.check_ring_model [--long]     (tests/test_ring_model.py: quick set)
  *
  * or by hand: spin -DFIRST_ITEMS=1 -a rings/ring.pml && gcc -O1 -DSAFETY -DCOLLAPSE -o pan
  * pan.c && ./pan -m100000.
@@ -158,14 +158,14 @@ byte resolved;             /* items claimed, or lost with a producer that died f
 #define READY_PUSH(pos) (SL(pos) == ST(pos, 0, FREE))
 #define READY_POP(pos) (SL(pos) == ST(pos, 0, PUBLISHED) || SL(pos) == ST(pos, 0, TOMBSTONE))
 
-/* What a ticket holder makes of its slot's stamp (ring.py _push_view / _pop_view). */
+/* What a ticket holder makes of its slot's stamp (peer_tickets.py _push_view / _pop_view). */
 #define PUSH_WAIT(w, p) (SPOS(w) < (p))
 #define POP_READY(w, q) ((w) == ST(q, 0, PUBLISHED) || (w) == ST(q, 0, ORPHANED))
 #define POP_WAIT(w, q) (SPOS(w) < (q) || (w) == ST(q, 0, FREE) || \
     (SPOS(w) == (q) && SSTATE(w) == CLAIMED_PUSH))
 #define POP_SKIP(w, q) ((w) == ST(q, 0, TOMBSTONE))
 
-/* A won pop claim on pos: the ghost counts the item (ring.py Ring._claim). */
+/* A won pop claim on pos: the ghost counts the item (core.py RingCore._claim). */
 #define TAKE(s, pos) item = pay_item[s]; assert(item > 0 && pay_pos[s] == (pos)); \
     claims[item]++; assert(claims[item] == 1); resolved++
 /* The READ of the claimed slot: still the item of that position (rings/payload.py unframe

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rings import wire
-from rings.errors import ConnectionLost, HandshakeError, VerbsError
+from rings.errors import ConnectionLost, HandshakeError
 from rings.layout import RingLayout
 from rings.verbs import (
     RDMA_ONLY_OPTIONS,
@@ -104,6 +104,23 @@ def open_socket(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
+def join(
+    host: str, port: int, timeout: float, **handshake_args: Any
+) -> tuple[socket.socket, dict[str, Any]]:
+    """Open the ring's port and run the handshake (:func:`handshake`'s keyword arguments):
+    the connected socket and the WELCOME map. Nothing is left open when it fails; a socket
+    error or a malformed greeting is a HandshakeError naming the host."""
+    sock = open_socket(host, port, timeout)
+    try:
+        return sock, handshake(sock, **handshake_args)
+    except (OSError, KeyError, TypeError) as exc:
+        sock.close()
+        raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+
+
 class TcpVerbs(Verbs):
     """Verbs executed by the host over one TCP connection (linearizable on the host)."""
 
@@ -158,24 +175,15 @@ def connect(
     refuse_unknown_options(
         "tcp", rdma_options, transport_options(connect), ignored=RDMA_ONLY_OPTIONS
     )
-    sock = open_socket(host, port, timeout)
+    sock, welcome = join(
+        host, port, timeout, ring=ring, layout=layout, token=token, transport="tcp", role=role,
+        peer_name=peer_name,
+    )
     try:
-        welcome = handshake(
-            sock,
-            ring=ring,
-            layout=layout,
-            token=token,
-            transport="tcp",
-            role=role,
-            peer_name=peer_name,
-        )
         agreed = RingLayout(**welcome["layout"])
         # A host that stops answering must surface as ConnectionLost, never a hang.
         sock.settimeout(verb_timeout)
     except (OSError, KeyError, TypeError) as exc:
         sock.close()
         raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from exc
-    except VerbsError:
-        sock.close()
-        raise
     return TcpVerbs(sock, agreed, int(welcome["peer_id"]), role == "inspect", f"{host}:{port}")

@@ -2,7 +2,8 @@
 stage / pull / release protocol that moves one task's tensors between two stages.
 
 - :mod:`tensorplane.engine` — ``MooncakeSettings``, ``TransferEngine``.
-- :mod:`tensorplane.pool` — ``StagingPool`` (bounded: full is backpressure).
+- :mod:`tensorplane.pool` — ``StagingPool`` (bounded: full is backpressure), its blocks in
+  :mod:`tensorplane.blocks` (``BlockAllocator``: first-fit extents, release slots, tokens).
 - :mod:`tensorplane.descriptor` — ``TensorDescriptor``, ``checksum``.
 - :mod:`tensorplane.handoff` — ``stage_tensors``, ``stage_bytes``, ``pull_tensors``.
 - :mod:`tensorplane.errors` — the transfer errors (under ``contracts.errors.TransferError``).

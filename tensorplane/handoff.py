@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from contracts import faults
+from tensorplane.blocks import Block
 from tensorplane.descriptor import (
     TENSOR_DTYPES,
     TensorDescriptor,
@@ -41,7 +42,7 @@ from tensorplane.descriptor import (
 )
 from tensorplane.engine import TransferEngine
 from tensorplane.errors import ChecksumMismatch, TransferError, TransferFailed
-from tensorplane.pool import Block, StagingPool
+from tensorplane.pool import StagingPool
 
 if TYPE_CHECKING:
     import torch

@@ -9,52 +9,32 @@ pinned for CUDA copies, is a torch allocation.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import logging
 import mmap
 import re
-import secrets
 import sys
-import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from tensorplane.blocks import ALIGN, Block, BlockAllocator
 from tensorplane.descriptor import CHECKSUM_CRC32, CHECKSUM_WSUM64, CHECKSUMS, TensorDescriptor
 from tensorplane.engine import TransferEngine
-from tensorplane.errors import (
-    EngineError,
-    PoolExhausted,
-    RequestTooLarge,
-    TransferError,
-)
+from tensorplane.errors import EngineError, TransferError
 
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["ALIGN", "Block", "PoolStats", "StagingPool"]
+
 log = logging.getLogger(__name__)
 _DEVICE_RE: Final = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
-ALIGN: Final = 4096
-"""Block alignment and size granule: page-aligned blocks suit DMA/RDMA and any dtype view."""
 _WORD: Final = 8
 _OUTBOX_WORDS: Final = 64
 """Source words for outgoing release writes; a ring so concurrent pulls don't share one."""
-
-
-# ----------------------------------------------------------------------------------- pool
-@dataclass(frozen=True)
-class Block:
-    """One live allocation: ``size`` bytes (``nbytes`` rounded up to ALIGN) at ``offset``."""
-
-    offset: int
-    nbytes: int
-    size: int
-    slot: int
-    token: int
 
 
 @dataclass(frozen=True)
@@ -81,17 +61,14 @@ class PoolStats:
     """How tensors staged here are checksummed (``wsum64``: hashed on the GPU)."""
 
 
-class StagingPool:
-    """One bounded, registered buffer per process, carved into 4 KiB-aligned blocks.
+class StagingPool(BlockAllocator):
+    """One bounded, registered buffer per process, carved into 4 KiB-aligned blocks
+    (:class:`~tensorplane.blocks.BlockAllocator`: first-fit extents, at most ``max_blocks``
+    live).
 
-    Allocator: first-fit over a sorted list of free extents, coalescing on free. A worker
-    holds a handful of tensors per task and a few tasks at once, with roughly FIFO
-    lifetimes, so the list stays short (O(n) first-fit is cheap) and coalescing keeps
-    fragmentation low without a buddy allocator's 2x rounding on multi-MiB latents.
-
-    Each block also takes a *slot* (at most ``max_blocks`` live) whose u64 release word, in a
-    separately registered host array, a consumer overwrites with the block's token to free
-    it. The array is on the host even for a GPU pool so reclaiming is a CPU compare.
+    Each block's release word lives in a separately registered host array, which a consumer
+    writes the block's token into to free it. The array is on the host even for a GPU pool so
+    reclaiming is a CPU compare.
 
     ``checksum_algo`` defaults to ``crc32`` for a host pool, ``wsum64`` for a GPU pool.
     Lifecycle: the constructor does no I/O; :meth:`start` allocates and registers;
@@ -107,14 +84,11 @@ class StagingPool:
         pin_memory: bool | None = None,
         checksum_algo: str | None = None,
     ) -> None:
-        if capacity < ALIGN:
-            raise ValueError(f"pool capacity must be at least {ALIGN} bytes, got {capacity}")
-        self.capacity = capacity - capacity % ALIGN
+        super().__init__(capacity, max_blocks)
         self.device = str(device)
         if not _DEVICE_RE.match(self.device):
             raise ValueError(f"pool device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         self.is_host = self.device == "cpu"
-        self.max_blocks = max(1, min(max_blocks, self.capacity // ALIGN))
         self._pin = pin_memory
         if checksum_algo is None:
             checksum_algo = CHECKSUM_CRC32 if self.is_host else CHECKSUM_WSUM64
@@ -126,21 +100,9 @@ class StagingPool:
         self._host: memoryview | None = None  # the buffer's bytes, for a host pool
         self._tensor: torch.Tensor | None = None  # the buffer as a torch tensor, made lazily
         self._words_mem: mmap.mmap | None = None
-        self._words: memoryview | None = None  # u64 release words, then the outbox words
         self._words_addr = 0
         self._engine: TransferEngine | None = None
-        self._cond = threading.Condition()
-        self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, size) by offset
-        self._free_slots = list(range(self.max_blocks - 1, -1, -1))
-        self._live: dict[int, tuple[Block, float]] = {}  # slot -> (block, alloc time)
-        self._quarantined: set[int] = set()
-        # Tokens start at a random base so a release aimed at a previous incarnation of
-        # this process (same addresses) cannot match; < 2**62 so they fit int64 words.
-        self._next_token = (secrets.randbits(40) << 20) | 1
         self._next_outbox = 0
-        self._counts = dict.fromkeys(
-            ("allocs", "remote_releases", "local_frees", "alloc_timeouts", "release_failures"), 0
-        )
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self, engine: TransferEngine) -> None:
@@ -231,68 +193,6 @@ class StagingPool:
         """Address of the block's release word (what a descriptor carries)."""
         return self._words_addr + block.slot * _WORD
 
-    # -- allocation (non-blocking core + blocking layer) ----------------------------------
-    def try_alloc(self, nbytes: int) -> Block | None:
-        """A block of at least ``nbytes``, or ``None`` when no extent or slot is free now."""
-        if nbytes <= 0:
-            raise ValueError(f"cannot allocate {nbytes} bytes")
-        size = -(-nbytes // ALIGN) * ALIGN
-        with self._cond:
-            self._reclaim_locked()
-            if not self._free_slots:
-                return None
-            for i, (off, ext) in enumerate(self._free):
-                if ext >= size:
-                    if ext == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + size, ext - size)
-                    block = Block(off, nbytes, size, self._free_slots.pop(), self._next_token)
-                    self._next_token += 1
-                    self._live[block.slot] = (block, time.monotonic())
-                    self._counts["allocs"] += 1
-                    return block
-            return None
-
-    def alloc(self, nbytes: int, timeout: float, *, task_id: str | None = None) -> Block:
-        """Like :meth:`try_alloc` but waits (backing off) up to ``timeout`` seconds for space:
-        a full pool is backpressure. Raises :class:`RequestTooLarge` at once for a request
-        that can never fit, :class:`PoolExhausted` when the timeout passes."""
-        if nbytes > self.capacity:
-            raise RequestTooLarge(
-                f"staging request of {nbytes} bytes exceeds the whole pool ({self.capacity} "
-                "bytes); raise the pool capacity", requested=nbytes, capacity=self.capacity,
-                task_id=task_id,
-            )
-        deadline = time.monotonic() + timeout
-        pause = 0.0005
-        while (block := self.try_alloc(nbytes)) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                with self._cond:
-                    self._counts["alloc_timeouts"] += 1
-                    free = sum(ext for _, ext in self._free)
-                    largest = max((ext for _, ext in self._free), default=0)
-                    slots = len(self._free_slots)
-                raise PoolExhausted(
-                    f"staging pool full: {nbytes} bytes requested, {free} free (largest "
-                    f"extent {largest}, {slots} free slots) after waiting {timeout:.1f}s",
-                    requested=nbytes, free_bytes=free, task_id=task_id,
-                )
-            # Local frees notify; remote releases are only seen by polling, hence the cap.
-            with self._cond:
-                self._cond.wait(min(pause, left))
-            pause = min(pause * 2, 0.05)
-        return block
-
-    def free(self, block: Block) -> bool:
-        """Return ``block`` to the pool; ``False`` if it was already freed (harmless)."""
-        with self._cond:
-            ok = self._free_locked(block)
-            if ok:
-                self._counts["local_frees"] += 1
-            return ok
-
     def free_staged(self, descs: Iterable[TensorDescriptor]) -> int:
         """Free the blocks behind descriptors this pool staged (producer-side failure or
         cancel); descriptors of released or unknown blocks are skipped. Returns how many."""
@@ -306,50 +206,6 @@ class StagingPool:
                     freed += self._free_locked(live[0])
             self._counts["local_frees"] += freed
         return freed
-
-    def quarantine(self, block: Block, pending: Future[int]) -> None:
-        """Keep ``block`` allocated until ``pending`` (a transfer Mooncake still runs into
-        it) completes, then free it: reusing it earlier could let a late write corrupt it."""
-        with self._cond:
-            self._quarantined.add(block.slot)
-
-        def done(_fut: Future[int]) -> None:
-            with self._cond:
-                self._quarantined.discard(block.slot)
-            self.free(block)
-
-        pending.add_done_callback(done)
-
-    def reclaim(self) -> int:
-        """Free every block whose release word holds its token; returns how many."""
-        with self._cond:
-            return self._reclaim_locked()
-
-    def _reclaim_locked(self) -> int:
-        n = 0
-        for slot, (block, _) in list(self._live.items()):
-            if self._words is not None and self._words[slot] == block.token:
-                n += self._free_locked(block)
-        self._counts["remote_releases"] += n
-        return n
-
-    def _free_locked(self, block: Block) -> bool:
-        live = self._live.get(block.slot)
-        if live is None or live[0].token != block.token:
-            return False
-        del self._live[block.slot]
-        self._free_slots.append(block.slot)
-        off, size = block.offset, block.size
-        i = bisect.bisect_left(self._free, (off, 0))
-        if i < len(self._free) and off + size == self._free[i][0]:  # merge with next
-            size += self._free.pop(i)[1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:  # merge with prev
-            off, size = self._free[i - 1][0], self._free[i - 1][1] + size
-            self._free[i - 1] = (off, size)
-        else:
-            self._free.insert(i, (off, size))
-        self._cond.notify_all()
-        return True
 
     # -- releases -------------------------------------------------------------------------
     def send_release(

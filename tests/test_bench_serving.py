@@ -30,7 +30,8 @@ def test_bench_serving_quick_run(tiny_models: Path, tmp_path: Path) -> None:
     rows = [line for line in md.splitlines() if line.startswith("|")]
     header = [c.strip() for c in rows[0].strip("|").split("|")]
     assert header == ["mode", "N", "requests", "QPS", "P50 s", "P95 s", "P99 s", "enc busy",
-                      "DiT busy", "VAE busy", "media busy"]
+                      "DiT busy", "VAE busy", "media busy", "DiT s/step", "enc peak GiB",
+                      "DiT peak GiB", "VAE peak GiB"]
     assert set(rows[1].replace("|", "").split()) == {"---"}
     body = [[c.strip() for c in r.strip("|").split("|")] for r in rows[2:]]
     measured = [r for r in body if not r[0].startswith("**ratio")]
@@ -42,8 +43,9 @@ def test_bench_serving_quick_run(tiny_models: Path, tmp_path: Path) -> None:
         assert len(r) == len(header)
         qps, p50, p95, p99 = (float(x) for x in r[3:7])
         assert qps > 0 and 0 < p50 <= p95 <= p99
-        busy = [float(x.rstrip("%")) for x in r[7:]]
+        busy = [float(x.rstrip("%")) for x in r[7:11]]
         assert all(0 <= b <= 100 for b in busy) and busy[1] > 0  # the DiT did work
+        assert float(r[11]) > 0 and r[12:] == ["-"] * 3  # s/step; no GPU memory on a CPU
     assert [r[1] for r in ratios] == ["1", "2"] and all(float(r[3].strip("*")) > 0
                                                         for r in ratios)
     report = json.loads((out / "bench_serving.json").read_text())
@@ -76,7 +78,8 @@ def test_bench_serving_scale_out_quick_run(tiny_models: Path, tmp_path: Path) ->
     assert "2 devices (d0=cpu, d1=cpu); disagg: d0: e+t+d, d1: t" in md
     header, body = _table(md)
     assert header == ["mode", "N", "requests", "QPS", "P50 s", "P95 s", "P99 s", "enc busy",
-                      "DiT busy", "VAE busy", "media busy", "DiT d0", "DiT d1", "P1 MB",
+                      "DiT busy", "VAE busy", "media busy", "DiT s/step", "enc peak GiB",
+                      "DiT peak GiB", "VAE peak GiB", "DiT d0", "DiT d1", "P1 MB",
                       "P1 ms", "P2 MB", "P2 ms", "hops %", "eff"]
     col = {name: i for i, name in enumerate(header)}
     rows = {r[0]: r for r in body}

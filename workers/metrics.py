@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -79,21 +79,29 @@ class WorkerMetrics:
     def watch_memory(self, stage: Any) -> None:
         """GPU memory of the stage (``stage.memory``, a MemoryWatch), read at scrape time:
         resident after load, peak of the last request, largest request peak."""
-        if not getattr(stage, "torch_model", False):
+        self.watch_memories({self.role: stage})
+
+    def watch_memories(self, stages: Mapping[str, Any]) -> None:
+        """GPU memory of several stages of this process, by role (the one-process
+        baseline's three), as one gauge family each: resident after load, peak of the last
+        request, largest request peak."""
+        watched = {role: s for role, s in stages.items() if getattr(s, "torch_model", False)}
+        if not watched:
             return
 
         def read() -> Iterable[Sample]:
-            mem = stage.memory
-            labels = {"role": self.role}
-            yield ("diffring_stage_resident_bytes",
-                   "GPU memory allocated by this stage's models after load", labels,
-                   float(mem.resident_bytes))
-            yield ("diffring_stage_peak_bytes",
-                   "Peak GPU memory allocated during the last request", labels,
-                   float(mem.last_peak_bytes))
-            yield ("diffring_stage_peak_max_bytes",
-                   "Largest per-request peak of GPU memory since start", labels,
-                   float(mem.max_peak_bytes))
+            for role, stage in watched.items():
+                mem = stage.memory
+                labels = {"role": role}
+                yield ("diffring_stage_resident_bytes",
+                       "GPU memory allocated by this stage's models after load", labels,
+                       float(mem.resident_bytes))
+                yield ("diffring_stage_peak_bytes",
+                       "Peak GPU memory allocated during the last request", labels,
+                       float(mem.last_peak_bytes))
+                yield ("diffring_stage_peak_max_bytes",
+                       "Largest per-request peak of GPU memory since start", labels,
+                       float(mem.max_peak_bytes))
 
         self.registry.register(CallbackCollector(read))
 

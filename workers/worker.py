@@ -21,7 +21,8 @@ The loop's helpers each do one job: :class:`~workers.link.ControlLink` (the conn
 the controller, reconnecting, heartbeats, the worker's reports),
 :class:`~workers.staged.StagedOutputs` (what this producer staged and whether the next stage
 still needs it), :class:`~workers.idle.IdleWait` (doorbell and back-off while the ring is
-empty), :class:`~workers.progress.ProgressReporter` (denoising steps, off the critical path).
+empty), :class:`~workers.progress.ProgressReporter` (denoising steps, off the critical path); and
+the base class :class:`~workers.stage_host.StageHost` (the role's model stage: load, offers).
 
 Lifecycle: STOPPED -> RUNNING (:meth:`StageWorker.start`) -> DRAINING (SIGTERM/SIGINT: finish
 the claimed task, claim nothing new) -> STOPPED. A fatal error (lost ring or control
@@ -48,7 +49,7 @@ from typing import Any, ClassVar
 from contracts import faults
 from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
-from contracts.errors import ConnectionLost, ModelLoadError, PayloadCorrupt, StageError
+from contracts.errors import ConnectionLost, PayloadCorrupt, StageError
 from contracts.messages import Fault, Op
 from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.roles import Role
@@ -60,10 +61,10 @@ from workers import preflight
 from workers.idle import IdleWait
 from workers.link import ControlLink
 from workers.metrics import WorkerMetrics
-from workers.models.base import StageAdapter
 from workers.models.components import check_stage_folder
 from workers.models.model_folder import ModelFolder
 from workers.progress import ProgressReporter
+from workers.stage_host import StageHost
 from workers.staged import StagedOutputs
 from workers.startup import StopSignal
 from workers.triage import check_item, describe_failure
@@ -109,14 +110,12 @@ class Job:
         return [TensorDescriptor.from_dict(d) for d in self.item.get("tensors", [])]
 
 
-class StageWorker:
-    """The shared pull loop and its lifecycle. A role class sets ``role`` and ``adapter``
-    and fills in the steps ``fetch_inputs``, ``compute``, ``publish``, ``release``."""
+class StageWorker(StageHost):
+    """The shared pull loop and its lifecycle (the model stage it runs: :class:`StageHost`).
+    A role class sets ``role`` and ``adapter`` and fills in the steps ``fetch_inputs``,
+    ``compute``, ``publish``, ``release``."""
 
     role: ClassVar[Role]
-    adapter: ClassVar[type[StageAdapter]]
-    """The stage adapter interface of this role; the task picks the family's class."""
-    stage: Any
 
     def __init__(self, cfg: ServiceConfig, token: str, env: Mapping[str, str]) -> None:
         self.cfg = cfg
@@ -355,45 +354,6 @@ class StageWorker:
         """Step 5: tell the controller the task has left this worker; the lease ends."""
         raise NotImplementedError
 
-    def load_model(self) -> None:
-        """Construct and load this role's model stage (before joining the rings); a stop
-        asked for meanwhile ends the load after the component being loaded."""
-        self.stage = self.adapter.for_task(
-            self.model_path(),
-            self.cfg.pipeline,
-            self.cfg.device,
-            self.cfg.dtype,
-            **self.adapter_options(),
-        )
-        self.stage.on_component = lambda _name: self._stop.boundary("startup.component")
-        self.stage.model_folder = self.model_folder  # checked at start: not again in load()
-        if self.cfg.torch_threads is not None and self.stage.torch_model:
-            # Only a torch model pays for importing torch here (a synthetic stage has none).
-            import torch
-
-            torch.set_num_threads(self.cfg.torch_threads)
-        faults.hit("worker.load", ModelLoadError)
-        self.stage.load()
-        self.metrics.watch_memory(self.stage)
-        if self.stage.torch_model:
-            self.link.heartbeats.report = self._memory_report
-
-    def _memory_report(self) -> dict[str, float]:
-        """The stage's GPU memory for the controller's status (zeros on a CPU)."""
-        mem = self.stage.memory
-        return {"resident_bytes": float(mem.resident_bytes),
-                "last_peak_bytes": float(mem.last_peak_bytes),
-                "max_peak_bytes": float(mem.max_peak_bytes)}
-
-    def adapter_options(self) -> dict[str, Any]:
-        """Role-specific settings of the stage adapter."""
-        return {}
-
-    def offers(self) -> dict[str, Any]:
-        """What requests may ask of the loaded stage, reported at registration (the
-        transformer role: its LoRA adapters and step-cache kinds)."""
-        return {}
-
     # -- failure path ------------------------------------------------------------------------------
     def _fail(self, job: Job, error: str, error_type: str, fault: Fault) -> None:
         log.warning(
@@ -430,11 +390,3 @@ class StageWorker:
     def check_cancel(self, job: Job) -> None:
         if job.cancel.is_set():
             raise TaskDropped(f"task {job.task_id} cancelled")
-
-    def model_path(self) -> str:
-        if not self.cfg.model_path:
-            raise StageError(f"{self.role.value} worker needs model_path (config or --model_path)")
-        return self.cfg.model_path
-
-    def pool_device(self) -> str:
-        return self.cfg.device

@@ -38,7 +38,7 @@ from rings.rdma._pyverbs import TCP_HINT
 from rings.rdma.device import Device, Endpoint
 from rings.rdma.qp import VERB_NAMES, QpPeer, Target
 from rings.rdma.selftest import check_atomics
-from rings.tcp import handshake, open_socket
+from rings.tcp import join
 from rings.verbs import READ, WRITE, Op, Verbs, check_op, refuse_unknown_options, transport_options
 
 
@@ -175,20 +175,10 @@ def connect(
         if self_test:
             check_atomics(dev)
         ep = Endpoint(dev)
-        sock = open_socket(host, port, timeout)
-        try:
-            welcome = handshake(
-                sock,
-                ring=ring,
-                layout=layout,
-                token=token,
-                transport="rdma",
-                role=role,
-                peer_name=peer_name,
-                extras=ep.info(),
-            )
-        except OSError as exc:
-            raise HandshakeError(f"handshake with {where} failed: {exc}") from exc
+        sock, welcome = join(
+            host, port, timeout, ring=ring, layout=layout, token=token, transport="rdma",
+            role=role, peer_name=peer_name, extras=ep.info(),
+        )
         try:
             agreed = RingLayout(**welcome["layout"])
             remote = QpPeer.parse(welcome, f"ring host {where}")

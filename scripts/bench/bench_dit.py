@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.bench_stage_memory import load_timed, request_for
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {},
     "bf16_compiled": {"compile": True},
@@ -109,17 +111,9 @@ def build_folder(arch: str, dest: Path, device: str, layers: int | None = None
 # -- one variant in this process ------------------------------------------------------------
 
 def _request(arch: str, steps: int, shape: str | None = None) -> Any:
-    from contracts.pipelines import parse_shape
-    from contracts.request import GenerationRequest
-
-    dims = parse_shape(shape or SHAPES[arch])
-    geometry: dict[str, Any] = {"height": dims[0], "width": dims[1]}
-    if len(dims) == 3:
-        geometry["num_frames"] = dims[2]
     guidance: dict[str, Any] = (
         {"guidance_scale": 5.0} if arch.startswith("wan") else {"true_cfg_scale": 1.0})
-    return GenerationRequest(task=TASKS[arch], prompt="bench", infer_steps=steps, seed=3,
-                             **geometry, **guidance)
+    return request_for(TASKS[arch], shape or SHAPES[arch], steps, **guidance)
 
 
 def run_variant(args: argparse.Namespace) -> int:
@@ -138,14 +132,11 @@ def run_variant(args: argparse.Namespace) -> int:
     req = _request(args.arch, args.steps)
     row: dict[str, Any] = {"variant": args.variant, "arch": args.arch, "shape": SHAPES[args.arch],
                            "steps": args.steps, "phase": args.phase, "cap_gib": args.cap_gib}
-    t0 = time.perf_counter()
     adapter = TransformerAdapter.for_task(
         args.folder, TASKS[args.arch], args.device, "bfloat16",
         options=StageOptions(**stage), budget_shapes=(SHAPES[args.arch],), **spec,
     )
-    adapter.load()
-    row["load_s"] = round(time.perf_counter() - t0, 2)
-    row["resident_gib"] = round(adapter.memory.resident_bytes / 2**30, 2)
+    row.update(load_timed(adapter))
     t0 = time.perf_counter()
     adapter.warm_up([SHAPES[args.arch]], steps=2 if args.arch.startswith("qwen") else 1)
     row["warmup_s"] = round(time.perf_counter() - t0, 2)

@@ -15,12 +15,21 @@
     # one request's DiT over several GPUs: a transformer group (docs/parallel.md)
     python -m scripts.bench.bench_serving --arch wan-14b --devices cuda:0,cuda:1,cuda:2 \\
         --dit-parallel cfg=2 --steps 4 --concurrency 1 --out $OUT
+    # memory caps: full-size text encoders; the uncapped group, a group and the baseline
+    # capped at 24 GiB per process (docs/benchmarks.md, "Planned: issue 20")
+    python -m scripts.bench.bench_serving --arch wan-14b --text-encoders full \\
+        --device cuda:0 --modes disagg,disagg@24g,baseline@24g \\
+        --set 24g:encoder.max_vram_gb=24 --set 24g:transformer.max_vram_gb=24 \\
+        --set 24g:decoder.max_vram_gb=24 --set 'disagg@24g:transformer.weight_storage="fp8"' \\
+        --set 'baseline@24g:transformer.offload="block"' --steps 2 --concurrency 1 --out $OUT
 
 For each mode (``baseline``: ``run_service.py --service all``; ``disagg``: a controller plus
 its workers, all on this machine, started by ``controller.group.LocalGroup``) it sends warm-up
 requests, then for each N in ``--concurrency`` keeps N requests in flight (closed loop: a
 client posts its next request when its last one completed) until ``--requests`` requests of
-that level completed.
+that level completed. ``--modes`` may hold tagged modes with service settings of their own
+(``--set SELECTOR:KEY=JSON``; ``bench_serving_modes``), e.g. a group and a baseline under a
+memory cap beside the uncapped group; ``--dry-run`` checks each mode's config and stops.
 
 Scale-out (``--gpus G`` or ``--devices LIST``; devices and placements: ``bench_serving_layout``):
 the baseline is G ``--service all`` replicas, one per device, request i going to replica
@@ -39,7 +48,9 @@ devices, else everything from d0); the baseline is then one ``--service all`` on
 one-device figure the group is compared to. The report adds the DiT's seconds per step and
 the group's speedup over the baseline at each N.
 
-Per level: requests, QPS, P50/P95/P99 latency, the busy fraction of each stage; scale-out adds
+Per level: requests, QPS, P50/P95/P99 latency, the busy fraction of each stage, the DiT's
+seconds per step and each stage's peak GPU memory (its process's largest per-request peak,
+``diffring_stage_peak_max_bytes``; a baseline's stages share one process); scale-out adds
 DiT busy per device, Mooncake bytes and milliseconds per Phase1 / Phase2 pull, their share of a
 request, and the efficiency (``bench_serving_report`` defines each). Latency is the server's
 (``created_at`` to ``end_time`` of the task's status); QPS is requests over the level's wall
@@ -55,16 +66,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,13 +82,28 @@ from contracts.pipelines import TASK_SPECS
 from controller.group import LocalGroup, free_ports, group_config
 from scripts import ROOT
 from scripts.bench import bench_serving_layout as layout
-from scripts.bench.bench_serving_layout import Endpoint
-from scripts.bench.bench_serving_report import environment, level_stats, plot, scrape, table
-
-# Default request geometry: tiny models on a CPU, real sizes with --arch.
-TINY_SIZE = {"wan_t2v": (32, 32, 9), "qwen_t2i": (64, 64, 1), "qwen_i2i_plus": (32, 32, 1)}
-REAL_SIZE = {"wan_t2v": (480, 832, 81), "qwen_t2i": (1024, 1024, 1),
-             "qwen_i2i_plus": (1024, 1024, 1)}
+from scripts.bench import bench_serving_modes as modes_
+from scripts.bench.bench_models import add_model_args, arch_pipeline, model_folder
+from scripts.bench.bench_serving_layout import Endpoint, Plan, make_plan
+from scripts.bench.bench_serving_load import (
+    TINY_SIZE,
+    closed_loop,
+    compare_probes,
+    fetch_pixels,
+    percentile,
+    post,
+    request_body,
+)
+from scripts.bench.bench_serving_modes import Mode
+from scripts.bench.bench_serving_report import (
+    efficiency,
+    environment,
+    group_lines,
+    level_stats,
+    plot,
+    scrape,
+    table,
+)
 
 
 # ------------------------------------------------------------------------------- groups
@@ -111,11 +133,13 @@ def wait_health(group: LocalGroup, url: str, timeout: float) -> None:
 
 @contextlib.contextmanager
 def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[str, int]],
-            devices: list[str], timeout: float, dit: tuple[str, int] | None = None
-            ) -> Iterator[Deployment]:
+            devices: list[str], timeout: float, dit: tuple[str, int] | None = None,
+            serial: bool = False) -> Iterator[Deployment]:
     """Start a baseline (one ``--service all`` replica per device) or a disaggregated group
     (a controller and ``workers``: (role, device index)); yields it once all of it is up.
-    ``dit``: (layout, devices) of each DiT worker as a transformer group (``--dit-parallel``)."""
+    ``dit``: (layout, devices) of each DiT worker as a transformer group (``--dit-parallel``).
+    ``serial``: each worker starts once the ones before it registered (loaded), so that
+    only one of them holds its weights in host memory on the way to the GPU at a time."""
     group = LocalGroup(cfg, workdir)
     host = cfg["server"]["host"]
     parallel, span = dit or (None, 1)
@@ -147,6 +171,9 @@ def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[s
                     extra["transformer"] = {"parallel": parallel}
                 group.start(role, extra)
                 endpoints.append(Endpoint(f"http://{host}:{mport}/metrics", role, index))
+                if serial:
+                    group.wait_workers(layout.counts(workers[:len(endpoints)]),
+                                       timeout=timeout)
             group.wait_workers(layout.counts(workers), timeout=timeout)
         yield Deployment(group, urls, endpoints)
     finally:
@@ -154,53 +181,6 @@ def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[s
 
 
 # ------------------------------------------------------------------------------- load
-def post(url: str, kind: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
-    r = httpx.post(f"{url}/v1/tasks/{kind}/", json=dict(body), timeout=60)
-    r.raise_for_status()
-    task_id = r.json()["task_id"]
-    deadline = time.monotonic() + timeout
-    while True:
-        st: dict[str, Any] = httpx.get(f"{url}/v1/tasks/{task_id}/status", timeout=60).json()
-        if st["status"] in ("completed", "failed", "cancelled"):
-            if st["status"] != "completed":
-                raise RuntimeError(f"task {task_id} {st['status']}: {st.get('error')}")
-            return st
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"task {task_id} still {st['stage']} after {timeout} s")
-        time.sleep(0.02)
-
-
-def closed_loop(urls: list[str], kind: str, body: Mapping[str, Any], conc: int, n: int,
-                timeout: float, seed0: int, prompt: str) -> list[dict[str, Any]]:
-    """``n`` requests, ``conc`` in flight; request i goes to ``urls[i % len(urls)]``."""
-    lock = threading.Lock()
-    next_index = [0]
-    statuses: list[dict[str, Any]] = []
-
-    def client() -> None:
-        while True:
-            with lock:
-                i = next_index[0]
-                if i >= n:
-                    return
-                next_index[0] += 1
-            st = post(urls[i % len(urls)], kind,
-                      {**body, "prompt": f"{prompt} {seed0 + i}", "seed": seed0 + i}, timeout)
-            with lock:
-                statuses.append(st)
-
-    with ThreadPoolExecutor(conc) as pool:
-        for fut in [pool.submit(client) for _ in range(conc)]:
-            fut.result()
-    return statuses
-
-
-def percentile(values: list[float], q: float) -> float:
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values), q))
-
-
 def run_level(dep: Deployment, urls: list[str], kind: str, body: dict[str, Any], conc: int,
               n: int, active: list[int], n_devices: int, timeout: float,
               seed0: int) -> dict[str, Any]:
@@ -219,113 +199,77 @@ def run_level(dep: Deployment, urls: list[str], kind: str, body: dict[str, Any],
     }
 
 
-def fetch_pixels(url: str, task_id: str, kind: str) -> Any:
-    import io
-
-    import numpy as np
-
-    data = httpx.get(f"{url}/v1/tasks/{task_id}/result", timeout=120).content
-    if kind == "image":
-        from PIL import Image
-
-        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    from workers.models.media import read_mp4
-
-    return read_mp4(data)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Where a run's services go: its devices and the disaggregated workers' placement."""
-
-    devices: list[str]
-    workers: list[tuple[str, int]]
-    scale_out: bool
-    dit_parallel: str | None = None
-    """The DiT workers' transformer-group layout (``--dit-parallel``), None: one device."""
-    dit_span: int = 1
-    """Devices per DiT worker (the layout's size)."""
-
-    @property
-    def baseline_devices(self) -> list[str]:
-        """One ``--service all`` replica per device; against a group, one on d0."""
-        return self.devices[:1] if self.dit_span > 1 else self.devices
-
-
 def _level_log(mode: str, row: dict[str, Any]) -> None:
     dits = " ".join("-" if b is None else f"{b:.0%}" for b in row["dit_busy_by_device"])
+    peaks = "/".join(f"{row['peak_gib'][r]:.1f}" for r in layout.ROLES)
     log(f"{row.get('label', mode)} N={row['concurrency']}: {row['requests']} requests, "
         f"QPS {row['qps']:.3f}, P50 {row['p50_s']:.2f} s, DiT busy {row['busy']['DiT']:.1%} "
-        f"(by device: {dits})")
+        f"(by device: {dits}), peak GiB e/t/d {peaks}")
 
 
-def run_mode(mode: str, args: argparse.Namespace, cfg: dict[str, Any], body: dict[str, Any],
+def run_mode(mode_: Mode, args: argparse.Namespace, cfg: dict[str, Any], body: dict[str, Any],
              levels: list[tuple[int, int]], log_dir: Path, plan: Plan) -> dict[str, Any]:
-    kind = TASK_SPECS[args.pipeline].output
-    g = len(plan.devices)
-    counts = dict.fromkeys(layout.ROLES, len(plan.baseline_devices)) if mode == "baseline" \
+    """Start the mode, warm it up, run its levels, stop it; its services' logs go to
+    ``log_dir`` whatever happened."""
+    baseline = mode_.kind == "baseline"
+    counts = dict.fromkeys(layout.ROLES, len(plan.baseline_devices)) if baseline \
         else layout.counts(plan.workers)
-    workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-", dir=args.workdir))
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode_.name}-", dir=args.workdir))
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"mode": mode, "workers": counts, "levels": []}
-    probe = None
-    devices = plan.baseline_devices if mode == "baseline" else plan.devices
+    out: dict[str, Any] = {"mode": mode_.name, "kind": mode_.kind, "workers": counts,
+                           "levels": [], "probe": None}
+    devices = plan.baseline_devices if baseline else plan.devices
     dit = (plan.dit_parallel, plan.dit_span) if plan.dit_parallel else None
-    with running(mode, cfg, workdir, plan.workers, devices, args.start_timeout,
-                 dit=dit) as dep:
-        out["start_s"] = time.perf_counter() - t0
-        log(f"{mode}: ready in {out['start_s']:.1f} s; warm-up x{args.warmup}")
-        if args.warmup > 0:
-            # The first warm-up request has a fixed seed: its output is compared across modes.
-            st = post(dep.url, kind, {**body, "prompt": "bench fidelity probe", "seed": 7},
-                      args.request_timeout)
-            probe = fetch_pixels(dep.url, st["task_id"], kind)
-            # The rest: --warmup per replica / per DiT worker, as many at once, so that each
-            # one has run a request before the levels (the probe went to replica 0).
-            width = len(dep.urls) if mode == "baseline" else counts["transformer"]
-            if args.warmup * width > 1:
-                closed_loop(dep.urls[1:] + dep.urls[:1], kind, body, width,
-                            args.warmup * width - 1, args.request_timeout, 1000, "warm-up")
-        everyone = list(range(len(dep.endpoints)))
-        if plan.scale_out and mode == "baseline" and args.single_qps is None:
-            row = run_level(dep, [dep.url], kind, body, 2, args.single_requests, [0], g,
-                            args.request_timeout, seed0=500)
-            row.update(single=True, label="baseline x1")
-            _level_log(mode, row)
-            out["levels"].append(row)
-        for conc, n in levels:
-            dep.group.check_alive()
-            row = run_level(dep, dep.urls, kind, body, conc, n, everyone, g,
-                            args.request_timeout, seed0=conc * 1000)
-            compute = row["stage_seconds"].get("stage/transformer/compute")
-            if compute:
-                row["dit_s_per_step"] = compute / (n * args.steps)
-            _level_log(mode, row)
-            out["levels"].append(row)
-    for svc in dep.group.services:
-        dest = log_dir / f"{mode}-{svc.log_path.name}"
-        dest.write_bytes(svc.log_path.read_bytes())
-    out["probe"] = probe
+    started: list[LocalGroup] = []
+    try:
+        with running(mode_.kind, cfg, workdir, plan.workers, devices, args.start_timeout,
+                     dit=dit, serial=args.serial_start) as dep:
+            started.append(dep.group)
+            out["start_s"] = time.perf_counter() - t0
+            out["probe"] = _measure(mode_, args, dep, body, levels, plan, counts, out)
+    finally:
+        for svc in started[0].services if started else []:
+            dest = log_dir / f"{mode_.name}-{svc.log_path.name}"
+            dest.write_bytes(svc.log_path.read_bytes())
     return out
 
 
-def group_lines(results: list[dict[str, Any]]) -> str:
-    """DiT seconds per step of each mode and level, and the group's latency speedup (P50 of
-    the one-device baseline over the group's) at each N both ran."""
-    lines = []
-    p50 = {}
-    for res in results:
-        for row in res["levels"]:
-            p50[(res["mode"], row["concurrency"])] = row["p50_s"]
-            if "dit_s_per_step" in row:
-                lines.append(f"- {res['label']} N={row['concurrency']}: DiT "
-                             f"{row['dit_s_per_step']:.3f} s/step")
-    for (mode, conc), value in sorted(p50.items()):
-        base = p50.get(("baseline", conc))
-        if mode == "disagg" and base:
-            lines.append(f"- N={conc}: group speedup {base / value:.2f}x (P50 {base:.2f} s "
-                         f"one device, {value:.2f} s group)")
-    return "\n".join(lines) + "\n"
+def _measure(mode_: Mode, args: argparse.Namespace, dep: Deployment, body: dict[str, Any],
+             levels: list[tuple[int, int]], plan: Plan, counts: dict[str, int],
+             out: dict[str, Any]) -> Any:
+    """A started mode's warm-up and levels (rows into ``out``); returns the probe's pixels."""
+    kind = TASK_SPECS[args.pipeline].output
+    mode, baseline, g = mode_.name, mode_.kind == "baseline", len(plan.devices)
+    probe = None
+    log(f"{mode}: ready in {out['start_s']:.1f} s; warm-up x{args.warmup}")
+    if args.warmup > 0:
+        # The first warm-up request has a fixed seed: its output is compared across modes.
+        st = post(dep.url, kind, {**body, "prompt": "bench fidelity probe", "seed": 7},
+                  args.request_timeout)
+        probe = fetch_pixels(dep.url, st["task_id"], kind)
+        # The rest: --warmup per replica / per DiT worker, as many at once, so that each
+        # one has run a request before the levels (the probe went to replica 0).
+        width = len(dep.urls) if baseline else counts["transformer"]
+        if args.warmup * width > 1:
+            closed_loop(dep.urls[1:] + dep.urls[:1], kind, body, width,
+                        args.warmup * width - 1, args.request_timeout, 1000, "warm-up")
+    everyone = list(range(len(dep.endpoints)))
+    if plan.scale_out and baseline and args.single_qps is None:
+        row = run_level(dep, [dep.url], kind, body, 2, args.single_requests, [0], g,
+                        args.request_timeout, seed0=500)
+        row.update(single=True, label="baseline x1")
+        _level_log(mode, row)
+        out["levels"].append(row)
+    for conc, n in levels:
+        dep.group.check_alive()
+        row = run_level(dep, dep.urls, kind, body, conc, n, everyone, g,
+                        args.request_timeout, seed0=conc * 1000)
+        compute = row["stage_seconds"].get("stage/transformer/compute")
+        if compute:
+            row["dit_s_per_step"] = compute / (n * args.steps)
+        _level_log(mode, row)
+        out["levels"].append(row)
+    return probe
 
 
 def log(msg: str) -> None:
@@ -336,14 +280,7 @@ def log(msg: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pipeline", choices=sorted(TINY_SIZE), help="default: the --arch's")
-    ap.add_argument("--models", type=Path, default=ROOT / "out" / "tiny-models",
-                    help="tiny-model root (built there if missing); ignored with --arch")
-    ap.add_argument("--model-path", type=Path, help="a model folder to serve as is")
-    ap.add_argument("--arch", choices=("wan-1.3b", "wan-14b", "qwen-image",
-                                       "qwen-image-edit-2511"),
-                    help="build a real-size random-weight model of this architecture")
-    ap.add_argument("--arch-dir", type=Path, default=Path("/tmp/diffring-real"))
-    ap.add_argument("--layers", type=int, help="--arch: DiT depth (default: the published)")
+    add_model_args(ap)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (with --gpus: the "
                     "first of G)")
     ap.add_argument("--gpus", type=int, help="scale out over G devices: cuda:N..cuda:N+G-1 "
@@ -358,7 +295,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--single-requests", type=int, default=4,
                     help="scale-out: requests of the one-replica baseline level (at N = 2)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, else float32")
-    ap.add_argument("--modes", default="baseline,disagg")
+    ap.add_argument("--modes", default="baseline,disagg",
+                    help="in order; baseline or disagg, each optionally @TAG (several modes "
+                         "of a kind, each with its own --set), e.g. disagg,disagg@24g")
+    ap.add_argument("--ratios", help="ratio rows A/B,... (mode names; default: each disagg "
+                    "mode over the first baseline)")
+    ap.add_argument("--serial-start", action="store_true",
+                    help="start a group's workers one after another (each once the last "
+                         "loaded): less host memory while large folders load")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print each mode's service config (checked as a service would) "
+                         "and stop: nothing is built or started")
     ap.add_argument("--concurrency", help="N per level (default 1,2,4,8; scale-out: G,2G,4G)")
     ap.add_argument("--requests", default="auto",
                     help="requests per level: a list matching --concurrency, or 'auto' "
@@ -379,9 +326,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--images", type=int, default=2, help="input pictures per request of an "
                     "image-conditioned pipeline, each of the output's size (default 2: a "
                     "multi-image edit; 1 for the one-image pipelines)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                    help="service config override for every service of both modes, e.g. "
-                         "--set cfg_batch=true --set 'warmup_shapes=[\"480x832x81\"]'")
+    ap.add_argument("--set", action="append", default=[], metavar="[SELECTOR:]KEY=JSON",
+                    help="service config field for every service of the modes SELECTOR names "
+                         "(a mode, a kind or a tag; none: all), KEY dotted for a section's, "
+                         "e.g. --set cfg_batch=true --set 24g:encoder.max_vram_gb=24 "
+                         "--set 'baseline:transformer.offload=\"block\"'")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_serving")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--start-timeout", type=float, default=900)
@@ -390,84 +339,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
-    """Devices and placement from the command line; refuses a GPU run asking for more CUDA
-    devices than the machine has before anything is built or started."""
-    devices = layout.device_list(args.device, args.gpus, args.devices)
-    span, dit = 1, None
-    if args.dit_parallel:
-        from contracts.errors import ConfigError
-        from contracts.parallel import ParallelLayout
-
-        try:
-            parsed = ParallelLayout.parse(args.dit_parallel)
-        except ConfigError as exc:
-            raise SystemExit(f"--dit-parallel: {exc}") from None
-        span, dit = parsed.size, str(parsed)
-    scale_out = span == 1 and (args.gpus is not None or args.devices is not None
-                               or args.placement is not None)
-    layout.check_devices(devices)
-    if args.single_requests < 2:
-        raise SystemExit("--single-requests must be at least 2")
-    if args.single_qps is not None and args.single_qps <= 0:
-        raise SystemExit("--single-qps must be a positive QPS")
-    spec = args.placement or layout.default_placement(
-        len(devices), args.encoders, args.transformers, args.decoders, span)
-    return Plan(devices, layout.parse_placement(spec, len(devices), span), scale_out, dit, span)
-
-
-def build_model(args: argparse.Namespace, device: str, dtype: str) -> tuple[Path, Any]:
-    if args.model_path is not None:
-        return args.model_path, None
-    if not args.arch:
-        from modelkit.tiny import build_task
-
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return build_task(args.models, args.pipeline, seed=0), None
-    model = args.arch_dir / (args.arch + (f"-l{args.layers}" if args.layers else ""))
-    log(f"building {args.arch} in {model} on {device} ({dtype})")
-    # In a child process: the builder's GPU memory is gone before the services start.
-    proc = subprocess.run(
-        [sys.executable, "-m", "modelkit.real", "--arch", args.arch,
-         "--out", str(model), "--device", device, "--dtype", dtype]
-        + (["--layers", str(args.layers)] if args.layers else []),
-        capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"building {args.arch} failed:\n{proc.stderr[-3000:]}")
-    built = json.loads(proc.stdout.strip().splitlines()[-1])
-    log(f"built: {built}")
-    return model, built
-
-
-def efficiency(results: list[dict[str, Any]], plan: Plan,
-               given: float | None) -> dict[str, Any] | None:
-    """The one-replica QPS (given, or the baseline's measured level) and each other row's
-    QPS over G x it, written into the rows."""
-    qps, source = given, "--single-qps"
-    if qps is None:
-        rows = [r for res in results for r in res["levels"] if r.get("single")]
-        if not rows:
-            log("no one-replica baseline (mode baseline not run, no --single-qps): no efficiency")
-            return None
-        qps, source = rows[0]["qps"], "measured (baseline x1 row)"
-    reference = len(plan.devices) * qps
-    for res in results:
-        for row in res["levels"]:
-            if not row.get("single"):
-                row["efficiency"] = row["qps"] / reference
-    return {"single_replica_qps": qps, "source": source, "devices": len(plan.devices),
-            "reference_qps": reference}
+def mode_label(mode: Mode, plan: Plan) -> str:
+    g = len(plan.devices)
+    if mode.kind == "baseline":
+        label = f"baseline x{g}" if plan.scale_out else "baseline"
+    else:
+        counts = layout.counts(plan.workers)
+        label = "disagg " + "/".join(str(counts[r]) for r in layout.ROLES)
+        if plan.dit_parallel:
+            label += f" DiT {plan.dit_parallel}"
+    return label if mode.tag is None else f"{label} @{mode.tag}"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = make_plan(args)
+    modes = modes_.parse_modes(args.modes)
+    settings = [modes_.parse_set(item) for item in args.set]
+    modes_.check_selectors(settings, modes)
+    ratios = modes_.parse_ratios(args.ratios, modes)
     g = len(plan.devices)
     if args.arch:
-        from modelkit import real as real_models
-
-        args.pipeline = args.pipeline or real_models.PIPELINE[args.arch]
+        args.pipeline = args.pipeline or arch_pipeline(args.arch)
     args.pipeline = args.pipeline or "qwen_t2i"
+    if args.pipeline not in TINY_SIZE:
+        raise SystemExit(f"pipeline {args.pipeline} has no default size here (serve one of "
+                         f"{', '.join(sorted(TINY_SIZE))})")
     device = plan.devices[0]
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     default_conc = f"{g},{2 * g},{4 * g}" if plan.scale_out else "1,2,4,8"
@@ -479,75 +376,75 @@ def main(argv: list[str] | None = None) -> int:
         if len(reqs) != len(conc):
             raise SystemExit("--requests needs one count per --concurrency level")
     levels = list(zip(conc, reqs, strict=True))
+    base = {"device": device, "dtype": dtype}
+    overrides = {m.name: modes_.settings_for(m.name, m.matches, settings, base) for m in modes}
+    if args.dry_run:
+        return modes_.dry_run(args, modes, overrides, ratios)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    model, built = build_model(args, device, dtype)
-
-    sizes = REAL_SIZE if args.arch else TINY_SIZE
-    height, width, frames = sizes[args.pipeline]
-    height, width = args.height or height, args.width or width
-    frames = args.frames or frames
-    body: dict[str, Any] = {"height": height, "width": width, "infer_steps": args.steps}
-    if TASK_SPECS[args.pipeline].output == "video":
-        body.update(target_video_length=frames, target_fps=16)
-    spec = TASK_SPECS[args.pipeline]
-    if spec.needs_image:
-        from scripts.bench.bench_inputs import input_images
-
-        body["image_path"] = input_images(args.images if spec.multi_image else 1, height,
-                                          width)
-    overrides: dict[str, Any] = {"device": device, "dtype": dtype}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = json.loads(value)
+    model, built = model_folder(args, device, dtype, log)
+    body, (height, width, frames) = request_body(args)
 
     results = []
     log_dir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
-    counts = layout.counts(plan.workers)
-    for mode in args.modes.split(","):
-        workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-cfg-", dir=args.workdir))
-        cfg = group_config(args.pipeline, str(model), workdir, **overrides)
-        res = run_mode(mode, args, cfg, body, levels, log_dir, plan)
-        if mode == "baseline":
-            res["label"] = f"baseline x{g}" if plan.scale_out else "baseline"
-        else:
-            res["label"] = "disagg " + "/".join(str(counts[r]) for r in layout.ROLES)
-            if plan.dit_parallel:
-                res["label"] += f" DiT {plan.dit_parallel}"
+    failed: dict[str, str] = {}
+    for mode in modes:
+        workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode.name}-cfg-", dir=args.workdir))
+        cfg = group_config(args.pipeline, str(model), workdir, **overrides[mode.name])
+        try:
+            res = run_mode(mode, args, cfg, body, levels, log_dir, plan)
+        except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+            # One mode's failure (out of memory under its cap, a service that exits) must not
+            # lose the other modes' rows: it is reported, and the run exits with status 1.
+            failed[mode.name] = f"{type(exc).__name__}: {exc}"[-3000:]
+            log(f"{mode.name} failed: {failed[mode.name]}")
+            res = {"mode": mode.name, "kind": mode.kind, "levels": [], "probe": None,
+                   "error": failed[mode.name]}
+        res["label"] = mode_label(mode, plan)
         results.append(res)
+        # What is done so far, should a later mode outlast the machine's time.
+        (args.out / "bench_serving.partial.json").write_text(json.dumps(
+            [{k: v for k, v in r.items() if k != "probe"} for r in results], default=str))
 
-    fidelity = None
     probes = {r["mode"]: r.pop("probe") for r in results}
-    if probes.get("baseline") is not None and probes.get("disagg") is not None:
-        import numpy as np
-
-        a, b = (np.asarray(probes[m], dtype=np.int16) for m in ("baseline", "disagg"))
-        fidelity = {"same_shape": a.shape == b.shape,
-                    "max_abs_diff": int(np.abs(a - b).max()) if a.shape == b.shape else None,
-                    "equal": bool(a.shape == b.shape and np.array_equal(a, b))}
-    scaling = efficiency(results, plan, args.single_qps) if plan.scale_out else None
+    kinds = {r["kind"]: r["mode"] for r in reversed(results)}  # the first of each kind
+    fidelity = None
+    if probes.get(kinds.get("baseline")) is not None and \
+            probes.get(kinds.get("disagg")) is not None:
+        fidelity = compare_probes(probes[kinds["baseline"]], probes[kinds["disagg"]])
+    first = results[0]["mode"]
+    fidelity_by_mode = {name: compare_probes(probes[first], probe)
+                        for name, probe in probes.items()
+                        if name != first and probe is not None and probes[first] is not None}
+    scaling = efficiency(results, g, args.single_qps) if plan.scale_out else None
+    if plan.scale_out and scaling is None:
+        log("no one-replica baseline (mode baseline not run, no --single-qps): no efficiency")
     title = (f"{args.arch or args.pipeline} {height}x{width}"
              + (f"x{frames}" if TASK_SPECS[args.pipeline].output == "video" else "")
              + f", {args.steps} steps, {device} {dtype}")
+    if args.arch and args.text_encoders == "full":
+        title += ", full-size text encoders"
     if plan.scale_out:
         title += (f"; {g} devices ({', '.join(f'd{i}={d}' for i, d in enumerate(plan.devices))})"
                   f"; disagg: {layout.describe(plan.workers)}")
-    md = f"{title}\n\n{table(results, plan.devices if plan.scale_out else None)}\n"
+    md = f"{title}\n\n{table(results, plan.devices if plan.scale_out else None, ratios)}\n"
     if scaling is not None:
         md += (f"\neff = QPS / ({g} x {scaling['single_replica_qps']:.3f}), one-replica "
                f"baseline QPS {scaling['source']}\n")
     if plan.dit_parallel:
         title += (f"; DiT group {plan.dit_parallel} over {plan.dit_span} devices "
                   f"({layout.describe(plan.workers)}), baseline on {plan.devices[0]}")
-        md = f"{title}\n\n{table(results, None)}\n\n{group_lines(results)}"
+        md = f"{title}\n\n{table(results, None, ratios)}\n\n{group_lines(results)}"
+    for name, error in failed.items():
+        md += f"\n- {name} failed: {error.splitlines()[0] if error else ''}\n"
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "title": title, "pipeline": args.pipeline, "model": str(model), "built": built,
         "request": body, "config_overrides": overrides, "levels": levels,
         "devices": plan.devices, "placement": plan.workers, "scaling": scaling,
         "environment": environment(plan.devices), "results": results,
-        "fidelity_probe": fidelity,
+        "fidelity_probe": fidelity, "fidelity_by_mode": fidelity_by_mode, "failed": failed,
     }
     (args.out / "bench_serving.json").write_text(json.dumps(report, indent=1, default=str))
     (args.out / "bench_serving.md").write_text(md)
@@ -562,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if fidelity is not None:
         print(f"fidelity probe (seed 7, baseline vs disagg): {fidelity}")
-    return 0
+    for name, cmp in fidelity_by_mode.items():
+        print(f"fidelity probe (seed 7, {name} vs {first}): {cmp}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

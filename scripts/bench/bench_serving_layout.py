@@ -24,6 +24,7 @@ and d2.
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -169,3 +170,48 @@ def describe(workers: list[tuple[str, int]]) -> str:
 def counts(workers: list[tuple[str, int]]) -> dict[str, int]:
     have = Counter(role for role, _ in workers)
     return {r: have[r] for r in ROLES}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a run's services go: its devices and the disaggregated workers' placement."""
+
+    devices: list[str]
+    workers: list[tuple[str, int]]
+    scale_out: bool
+    dit_parallel: str | None = None
+    """The DiT workers' transformer-group layout (``--dit-parallel``), None: one device."""
+    dit_span: int = 1
+    """Devices per DiT worker (the layout's size)."""
+
+    @property
+    def baseline_devices(self) -> list[str]:
+        """One ``--service all`` replica per device; against a group, one on d0."""
+        return self.devices[:1] if self.dit_span > 1 else self.devices
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Devices and placement from the command line; refuses a GPU run asking for more CUDA
+    devices than the machine has before anything is built or started."""
+    devices = device_list(args.device, args.gpus, args.devices)
+    span, dit = 1, None
+    if args.dit_parallel:
+        from contracts.errors import ConfigError
+        from contracts.parallel import ParallelLayout
+
+        try:
+            parsed = ParallelLayout.parse(args.dit_parallel)
+        except ConfigError as exc:
+            raise SystemExit(f"--dit-parallel: {exc}") from None
+        span, dit = parsed.size, str(parsed)
+    scale_out = span == 1 and (args.gpus is not None or args.devices is not None
+                               or args.placement is not None)
+    if not args.dry_run:
+        check_devices(devices)
+    if args.single_requests < 2:
+        raise SystemExit("--single-requests must be at least 2")
+    if args.single_qps is not None and args.single_qps <= 0:
+        raise SystemExit("--single-qps must be a positive QPS")
+    spec = args.placement or default_placement(
+        len(devices), args.encoders, args.transformers, args.decoders, span)
+    return Plan(devices, parse_placement(spec, len(devices), span), scale_out, dit, span)

@@ -16,6 +16,14 @@ the request's time inside encode, denoise and VAE decode (its own work, queueing
 the scale-out issue's goal: at most 1 %). The baseline has no hops.
 
 Efficiency ("eff"): a row's QPS over G x the one-replica baseline's QPS, G the run's devices.
+
+DiT s/step: the transformer's time inside denoise over the level's requests x steps. Peak GiB
+of a stage: the largest ``diffring_stage_peak_max_bytes`` of the workers of that role (each
+its process's ``torch.cuda.max_memory_allocated`` over one request, weights included) after
+the level; in a baseline the three stages share one process, so each is that process's peak
+while the stage ran. "-" on a CPU (nothing to read).
+
+Ratio rows: mode A's level over mode B's at the same N (QPS, latencies, DiT s/step).
 """
 
 from __future__ import annotations
@@ -34,12 +42,14 @@ from scripts.bench.bench_serving_layout import ROLES, Endpoint
 
 STAGES = (("encoder", "compute", "enc"), ("transformer", "compute", "DiT"),
           ("decoder", "compute", "VAE"), ("decoder", "encode_media", "media"))
+GAUGES = {"diffring_stage_peak_max_bytes": "peak", "diffring_stage_resident_bytes": "resident"}
+"""Memory gauges read after a level (not differences), by their ``role`` label."""
 HOPS = (("P1", "transformer"), ("P2", "decoder"))
 
 
 def scrape(endpoints: list[Endpoint]) -> list[dict[str, float]]:
-    """Per endpoint: stage seconds (``stage/ROLE/STEP``) and pull totals (``pull_bytes``,
-    ``pull_s``, ``pull_n``)."""
+    """Per endpoint: stage seconds (``stage/ROLE/STEP``), pull totals (``pull_bytes``,
+    ``pull_s``, ``pull_n``) and memory gauges (``peak/ROLE``, ``resident/ROLE``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = []
@@ -51,6 +61,8 @@ def scrape(endpoints: list[Endpoint]) -> list[dict[str, float]]:
                 key = None
                 if s.name == "diffring_stage_seconds_sum":
                     key = f"stage/{s.labels['role']}/{s.labels['step']}"
+                elif s.name in GAUGES:
+                    key = f"{GAUGES[s.name]}/{s.labels['role']}"
                 elif s.labels.get("direction") == "pull":
                     key = {"diffring_transfer_bytes_total": "pull_bytes",
                            "diffring_transfer_seconds_sum": "pull_s",
@@ -66,9 +78,15 @@ def level_stats(endpoints: list[Endpoint], before: list[dict[str, float]],
                 n_devices: int) -> dict[str, Any]:
     """Busy fractions, per-device DiT busy and hop costs of one level, from the scrapes
     before and after it; ``active``: the endpoints (indices) that served the level."""
-    delta = [{k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b)}
+    def gauge(key: str) -> bool:
+        return key.split("/", 1)[0] in GAUGES.values()
+
+    delta = [{k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b) if not gauge(k)}
              for b, a in zip(before, after, strict=True)]
     act = [(endpoints[i], delta[i]) for i in active]
+    memory = {f"{kind}_gib": {role: max((after[i].get(f"{kind}/{role}", 0.0) for i in active),
+                                        default=0.0) / 2**30 for role in ROLES}
+              for kind in GAUGES.values()}
 
     def runs(ep: Endpoint, role: str) -> bool:
         return ep.role in (role, "all")
@@ -91,7 +109,7 @@ def level_stats(endpoints: list[Endpoint], before: list[dict[str, float]],
         hops[hop] = None if n == 0 else {
             "pulls": n, "bytes_per_pull": sum(d.get("pull_bytes", 0.0) for d in eps) / n,
             "s_per_pull": sum(d.get("pull_s", 0.0) for d in eps) / n}
-    return {"busy": busy, "dit_busy_by_device": dit_by_device, "hops": hops,
+    return {"busy": busy, "dit_busy_by_device": dit_by_device, "hops": hops, **memory,
             "stage_seconds": {k: sum(d.get(k, 0.0) for _, d in act)
                               for k in sorted({k for _, d in act for k in d})}}
 
@@ -113,11 +131,21 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def table(results: list[dict[str, Any]], devices: list[str] | None = None) -> str:
+def _gib(x: float | None) -> str:
+    return f"{x:.1f}" if x else "-"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else ""
+
+
+def table(results: list[dict[str, Any]], devices: list[str] | None = None,
+          ratios: list[tuple[str, str]] | None = None) -> str:
     """The markdown table; ``devices`` (a scale-out run) adds per-device DiT busy, the hop
-    columns and the efficiency."""
+    columns and the efficiency; ``ratios`` (mode names A, B) adds A/B rows."""
     head = ["mode", "N", "requests", "QPS", "P50 s", "P95 s", "P99 s", "enc busy", "DiT busy",
-            "VAE busy", "media busy"]
+            "VAE busy", "media busy", "DiT s/step", "enc peak GiB", "DiT peak GiB",
+            "VAE peak GiB"]
     if devices is not None:
         head += [f"DiT d{i}" for i in range(len(devices))]
         head += ["P1 MB", "P1 ms", "P2 MB", "P2 ms", "hops %", "eff"]
@@ -129,6 +157,9 @@ def table(results: list[dict[str, Any]], devices: list[str] | None = None) -> st
                      str(row["requests"]), f"{row['qps']:.3f}", f"{row['p50_s']:.2f}",
                      f"{row['p95_s']:.2f}", f"{row['p99_s']:.2f}", _pct(b["enc"]),
                      _pct(b["DiT"]), _pct(b["VAE"]), _pct(b["media"])]
+            step = row.get("dit_s_per_step")
+            cells.append("-" if step is None else f"{step:.3f}")
+            cells += [_gib(row.get("peak_gib", {}).get(role)) for role in ROLES]
             if devices is not None:
                 cells += [_pct(x) for x in row["dit_busy_by_device"]]
                 for hop in ("P1", "P2"):
@@ -140,20 +171,63 @@ def table(results: list[dict[str, Any]], devices: list[str] | None = None) -> st
                 eff = row.get("efficiency")
                 cells.append("-" if eff is None else f"{eff:.2f}")
             lines.append("| " + " | ".join(cells) + " |")
-    base = next((r for r in results if r["mode"] == "baseline"), None)
-    dis = next((r for r in results if r["mode"] == "disagg"), None)
-    if base is not None and dis is not None:
-        pairs = {row["concurrency"]: row for row in base["levels"] if not row.get("single")}
-        for rd in dis["levels"]:
+    by_name = {res["mode"]: res for res in results}
+    for a, b in ratios or []:
+        if a not in by_name or b not in by_name:
+            continue
+        pairs = {row["concurrency"]: row for row in by_name[b]["levels"] if not row.get("single")}
+        for rd in by_name[a]["levels"]:
             rb = pairs.get(rd["concurrency"])
-            if rb is None:
+            if rb is None or rd.get("single"):
                 continue
-            cells = ["**ratio** disagg/baseline", str(rd["concurrency"]), "",
+            cells = [f"**ratio** {a}/{b}", str(rd["concurrency"]), "",
                      f"**{rd['qps'] / rb['qps']:.2f}**"]
             cells += [f"{rd[k] / rb[k]:.2f}" for k in ("p50_s", "p95_s", "p99_s")]
+            cells += [""] * 4 + [_ratio(rd.get("dit_s_per_step"), rb.get("dit_s_per_step"))]
             cells += [""] * (len(head) - len(cells))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def group_lines(results: list[dict[str, Any]]) -> str:
+    """DiT seconds per step of each mode and level, and the group's latency speedup (P50 of
+    the one-device baseline over the group's) at each N both ran."""
+    lines = []
+    p50 = {}
+    for res in results:
+        for row in res["levels"]:
+            p50[(res["mode"], row["concurrency"])] = row["p50_s"]
+            if "dit_s_per_step" in row:
+                lines.append(f"- {res['label']} N={row['concurrency']}: DiT "
+                             f"{row['dit_s_per_step']:.3f} s/step")
+    base = next((r["mode"] for r in results if r["kind"] == "baseline"), None)
+    for res in results:
+        for row in res["levels"] if res["kind"] == "disagg" else []:
+            conc, value = row["concurrency"], row["p50_s"]
+            ref = p50.get((base, conc))
+            if ref:
+                lines.append(f"- N={conc}: group speedup {ref / value:.2f}x (P50 {ref:.2f} s "
+                             f"one device, {value:.2f} s group)")
+    return "\n".join(lines) + "\n"
+
+
+def efficiency(results: list[dict[str, Any]], n_devices: int,
+               given: float | None) -> dict[str, Any] | None:
+    """The one-replica QPS (given, or the baseline's measured level; None: neither) and each
+    other row's QPS over G x it, written into the rows."""
+    qps, source = given, "--single-qps"
+    if qps is None:
+        rows = [r for res in results for r in res["levels"] if r.get("single")]
+        if not rows:
+            return None
+        qps, source = rows[0]["qps"], "measured (baseline x1 row)"
+    reference = n_devices * qps
+    for res in results:
+        for row in res["levels"]:
+            if not row.get("single"):
+                row["efficiency"] = row["qps"] / reference
+    return {"single_replica_qps": qps, "source": source, "devices": n_devices,
+            "reference_qps": reference}
 
 
 def plot(results: list[dict[str, Any]], path: Path, title: str,

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "KernelAttnProcessor",
     "KernelQwenAttnProcessor",
     "KernelWanAttnProcessor",
     "apply_attention_backend",
@@ -232,11 +233,15 @@ def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 _WAN_TEXT_CONTEXT = 512
 
 
-class KernelWanAttnProcessor:
-    """Wan self/cross attention (incl. the I2V image branch) with a pluggable kernel."""
+class KernelAttnProcessor:
+    """An attention processor of diffusers' that runs its attention through ``kernel``."""
 
     def __init__(self, kernel: AttentionKernel) -> None:
         self.kernel = kernel
+
+
+class KernelWanAttnProcessor(KernelAttnProcessor):
+    """Wan self/cross attention (incl. the I2V image branch) with a pluggable kernel."""
 
     def __call__(
         self,
@@ -287,15 +292,12 @@ class KernelWanAttnProcessor:
         return attn.to_out[1](out)
 
 
-class KernelQwenAttnProcessor:
+class KernelQwenAttnProcessor(KernelAttnProcessor):
     """Qwen-Image joint (text + image stream) attention with a pluggable kernel.
 
     A text padding mask cannot go to a mask-less kernel; those (rare: batch > 1 with prompts
     of different lengths) calls use diffusers' default dispatch instead.
     """
-
-    def __init__(self, kernel: AttentionKernel) -> None:
-        self.kernel = kernel
 
     def __call__(
         self,

@@ -77,3 +77,15 @@ def latent_stats(vae_config: Any, like: torch.Tensor) -> tuple[torch.Tensor, tor
     mean = torch.tensor(vae_config.latents_mean).view(1, z, 1, 1, 1).to(like.device, like.dtype)
     std = torch.tensor(vae_config.latents_std).view(1, z, 1, 1, 1).to(like.device, like.dtype)
     return mean, std
+
+
+def decode_latents(vae: Any, latents: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The VAE's output for normalised ``latents`` (B, C, T, H, W), decoded as the pipelines
+    do it: on ``device`` in the VAE's dtype, un-normalised (``latents / (1 / std) + mean``),
+    without autograd."""
+    with torch.no_grad():
+        latents = latents.to(device=device, dtype=vae.dtype)
+        mean, std = latent_stats(vae.config, latents)
+        latents = latents / (1.0 / std) + mean
+        decoded: torch.Tensor = vae.decode(latents, return_dict=False)[0]
+        return decoded

@@ -64,25 +64,34 @@ def fp8_linear_targets(model: Any) -> list[str]:
     return names
 
 
-def check_fp8_linear(device: torch.device) -> None:
-    """Refuse (at load) a device or install FP8 matmuls cannot use, saying what to do."""
+def check_fp8_device(device: torch.device, option: str, minimum: tuple[int, int], gpus: str,
+                     instead: str, package: str, install: str) -> None:
+    """Refuse (at load, saying what to do) a device or install the FP8 ``option`` cannot use:
+    a CUDA GPU of compute capability ``minimum`` or newer (``gpus`` names them), with
+    ``package`` importable (``install`` says how); ``instead`` is the option to use else."""
+    need = f"{minimum[0]}.{minimum[1]}"
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ModelLoadError(
-            "transformer.linear 'fp8' needs a CUDA GPU of compute capability 8.9 or newer "
-            f"(Ada, Hopper); this stage runs on {device}. Use linear 'dtype'."
+            f"{option} needs a CUDA GPU of compute capability {need} or newer ({gpus}); this "
+            f"stage runs on {device}. {instead}"
         )
     capability = torch.cuda.get_device_capability(device)
-    if capability < _MIN_CAPABILITY:
+    if capability < minimum:
         raise ModelLoadError(
-            f"transformer.linear 'fp8' needs compute capability 8.9 or newer; "
+            f"{option} needs compute capability {need} or newer; "
             f"{torch.cuda.get_device_name(device)} ({device}) has "
-            f"{capability[0]}.{capability[1]}. Use linear 'dtype'."
+            f"{capability[0]}.{capability[1]}. {instead}"
         )
-    if importlib.util.find_spec("torchao") is None:
+    if importlib.util.find_spec(package) is None:
         raise ModelLoadError(
-            "transformer.linear 'fp8' needs torchao: pip install torchao==0.18.0 (the "
-            "offline bundle's `fp8` extra carries it)"
+            f"{option} needs {install} (the offline bundle's `fp8` extra carries it)"
         )
+
+
+def check_fp8_linear(device: torch.device) -> None:
+    """Refuse (at load) a device or install FP8 matmuls cannot use, saying what to do."""
+    check_fp8_device(device, "transformer.linear 'fp8'", _MIN_CAPABILITY, "Ada, Hopper",
+                     "Use linear 'dtype'.", "torchao", "torchao: pip install torchao==0.18.0")
 
 
 def apply_fp8_linear(model: Any, device: torch.device) -> int:

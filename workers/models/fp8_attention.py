@@ -34,14 +34,13 @@ of the kernel and of one DiT forward against bf16 SDPA.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 from typing import Any
 
 import torch
 
-from contracts.errors import ModelLoadError
+from .dit_options import check_fp8_device
 
 __all__ = ["E4M3_MAX", "check_fp8_attention", "cudnn_fp8_kernel", "fp8_attention"]
 
@@ -60,23 +59,9 @@ _MIN_CAPABILITY = (9, 0)
 
 def check_fp8_attention(device: torch.device) -> None:
     """Refuse (at load, with what to do) a device or install the FP8 kernel cannot use."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ModelLoadError(
-            "attention backend 'fp8_cudnn' needs a CUDA GPU of compute capability 9.0 or "
-            f"newer (Hopper); this stage runs on {device}. Use attention_backend 'sdpa'."
-        )
-    capability = torch.cuda.get_device_capability(device)
-    if capability < _MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        raise ModelLoadError(
-            f"attention backend 'fp8_cudnn' needs compute capability 9.0 or newer; {name} "
-            f"({device}) has {capability[0]}.{capability[1]}. Use attention_backend 'sdpa'."
-        )
-    if importlib.util.find_spec("cudnn") is None:
-        raise ModelLoadError(
-            "attention backend 'fp8_cudnn' needs NVIDIA's cuDNN frontend: pip install "
-            "nvidia-cudnn-frontend==1.16.0 (the offline bundle's `fp8` extra carries it)"
-        )
+    check_fp8_device(device, "attention backend 'fp8_cudnn'", _MIN_CAPABILITY, "Hopper",
+                     "Use attention_backend 'sdpa'.", "cudnn",
+                     "NVIDIA's cuDNN frontend: pip install nvidia-cudnn-frontend==1.16.0")
 
 
 class _Graphs:

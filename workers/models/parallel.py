@@ -134,10 +134,10 @@ def attach_group(adapter: Any) -> None:
 
 
 def _check_backend(adapter: Any, layout: ParallelLayout, model: Any, name: str) -> None:
-    from .attention import KernelQwenAttnProcessor, KernelWanAttnProcessor
+    from .attention import KernelAttnProcessor
 
-    kernel = (KernelQwenAttnProcessor, KernelWanAttnProcessor)
-    if any(isinstance(getattr(m, "processor", None), kernel) for m in model.modules()):
+    if any(isinstance(getattr(m, "processor", None), KernelAttnProcessor)
+           for m in model.modules()):
         raise ModelLoadError(
             f"parallel {layout}: attention_backend {adapter.attention!r} runs diffring's own "
             "attention processors, which diffusers' context parallelism does not drive; use "

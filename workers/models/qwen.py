@@ -60,8 +60,8 @@ from .components import (
 from .diffusers_glue import (
     check_schedule,
     cpu_generator,
+    decode_latents,
     fresh_scheduler,
-    latent_stats,
     load_diffusers_model,
     load_scheduler,
 )
@@ -414,10 +414,7 @@ class QwenDecoder(DecoderAdapter):
                 f"(1, {self.vae.config.z_dim}, 1, h, w)"
             )
         with torch.no_grad():
-            latents = latents.to(self.device).to(self.vae.dtype)
-            mean, std = latent_stats(self.vae.config, latents)
-            latents = latents / (1.0 / std) + mean
-            image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+            image = decode_latents(self.vae, latents, self.device)[:, :, 0]
             pixels = self.image_processor.postprocess(image, output_type="pt")
         # (1, C, H, W) -> (H, W, C), what the "np" output type's conversion does.
         out: torch.Tensor = pixels[0].permute(1, 2, 0)

@@ -48,6 +48,7 @@ from .components import (
 from .diffusers_glue import (
     check_schedule,
     cpu_generator,
+    decode_latents,
     fresh_scheduler,
     latent_stats,
     load_diffusers_model,
@@ -390,10 +391,7 @@ class WanDecoder(DecoderAdapter):
                 f"expects {self.vae.config.z_dim}"
             )
         with torch.no_grad():
-            latents = latents.to(device=self.device, dtype=self.vae.dtype)
-            mean, std = latent_stats(self.vae.config, latents)
-            latents = latents / (1.0 / std) + mean
-            video = self.vae.decode(latents, return_dict=False)[0]
+            video = decode_latents(self.vae, latents, self.device)
             frames = self.video_processor.postprocess_video(video, output_type="pt")
         # (1, F, C, H, W) -> (F, H, W, C), what the "np" output type's conversion does.
         pixels: torch.Tensor = frames[0].permute(0, 2, 3, 1)
