@@ -65,8 +65,9 @@ class ControlServer:
         if self._server is not None:
             await self._server.wait_closed()
 
-    async def _read(self, reader: asyncio.StreamReader, limit: int) -> bytes:
-        (n,) = wire.LEN.unpack(await reader.readexactly(4))
+    async def _read(self, reader: asyncio.StreamReader, limit: int, first: bytes = b"") -> bytes:
+        """One frame; ``first``: bytes of its length prefix already read."""
+        (n,) = wire.LEN.unpack(first + await reader.readexactly(4 - len(first)))
         if n > limit:
             raise ValueError(f"frame of {n} bytes exceeds the limit of {limit}")
         return await reader.readexactly(n)
@@ -184,8 +185,10 @@ class ControlServer:
     ) -> None:
         """A worker's doorbell connection: one ``wait`` at a time, each answered when its ring
         has work or its timeout passes (:mod:`controller.doorbell`)."""
+        ahead = b""  # the first byte of the worker's next wait, when it came with the answer
         while True:
-            msg = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME))
+            msg = wire.unpack_msg(await self._read(reader, wire.MAX_HANDSHAKE_FRAME, ahead))
+            ahead = b""
             seq = msg.get("seq")
             out: dict[str, Any] | None
             rung = False
@@ -221,7 +224,12 @@ class ControlServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await gone
                 if gone.done() and not gone.cancelled():
-                    return  # the connection ended in the same instant
+                    ahead = gone.result()
+                    if not ahead:
+                        return  # the connection ended in the same instant
+                    # Else the worker's next wait: sent as soon as it read a wake-up that this
+                    # loop had not yet resumed from (a busy controller); it is kept, not
+                    # taken for the connection's end (that dropped the worker's doorbell).
                 out = None if rung else {"seq": seq, "ok": True, "wake": waiting.result()}
             except (ControlError, KeyError, TypeError, ValueError) as exc:
                 out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}

@@ -59,6 +59,23 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest,
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
+LONG_MODULES = (
+    "test_e2e.py", "test_lora.py", "test_e2e_edit_plus.py", "test_group_layouts.py",
+    "test_bench_serving.py", "test_models.py", "test_group_faults.py", "test_e2e_recovery.py",
+    "test_result_writes.py", "test_stage_memory.py", "test_live_openai_media.py",
+    "test_model_variants.py", "test_stage_options.py", "test_startup_signals.py",
+)
+"""Modules that take about a minute or more on a loaded 2-core machine, longest first. They
+run first: scripts/test.sh hands whole modules to two pytest processes in collection order,
+and a long module handed out last would run alone at the end. (A module missing here only
+makes a run's tail longer.)"""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep theirs
+
+
 class Clock:
     """A monotonic clock a test drives instead of sleeping: ``clock()`` reads it,
     ``clock.advance(s)`` moves it on (leases and liveness then expire on the test's word)."""
@@ -212,12 +229,24 @@ def controller(tmp_path: Path) -> Iterator[Controller]:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny random-weight models of every pipeline, built once per session (offline)."""
+    """Tiny random-weight models of every pipeline, built once per run (offline): with
+    pytest-xdist, in the run's common temp folder, by whichever worker comes first (the
+    others wait on the lock, then find the build up to date: build_all is idempotent)."""
+    import fcntl
+
     env = os.environ.get("DIFFRING_TINY_MODELS")
-    out = Path(env) if env else tmp_path_factory.mktemp("tiny-models")
+    if env:
+        out = Path(env)
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.getbasetemp().parent / "tiny-models"
+    else:
+        out = tmp_path_factory.mktemp("tiny-models")
     from modelkit.tiny import build_all
 
-    build_all(out, seed=0)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f"{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build_all(out, seed=0)
     return out
 
 

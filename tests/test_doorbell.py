@@ -131,6 +131,60 @@ def test_doorbell_wakes_one_waiter_per_item_oldest_first() -> None:
     asyncio.run(scenario())
 
 
+def test_a_wait_that_crosses_its_wake_up_is_served() -> None:
+    """A worker sends its next wait the instant it reads a wake-up. When those bytes are in
+    before the controller has resumed from the wait it answered (a busy controller), they
+    are that next wait, not the connection ending: the controller used to drop the doorbell
+    there (seen on a loaded machine: the worker's wait got "ring host closed the
+    connection"). Made to happen here by holding the controller's loop until the next wait
+    was sent."""
+    from contracts.messages import Op
+    from controller.control import ControlServer
+    from rings import wire
+    from rings.tcp import recv_frame
+    from tests.conftest import make_coordinator
+
+    rings = {n: local_ring(n) for n in ("request", "phase1", "phase2")}
+    bell = Doorbell({n: r.verbs for n, r in rings.items()})
+    sent = threading.Event()
+    replies: list[dict[str, object]] = []
+
+    def worker(port: int) -> None:
+        client = DoorbellClient("127.0.0.1", port, TOKEN)
+        client.connect("encoder")
+        try:
+            assert client.wait("request", 30) is True
+            sock = client._sock
+            assert sock is not None
+            sock.sendall(wire.pack_msg({"op": Op.WAIT.value, "seq": 99, "ring": "request",
+                                        "timeout_s": 30, "ticket": None}))
+            sent.set()
+            replies.append(wire.unpack_msg(recv_frame(sock)))
+        finally:
+            sent.set()
+            client.close()
+
+    async def scenario() -> None:
+        server = ControlServer(make_coordinator(None, rings["request"]), "127.0.0.1", 0,
+                               TOKEN, bell)
+        await server.start()
+        try:
+            thread = threading.Thread(target=worker, args=(server.port,))
+            thread.start()
+            await until(lambda: bell.waiting("request") == 1)
+            rings["request"].push({"id": 1})
+            assert bell.ring("request") == 1  # the answer leaves from inside ring()
+            # The loop stays here, on purpose, until the worker's next wait is in.
+            assert sent.wait(60)
+            await asyncio.to_thread(thread.join, 60)
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
+    # Answered at once: the item is still published.
+    assert replies == [{"seq": 99, "ok": True, "wake": True}]
+
+
 @pytest.fixture
 def big_controller(tmp_path: Path) -> Iterator[Controller]:
     # 4 KiB slots: room for a whole task descriptor posted through the front door.

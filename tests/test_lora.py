@@ -81,10 +81,19 @@ def lora_dit(tiny_models: Path, task: str, folder: Path, **options: Any) -> Tran
     return _DITS[key]
 
 
+_CONDITIONS: dict[tuple[str, bytes | None], dict[str, Any]] = {}
+
+
 def run(tiny_models: Path, dit: TransformerAdapter, req: GenerationRequest,
         image: bytes | None) -> np.ndarray:
-    """Our three stages (the DiT given) on ``req``: float pixels, as diffusers' "np"."""
-    cond = stage("encoder", tiny_models, req.task).encode(req, image)
+    """Our three stages (the DiT given) on ``req``: float pixels, as diffusers' "np". The
+    encoder's output does not depend on the adapters or the cache, only on the rest of the
+    request: it is computed once per such request (an edit's encoder, which sizes the image
+    to a megapixel, is most of a run's time on the CPU)."""
+    key = (repr(req.replace(loras=(), cache=None)), image)
+    if key not in _CONDITIONS:
+        _CONDITIONS[key] = stage("encoder", tiny_models, req.task).encode(req, image)
+    cond = _CONDITIONS[key]
     latents = dit.denoise(req, wire(cond))
     out: np.ndarray = stage("decoder", tiny_models, req.task).decode_float(req, wire(latents))
     return out
