@@ -26,6 +26,9 @@ actions
     ``stop``      SIGSTOP this process (a frozen one: no thread runs, no socket closes;
                   SIGKILL or SIGCONT ends it)
     ``sleep=S``   pause S seconds, then go on
+    ``hold=PATH`` stay at the point while the file PATH exists, then go on (a gate a test
+                  opens by deleting the file, at the event it waits for; PATH holds no ``:``
+                  or ``,``)
     ``signal=SIG`` raise signal SIG (``TERM``, ``INT``) in this thread and go on: it arrives
                   at exactly this step (on the main thread its handler has run when the
                   point returns)
@@ -119,7 +122,7 @@ POINTS: Final[dict[str, str]] = {
 }
 """Every fault point compiled into the code, with where exactly it sits."""
 
-ACTIONS: Final = ("exit", "raise", "hang", "stop", "sleep", "signal")
+ACTIONS: Final = ("exit", "raise", "hang", "stop", "sleep", "hold", "signal")
 SIGNALS: Final = {"TERM": signal.SIGTERM, "INT": signal.SIGINT}
 """Signals the ``signal=`` action may send (the stop signals)."""
 
@@ -135,6 +138,8 @@ class Fault:
     action: str
     seconds: float = 0.0
     signum: int = 0
+    gate: str | None = None
+    """``hold``: the file whose existence keeps the point held."""
     nth: int | None = None
     every: int | None = None
     probability: float | None = None
@@ -186,16 +191,18 @@ def parse(spec: str | None) -> dict[str, Fault]:
             fault.rank = int(_number(entry, rank, int, 0))
         if action.startswith("sleep="):
             fault.action, fault.seconds = "sleep", _number(entry, action[6:], float, 0)
+        elif action.startswith("hold=") and len(action) > 5:
+            fault.action, fault.gate = "hold", action[5:]
         elif action.startswith("signal="):
             if action[7:] not in SIGNALS:
                 raise ConfigError(
                     f"fault {entry!r}: signal must be one of {', '.join(SIGNALS)}"
                 )
             fault.action, fault.signum = "signal", SIGNALS[action[7:]]
-        elif action not in ACTIONS or action in ("sleep", "signal"):
+        elif action not in ACTIONS or action in ("sleep", "signal", "hold"):
             raise ConfigError(
                 f"fault {entry!r}: unknown action {action!r} (exit, raise, hang, stop, sleep=S, "
-                "signal=TERM|INT)"
+                "hold=PATH, signal=TERM|INT)"
             )
         if len(parts) == 3:
             when = parts[2]
@@ -287,6 +294,13 @@ def hit(point: str, error: Callable[[str], BaseException] = FaultInjected) -> No
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.action == "sleep":
         time.sleep(fault.seconds)
+    elif fault.action == "hold":
+        # Polled rather than watched (inotify): a test's gate, held for moments, where a
+        # 20 ms poll costs nothing and needs no extra dependency.
+        assert fault.gate is not None
+        while os.path.exists(fault.gate):
+            time.sleep(0.02)
+        log.warning("fault point %s released (%s is gone)", point, fault.gate)
     elif fault.action == "signal":
         # raise(3), not kill(2): delivered to this thread, and on the main thread Python runs
         # its handler before raise_signal returns.

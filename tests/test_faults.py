@@ -80,6 +80,29 @@ def test_a_fault_that_lasts_while_a_file_exists(tmp_path: Path) -> None:
         faults.parse("decoder.before_write:raise:while=")
 
 
+def test_a_hold_stays_at_the_point_until_its_gate_is_deleted(tmp_path: Path) -> None:
+    import threading
+
+    gate = tmp_path / "gate"
+    gate.touch()
+    faults.configure(f"dit.step:hold={gate}:nth=2")
+    faults.hit("dit.step")  # the first hit: not due, passes
+    passed = threading.Event()
+    thread = threading.Thread(target=lambda: (faults.hit("dit.step"), passed.set()))
+    thread.start()
+    # Held: the thread is inside the point (it fired) and has not come out while the gate is
+    # there. Waited for by the fired count, an event, not by a pause.
+    while faults.fired() != {"dit.step": 1}:
+        thread.join(0.01)
+    assert not passed.is_set() and thread.is_alive()
+    gate.unlink()
+    thread.join(60)
+    assert passed.is_set()
+    faults.hit("dit.step")  # third hit: not due
+    with pytest.raises(ConfigError, match="hold=PATH"):
+        faults.parse("dit.step:hold=")
+
+
 def test_raise_defaults_to_fault_injected() -> None:
     faults.configure("worker.before_publish:raise")
     with pytest.raises(FaultInjected):

@@ -135,6 +135,23 @@ def kept(controller_log: str, task_id: str) -> list[tuple[int, str]]:
         controller_log)]
 
 
+def second_checkpoint_at_step_2(gate: Path, action: str) -> str:
+    """Faults for rank 0: ``action`` right after its second kept checkpoint, which is of
+    step 2 whatever the load. One checkpoint is in flight at most, and the tiny model's steps
+    can outrun a send on a loaded machine (the second one sent would then be a later step's,
+    or the final latents): so rank 0 is held at its second step boundary until ``gate`` is
+    deleted (:func:`open_gate_at_first_checkpoint`)."""
+    gate.touch()
+    return f"dit.step@0:hold={gate}:nth=2,dit.checkpointed@0:{action}:nth=2"
+
+
+def open_gate_at_first_checkpoint(svc: Service, task_id: str, gate: Path) -> None:
+    """Delete ``gate`` once rank 0 logged its first checkpoint kept (its sender is free)."""
+    wait_for(lambda: f"task {task_id}: checkpoint of step 1/{STEPS} kept" in svc.log(),
+             "the first checkpoint kept")
+    gate.unlink()
+
+
 def drain(cluster: LocalGroup, svc: Service) -> int:
     svc.proc.send_signal(signal.SIGTERM)
     return wait_exit(cluster, svc, 120)
@@ -143,16 +160,18 @@ def drain(cluster: LocalGroup, svc: Service) -> int:
 # -- tests ---------------------------------------------------------------------------------
 @pytest.mark.timeout(600)
 def test_a_cfg_group_whose_rank_is_killed_resumes_from_its_last_checkpoint(
-        cluster: LocalGroup, reference: Callable[[int], bytes]) -> None:
+        cluster: LocalGroup, reference: Callable[[int], bytes], tmp_path: Path) -> None:
     """Rank 0 checkpoints every step and freezes (SIGSTOP) right after its second kept
     checkpoint; rank 1, waiting for it in the step's all-gather, is then SIGKILLed. The
     group is restarted, its rank 0 fetches that checkpoint and hands it to rank 1, and the
     MP4 equals one process's byte for byte; the encoder ran once."""
-    svc = start_group(cluster, "cfg=2", "dit.checkpointed@0:stop:nth=2", timeout_s=60,
-                      restarts=1, **EVERY_STEP)
+    gate = tmp_path / "step-2-gate"
+    svc = start_group(cluster, "cfg=2", second_checkpoint_at_step_2(gate, "stop"),
+                      timeout_s=60, restarts=1, **EVERY_STEP)
     try:
         post(cluster, "cfg-kill")
         leader, follower = first_start(svc)
+        open_gate_at_first_checkpoint(svc, "cfg-kill", gate)
         wait_for(lambda: stopped(leader), "rank 0 frozen after its second checkpoint")
         os.kill(follower, signal.SIGKILL)
         st = wait_task(cluster.url, "cfg-kill", timeout=300)
@@ -163,9 +182,8 @@ def test_a_cfg_group_whose_rank_is_killed_resumes_from_its_last_checkpoint(
     ctl = cluster.services[0].log()
     steps = kept(ctl, "cfg-kill")
     first = [step for step, who in steps if who == steps[0][1]]
-    assert len(first) == 2, steps  # rank 0 froze after its second
+    assert first == [1, 2], steps  # rank 0 froze after its second
     last = first[1]
-    assert 2 <= last < STEPS, steps
     assert re.search(r"rank 1 \(cpu, pid \d+\) was killed by SIGKILL; restarting the group",
                      log), log[-3000:]
     assert (st["status"], st["attempt"], st["resumes"], st["resumed_from"], st["failures"]) \
@@ -178,17 +196,19 @@ def test_a_cfg_group_whose_rank_is_killed_resumes_from_its_last_checkpoint(
 
 @pytest.mark.timeout(600)
 def test_a_ulysses_group_whose_leader_is_killed_resumes_exactly(
-        cluster: LocalGroup, reference: Callable[[int], bytes]) -> None:
+        cluster: LocalGroup, reference: Callable[[int], bytes], tmp_path: Path) -> None:
     """Rank 0 is SIGKILLed right after its second kept checkpoint; the restarted group
     resumes from it. Resumed equals the same group's uninterrupted run byte for byte (the
     state handed over is the whole state), and one process's pixels up to the float order
     of Ulysses' sums."""
     from workers.models.media import read_mp4
 
-    svc = start_group(cluster, "ulysses=2", "dit.checkpointed@0:exit:nth=2", timeout_s=60,
-                      restarts=1, **EVERY_STEP)
+    gate = tmp_path / "step-2-gate"
+    svc = start_group(cluster, "ulysses=2", second_checkpoint_at_step_2(gate, "exit"),
+                      timeout_s=60, restarts=1, **EVERY_STEP)
     try:
         post(cluster, "uly-kill")
+        open_gate_at_first_checkpoint(svc, "uly-kill", gate)
         st = wait_task(cluster.url, "uly-kill", timeout=300)
         post(cluster, "uly-whole")
         whole = wait_task(cluster.url, "uly-whole", timeout=300)
@@ -197,7 +217,9 @@ def test_a_ulysses_group_whose_leader_is_killed_resumes_exactly(
         code = drain(cluster, svc)
     assert code == 0, svc.log()[-3000:]
     steps = kept(cluster.services[0].log(), "uly-kill")
-    last = [step for step, who in steps if who == steps[0][1]][1]
+    first = [step for step, who in steps if who == steps[0][1]]
+    assert first == [1, 2], steps
+    last = first[1]
     assert re.search(r"rank 0 \(cpu, pid \d+\) was killed by SIGKILL; restarting the group",
                      log), log[-3000:]
     assert (st["status"], st["attempt"], st["resumed_from"], st["failures"]) == (

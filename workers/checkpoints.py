@@ -168,6 +168,9 @@ class Sender:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+            if pending.kept:  # (logged once the next one can go: a test's event to wait for)
+                log.info("task %s: checkpoint of step %d/%d kept", pending.job.task_id,
+                         pending.state.step, pending.state.steps)
 
     def close(self) -> None:
         with self._cond:
