@@ -62,7 +62,8 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest,
 LONG_MODULES = (
     "test_e2e.py", "test_lora.py", "test_e2e_edit_plus.py", "test_group_checkpoints.py",
     "test_group_layouts.py", "test_bench_serving.py", "test_models.py", "test_group_faults.py",
-    "test_e2e_recovery.py", "test_resume_e2e.py", "test_result_writes.py", "test_stage_memory.py", "test_live_openai_media.py",
+    "test_e2e_recovery.py", "test_resume_e2e.py", "test_result_writes.py",
+    "test_stage_memory.py", "test_live_openai_media.py",
     "test_model_variants.py", "test_stage_options.py", "test_startup_signals.py",
 )
 """Modules that take about a minute or more on a loaded 2-core machine, longest first. They
