@@ -165,6 +165,10 @@ class Fault:
 _armed: dict[str, Fault] = {}
 _lock = threading.Lock()
 _rng = random.Random()
+# A process forked from one that imported this module (the chaos soak's fork server) would
+# otherwise draw the same ``p=F`` sequence as its siblings: every worker failing, say, its
+# 8th read. Each process draws its own.
+os.register_at_fork(after_in_child=_rng.seed)
 
 
 def parse(spec: str | None) -> dict[str, Fault]:

@@ -29,10 +29,13 @@ Control channel (worker -> controller; every request gets one reply with the sam
               checkpoints (request): the DiT checkpoints its loops and can yield at a step
               boundary; (reply): the controller keeps checkpoints (its store is on)
     heartbeat {tasks: [task_id], staged: [[task_id, attempt]], storage}
-                                                    -> {cancel: [task_id], drop: [task_id],
-                                                        yield: [task_id]}
+                                                    -> {cancel: [task_id],
+                                                        drop_staged: [[task_id, attempt]],
+                                                        drop: [task_id], yield: [task_id]}
               cancel: tasks to stop (cancelled, over, or no longer this worker's: its lease
-              expired); drop: staged outputs nobody will pull any more; storage (decoders
+              expired); drop_staged: staged outputs nobody will pull any more, by attempt
+              (an older attempt's may be unwanted while the current one's is being read);
+              drop: their task ids, for workers of an older build only; storage (decoders
               only): None, or {error, held, since} while results are held because their
               files cannot be written (the front door refuses new tasks meanwhile)
     claim     {task_id, attempt, stage}             -> {proceed: bool, reason}

@@ -285,8 +285,11 @@ class ControlServer:
             staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
             worker.stats = _stats(msg.get("stats"))
             tasks = [str(t) for t in msg.get("tasks", [])]
-            cancel, drop = co.on_heartbeat(worker, tasks, staged)
-            return {"cancel": cancel, "drop": drop,
+            cancel, unwanted = co.on_heartbeat(worker, tasks, staged)
+            return {"cancel": cancel, "drop_staged": [[t, a] for t, a in unwanted],
+                    # For workers of an older build, which read only task ids (and free
+                    # every attempt of each, the current one too).
+                    "drop": sorted({t for t, _a in unwanted}),
                     "yield": co.priorities.asked(tasks)}, worker
         if op == Op.CLAIM:
             ok, why = co.on_claim(worker, str(msg["task_id"]), int(msg["attempt"]))

@@ -327,9 +327,9 @@ class Coordinator:
 
     def on_heartbeat(
         self, worker: WorkerInfo, tasks: list[str], staged: list[tuple[str, int]]
-    ) -> tuple[list[str], list[str]]:
+    ) -> tuple[list[str], list[tuple[str, int]]]:
         """Renew the worker's leases (window 4). Returns (of ``tasks``, those it should stop;
-        of ``staged``, the outputs it should free): :meth:`TaskTable.not_held`,
+        of ``staged``, the (task, attempt) outputs it should free): :meth:`TaskTable.not_held`,
         :meth:`TaskTable.unwanted`."""
         now = self.clock()
         self.registry.heard(worker, now)

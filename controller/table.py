@@ -125,13 +125,18 @@ class TaskTable:
                 stop.append(tid)
         return stop
 
-    def unwanted(self, role: Role, staged: Iterable[tuple[str, int]]) -> list[str]:
+    def unwanted(self, role: Role, staged: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
         """Of the outputs (task_id, attempt) a producer of ``role`` still holds in its pool
         for the next stage, those nobody will pull any more: the task is over, the attempt
         superseded, or the consumer already past them. The consumer normally releases them
-        after its pull; these the producer frees itself instead of leaking pool memory."""
+        after its pull; these the producer frees itself instead of leaking pool memory.
+
+        Named by (task_id, attempt), never by task alone: a producer may hold a superseded
+        attempt's outputs (its consumer died before pulling them) beside the current
+        attempt's, which a consumer is about to read; freeing those would let the pool
+        reuse their block under that read (a checksum failure charged to the task)."""
         past = _PAST_THE_CONSUMER.get(role, ())
-        return [tid for tid, attempt in staged
+        return [(tid, attempt) for tid, attempt in staged
                 if (t := self.get(tid)) is None or t.stage in TERMINAL or t.attempt != attempt
                 or t.stage in past]
 

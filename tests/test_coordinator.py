@@ -126,7 +126,24 @@ def test_heartbeat_frees_outputs_nobody_will_pull(tmp_path: Path) -> None:
     co.on_handoff(enc, "h", 1)
     assert co.on_heartbeat(enc, [], [("h", 1)]) == ([], [])  # still wanted
     co.cancel(t)
-    assert co.on_heartbeat(enc, [], [("h", 1), ("gone", 1)]) == ([], ["h", "gone"])
+    assert co.on_heartbeat(enc, [], [("h", 1), ("gone", 1)]) == ([], [("h", 1), ("gone", 1)])
+
+
+def test_heartbeat_frees_a_superseded_attempt_but_not_the_current_one(tmp_path: Path) -> None:
+    """An encoder holds attempt 1's outputs (their DiT died before pulling them) beside
+    attempt 2's, which the next DiT is about to read: only attempt 1's are to be freed."""
+    co = make(tmp_path)
+    enc, dit, _ = workers(co)
+    t = task("s")
+    co.submit(t)
+    co.on_claim(enc, "s", 1)
+    co.on_handoff(enc, "s", 1)
+    assert co.on_claim(dit, "s", 1)[0]
+    co.on_gone(dit, "control connection dropped")  # died before its pull: nothing released
+    assert t.attempt == 2
+    co.on_claim(enc, "s", 2)
+    co.on_handoff(enc, "s", 2)
+    assert co.on_heartbeat(enc, [], [("s", 1), ("s", 2)]) == ([], [("s", 1)])
 
 
 def test_full_ring_refuses_without_keeping_anything(tmp_path: Path) -> None:

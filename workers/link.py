@@ -118,7 +118,9 @@ class Heartbeats:
                 job.cancel.set()
             if job is not None and job.task_id in reply.get("yield", []):
                 job.yield_asked.set()  # preempted: hand it back at the next step boundary
-            if reply.get("drop"):
+            if "drop_staged" in reply:  # by (task, attempt): never the attempt being read
+                self._staged.drop_keys({(str(t), int(a)) for t, a in reply["drop_staged"]})
+            elif reply.get("drop"):  # a controller of an older build names tasks only
                 self._staged.drop_tasks(set(reply["drop"]))
             holding = job is not None or bool(staged)
             stop.wait(interval_s if holding else idle_interval_s)

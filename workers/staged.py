@@ -51,6 +51,11 @@ class StagedOutputs:
         if descs:
             self._free(descs)
 
+    def drop_keys(self, keys: set[Key]) -> None:
+        """Free the outputs of exactly these (task_id, attempt) keys."""
+        if keys:
+            self.drop(lambda key: key in keys)
+
     def drop_tasks(self, task_ids: set[str]) -> None:
         """Free the outputs of every attempt of ``task_ids``."""
         self.drop(lambda key: key[0] in task_ids)

@@ -42,6 +42,12 @@ class Report:
                 f" kills={self.kills} restarts={self.restarts} seconds={self.seconds:.0f}")
 
 
+INJECTED_READ_FAILURE = re.compile(
+    r"task (\S+) failed at worker=\S+ attempt=\d+ \(TransferFailed, transfer\): "
+    r".*fault point transfer\.read fired")
+"""The controller's line for a read failure injected at a worker (``transfer.read``) that
+the holder of the attempt reported: the only failures the soak's tasks may be charged."""
+
 STORE_BYTES_BASE = 8 << 20
 """SQLite's fixed share: the WAL grows to ~4 MiB between checkpoints, plus page caches."""
 STORE_BYTES_PER_TASK = 4096
@@ -97,9 +103,22 @@ def check_tasks(r: Report, statuses: dict[str, dict[str, Any]], results: Path,
         elif st["status"] == "completed" and min(stored[tid], logged[tid], files[tid]) < 1:
             r.problems.append(f"{tid}: store {stored[tid]}, logged {logged[tid]}, "
                               f"result files {files[tid]}")
+    # Only the injected read failures may be charged (a kill, a restart, a lost item, a
+    # stalled worker never are): a task charged more often than it met one was charged for
+    # the system's fault.
+    injected: Counter[str] = Counter()
+    for log in controller_logs:
+        injected.update(INJECTED_READ_FAILURE.findall(log))
+    charged = 0
+    for tid, st in statuses.items():
+        charged += st.get("failures", 0)
+        if st.get("failures", 0) > injected[tid]:
+            r.problems.append(f"{tid} was charged {st['failures']} failure(s), "
+                              f"{injected[tid]} of them injected: {st.get('error')}")
     attempts = Counter(st.get("attempt", 0) for st in statuses.values())
     return [store_summary,
-            f"attempts per task: {dict(sorted(attempts.items()))}"]
+            f"attempts per task: {dict(sorted(attempts.items()))}; failures charged: "
+            f"{charged}, injected read failures reported: {sum(injected.values())}"]
 
 
 def pool_used(port: int) -> int:
