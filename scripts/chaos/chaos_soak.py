@@ -54,11 +54,8 @@ from contracts.config import DisaggConfig
 from contracts.pipelines import TASK_SPECS
 from contracts.roles import Role
 from controller.group import LocalGroup, Service, free_ports, group_config
-from rings import payload as pl
-from rings.layout import STAMPS_OFFSET, SlotState, unpack_stamp
-from rings.ring import Ring
-from rings.verbs import connect
 from scripts import ROOT
+from scripts.chaos.chaos_attacks import corrupt_ring, freeze_a_busy_worker
 from scripts.chaos.chaos_checks import (
     Report,
     check_resumed,
@@ -284,61 +281,16 @@ class Chaos:
         # restart it registers again, but it is as killable meanwhile).
         self.ready |= {w["pid"] for ws in workers.values() for w in ws}
 
-    # -- the attacks ------------------------------------------------------------------------
+    # -- the attacks (scripts/chaos/chaos_attacks.py) ---------------------------------------
     def zombie(self) -> None:
-        """SIGSTOP a worker holding a task past its lease, then SIGCONT it."""
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                workers = httpx.get(f"{self.url}/v1/service/status", timeout=5).json()["workers"]
-            except (httpx.HTTPError, ValueError, KeyError):
-                time.sleep(0.2)
-                continue
-            busy = [(w["pid"], w["current_tasks"][0]) for role in ("decoder", "transformer")
-                    for w in workers.get(role, []) if w["current_tasks"]]
-            if busy:
-                pid, tid = busy[0]
-                self.stopped_pid = pid  # the killer leaves it alone from now on
-                try:
-                    os.kill(pid, signal.SIGSTOP)
-                    time.sleep(self.s.lease_s + 3)
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    continue  # killed just before
-                finally:
-                    self.stopped_pid = None
-                self.events.append(f"SIGSTOPped pid {pid} holding {tid} past its lease")
-                return
-            time.sleep(0.05)
-        self.events.append("SIGSTOP: found no busy worker")
+        def stopped(pid: int | None) -> None:
+            self.stopped_pid = pid  # the killer leaves it alone meanwhile
+
+        self.events.append(freeze_a_busy_worker(self.url, self.s.lease_s + 3, stopped))
 
     def corrupt(self, ring: str, forge: bool) -> None:
-        """As a peer holding the token: garbage over a published item, or a forged item of
-        the wrong kind naming a real task."""
-        host, port = self.disagg.ring_address(ring)
-        verbs = connect("tcp", host, port, layout=self.disagg.layout(ring), ring=ring,
-                        token=self.disagg.cluster_token or "", peer_name="chaos-peer")
-        try:
-            lay = verbs.layout
-            if forge:
-                tid = self.accepted[-1]
-                att = httpx.get(f"{self.url}/v1/tasks/{tid}/status", timeout=5).json()["attempt"]
-                Ring(verbs).try_push({"kind": "phase2", "task_id": tid, "attempt": att,
-                                      "pipeline": self.s.pipeline, "request": {}})
-                self.events.append(f"forged a phase2 item for {tid} in ring {ring}")
-                return
-            deadline = time.monotonic() + 20  # consumers leave items for ms at most
-            while time.monotonic() < deadline:
-                raw = verbs.read(STAMPS_OFFSET, 8 * lay.slot_count)
-                for i in range(lay.slot_count):
-                    pos, state, _ = unpack_stamp(int.from_bytes(raw[8 * i: 8 * i + 8], "little"))
-                    if state == SlotState.PUBLISHED:
-                        verbs.write(lay.payload_offset(pos) + pl.HEADER_SIZE, b"\xde\xad" * 8)
-                        self.events.append(f"corrupted position {pos} of ring {ring}")
-                        return
-            self.events.append(f"ring {ring}: nothing published to corrupt")
-        finally:
-            verbs.close()
+        self.events.append(corrupt_ring(self.disagg, self.url, ring, self.s.pipeline,
+                                        self.accepted[-1] if forge else None))
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> Report:
