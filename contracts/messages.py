@@ -35,11 +35,13 @@ Control channel (worker -> controller; every request gets one reply with the sam
               cancel: tasks to stop (cancelled, over, or no longer this worker's: its lease
               expired); drop_staged: staged outputs nobody will pull any more, by attempt
               (an older attempt's may be unwanted while the current one's is being read);
-              drop: their task ids, for workers of an older build only; storage (decoders
-              only): None, or {error, held, since} while results are held because their
-              files cannot be written (the front door refuses new tasks meanwhile)
-    claim     {task_id, attempt, stage}             -> {proceed: bool, reason}
-              yield: tasks to hand back at the next step boundary, checkpointed (preempted)
+              drop: their task ids, for workers of an older build only; yield: tasks to
+              hand back at the next step boundary, checkpointed (preempted); storage
+              (decoders only): None, or {error, held, since} while results are held because
+              their files cannot be written (the front door refuses new tasks meanwhile)
+    claim     {task_id, attempt, stage}             -> {proceed: bool, reason, defer: bool}
+              defer: not now, a more urgent task waits encoded (the DiT pushes the item
+              back to its ring)
     progress  {task_id, attempt, step, steps}       -> {cancel: bool, yield: bool}
     checkpoint {task_id, attempt, step, steps, final, meta, phase1, state}
                                                     -> {accepted: bool, reason}
@@ -48,7 +50,8 @@ Control channel (worker -> controller; every request gets one reply with the sam
               ``phase1`` (the encoder's outputs, or None when the controller has them) are
               descriptor lists, ``meta`` the non-tensor scheduler state; answered once the
               controller pulled them (its reads release the DiT's blocks)
-    resume    {task_id, attempt}                    -> {step, steps, meta, phase1, state}
+    resume    {task_id, attempt}                    -> {step, steps, final, meta, phase1,
+                                                        state}
               the kept checkpoint a resumed attempt starts from (descriptors without a
               release word, in the controller's pool)
     handoff   {task_id, attempt, stage}             -> {}

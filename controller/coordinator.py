@@ -68,7 +68,9 @@ process inside each is named; ``tests/test_fault_points.py`` fires every one of 
    out, a payload corrupted so badly it cannot name its task. The doorbell
    (:mod:`controller.doorbell`) that wakes idle consumers when an item is pushed is only a
    hint: the item stays owned by its slot, so a lost or late ring delays a task and never
-   loses it.
+   loses it. A DiT whose claim is deferred behind a more urgent task
+   (:mod:`controller.priorities`) pushes the popped item back to its ring: until that push
+   this is the same gap, and a ring too full to take it back makes it a dropped item (3).
 3. *Dropped item* (:meth:`Recovery.dropped`). A worker that pops an item it cannot run
    (corrupt, wrong kind, malformed) reports it (``dropped``). An item that names the task's
    current attempt, waiting for that worker's role, puts the task back in play at once; one
@@ -107,9 +109,11 @@ process inside each is named; ``tests/test_fault_points.py`` fires every one of 
 7. *Controller restart* (:meth:`Coordinator.restore`). The rings live in the controller's
    memory and die with it, and leases die with its connections. The task store brings back
    every accepted task (an older controller's JSON-lines journal is imported into it once),
-   the unfinished ones as accepted in a new attempt (1), queued before the control channel
-   opens; workers' old jobs fail on their dead connections and they register again -- heard
-   from again, they are no longer held against the tasks they lost.
+   the unfinished ones as accepted in a new attempt (1), pushed before the control channel
+   opens as far as the rings and the release bound let them -- the rest wait in the
+   ``requeue``, owned by the controller, as in 1; workers' old jobs fail on their dead
+   connections and they register again -- heard from again, they are no longer held against
+   the tasks they lost.
 8. *Checkpointed* (``dit.step``, ``dit.checkpointed``; :mod:`controller.resumes`, the store
    of :mod:`controller.checkpoints`). A DiT that checkpoints sends its loop state
    (``checkpoint``) while it holds the lease (4); the controller pulls it off the loop and

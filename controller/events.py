@@ -54,10 +54,10 @@ GALLERY_SIZE = 24
 
 TERMINAL_EVENTS = frozenset({"completed", "failed", "cancelled"})
 # Coordinator event -> wire event; claimed / handoff / queued are all stage changes.
+_CHECKPOINT_EVENTS = frozenset({"checkpoint", "resumed", "yielded", "preempting", "preempted"})
 _WIRE_NAME = {"queued": "stage", "claimed": "stage", "handoff": "stage", "progress": "progress",
               "completed": "completed", "failed": "failed", "cancelled": "cancelled",
-              **{e: e for e in ("checkpoint", "resumed", "yielded", "preempting", "preempted")}}
-_CHECKPOINT_EVENTS = frozenset({"checkpoint", "resumed", "yielded", "preempting", "preempted"})
+              **{e: e for e in _CHECKPOINT_EVENTS}}
 
 
 def result_path(task_id: str) -> str:

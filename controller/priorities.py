@@ -100,8 +100,8 @@ class Priorities:
         if len(urgent) <= outstanding:
             return None
         top = rank(urgent[outstanding].priority)
-        victims = [t for w in dits if w.checkpoints and (t := running[w.worker_id]) is not None
-                   and not t.yield_requested and rank(t.priority) < top
+        victims = [t for t in (running[w.worker_id] for w in dits if w.checkpoints)
+                   if not t.yield_requested and rank(t.priority) < top
                    and t.preemptions < self.max_preemptions]
         if not victims:
             return None

@@ -1,5 +1,6 @@
 """Putting tasks back in play when their owner fails (windows 2, 3, 4 and 6 of the ownership
-argument in :mod:`controller.coordinator`), each charged to its retry budget
+argument in :mod:`controller.coordinator`; a reported failure or a yield, and the checkpoint
+a new attempt resumes from, of window 8), each charged to its retry budget
 (:mod:`controller.budget`) by the cause of the ended attempt.
 
 The coordinator decides *that* an owner failed (a dropped connection, an expired lease, a

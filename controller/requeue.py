@@ -60,8 +60,8 @@ class Requeue:
         self.rings: dict[str, Any] = {"request": ring, **(rings or {})}
         self.route = route
         self.limit = limit
-        self.clock = clock
         """Tasks of a class and up that may be ahead of the DiTs (None: no bound)."""
+        self.clock = clock
         self._waiting: dict[str, int] = {}
         """Waiting task ids, by arrival number (their order within a class)."""
         self._arrival = itertools.count()
@@ -76,10 +76,11 @@ class Requeue:
             return resumed
         return Route("request", task.descriptor(), Stage.QUEUED)
 
-    def push(self, task: Task) -> bool:
-        """Push now, and mark it waiting in that ring; False when the ring is full (the
-        caller decides what that means)."""
-        route = self._route(task)
+    def push(self, task: Task, route: Route | None = None) -> bool:
+        """Push now (to ``route``: the one :meth:`_route` gives, built once by a caller that
+        has it), and mark it waiting in that ring; False when the ring is full (the caller
+        decides what that means)."""
+        route = route or self._route(task)
         if self.rings[route.ring].try_push(route.item) is not None:
             return False
         if route.stage == Stage.QUEUED:
@@ -128,7 +129,7 @@ class Requeue:
             counted = route.ring != "phase2"  # a decode-only resume is not ahead of a DiT
             if route.ring in full or (counted and ahead[mine] >= bound):
                 continue  # a later sweep, claim or registration tries again
-            if not self.push(task):
+            if not self.push(task, route):
                 full.add(route.ring)
                 continue
             del self._waiting[task.task_id]

@@ -15,7 +15,7 @@ from controller.errors import ControlError
 from controller.registry import WorkerInfo
 from controller.requeue import Route
 from controller.table import TaskTable
-from controller.tasks import TERMINAL, Stage, Task
+from controller.tasks import Stage, Task
 from tensorplane.descriptor import TensorDescriptor
 
 log = logging.getLogger("diffring.controller")
@@ -36,12 +36,12 @@ class Resumes:
         """The task, if ``worker`` may keep a checkpoint of it now: the lease holder of its
         current attempt, or (final latents) the producer of that attempt's Phase2 item."""
         task = self.table.get(task_id)
-        if task is None or task.stage in TERMINAL or task.attempt != attempt:
+        if task is None:
             return None
-        if task.worker_id == worker.worker_id:
+        if self.table.holds(task, attempt, worker.worker_id):
             return task
-        if final and task.producer_id == worker.worker_id and task.stage in (
-                Stage.PHASE2, Stage.DECODING):
+        if final and task.attempt == attempt and task.producer_id == worker.worker_id \
+                and task.stage in (Stage.PHASE2, Stage.DECODING):  # (neither is terminal)
             return task
         return None
 

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Counter
@@ -78,8 +78,6 @@ class Pending:
     state: LoopState
     phase1: Mapping[str, Any] | None
     final: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-    kept: bool = False
 
 
 class Sender:
@@ -162,13 +160,12 @@ class Sender:
                 pending, self._next, self._busy = self._next, None, True
             assert pending is not None
             try:
-                pending.kept = self.send(pending)
+                kept = self.send(pending)
             finally:
-                pending.done.set()
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
-            if pending.kept:  # (logged once the next one can go: a test's event to wait for)
+            if kept:  # (logged once the next one can go: a test's event to wait for)
                 log.info("task %s: checkpoint of step %d/%d kept", pending.job.task_id,
                          pending.state.step, pending.state.steps)
 
@@ -269,11 +266,12 @@ class DitCheckpoints:
                         self.name)
         self.enabled = enabled
 
-    def hooks(self, job: Any, inputs: Mapping[str, Any], resume: LoopState | None,
+    def hooks(self, job: Any, inputs: Mapping[str, Any],
               yield_reason: Callable[[], str | None]) -> JobHooks | Plain:
+        """The loop hooks of ``job``, which starts at ``job.resume`` (None: from step 0)."""
         if not self.enabled:
-            return Plain(resume)
-        return JobHooks(self, job, inputs, resume, yield_reason)
+            return Plain(job.resume)
+        return JobHooks(self, job, inputs, job.resume, yield_reason)
 
     def send_final(self, job: Any, outputs: Mapping[str, Any], steps: int) -> None:
         """The final latents (after the last step): kept until the result is written."""

@@ -166,7 +166,7 @@ class TransformerWorker(ProducerWorker):
         # two denoising steps. A cancel in a reply sets job.cancel, checked before each;
         # all reports are answered before the outputs are published.
         req = _request(job)
-        hooks = self.checkpoints.hooks(job, inputs, job.resume, lambda: self.yield_reason(job))
+        hooks = self.checkpoints.hooks(job, inputs, lambda: self.yield_reason(job))
         with self.stage.guarded(_size(req)):
             out: dict[str, Any] = self.stage.denoise(
                 req, inputs,
@@ -181,7 +181,7 @@ class TransformerWorker(ProducerWorker):
     def release(self, job: Job) -> None:
         """Send the final latents to the controller's keeping (a lost decoder then costs a
         decode), then report the handoff."""
-        if job.result is not None:
+        if job.result is not None and self.checkpoints.enabled:
             steps = _request(job).infer_steps
             assert steps is not None
             self.checkpoints.send_final(job, job.result, steps)

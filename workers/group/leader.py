@@ -80,8 +80,8 @@ class GroupLeader(TransformerWorker):
         resume, resume_tensors = state_command(job.resume)
         device = self.stage.device
         gate = StepGate(device, job.cancel.is_set)
-        hooks = LeaderHooks(self.checkpoints.hooks(job, inputs, job.resume,
-                                                   lambda: self.yield_reason(job)), gate)
+        hooks = LeaderHooks(self.checkpoints.hooks(job, inputs, lambda: self.yield_reason(job)),
+                            gate)
 
         def run() -> dict[str, Any]:
             tensors = broadcast_tensors(specs, inputs, device)

@@ -137,8 +137,7 @@ class QwenTransformer(TransformerAdapter):
         scheduler = fresh_scheduler(self.scheduler)
         with torch.no_grad():
             # The schedule depends only on the packed sequence length: (lat_h/2) x (lat_w/2).
-            timesteps = self._schedule(scheduler, (inp.lat_h // 2) * (inp.lat_w // 2),
-                                       req.infer_steps)
+            self._schedule(scheduler, (inp.lat_h // 2) * (inp.lat_w // 2), req.infer_steps)
             # The packed initial noise, or the latents and scheduler state of a checkpoint.
             latents, first = loop_state.start(loop, scheduler, lambda: QwenImagePipeline
                                               ._pack_latents(randn_tensor(
