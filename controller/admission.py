@@ -56,12 +56,12 @@ class Admission:
                             self.retry_after())
         self.requeue.check(task)
         self.table.add(task)
-        task.waiting_since = self.clock()
         if self.release_ahead is not None:  # released in priority order, shallow
             log.info("task %s accepted pipeline=%s priority=%s", task.task_id, task.pipeline,
                      task.priority)
             self.requeue.later(task)
             return
+        task.waiting_since = self.clock()  # (Requeue.later sets it on the other paths)
         if not self.requeue.push(task):
             self.table.forget(task)
             raise QueueFull("the request ring is full", self.retry_after())

@@ -48,7 +48,7 @@ class Claims:
     def claim(self, worker: WorkerInfo, task_id: str, attempt: int) -> tuple[bool, str]:
         """Grant ``worker`` the lease of ``task_id``'s ``attempt``, or say why not (a reason
         starting with :data:`controller.priorities.DEFERRED`: put the item back)."""
-        deferred = self.priorities.defer(worker, task_id)
+        deferred = self.priorities.defer(worker, task_id, attempt)
         if deferred is not None:
             return False, deferred
         ok, reason = self.table.claim(task_id, attempt, worker.role, worker.name,

@@ -53,10 +53,12 @@ class Priorities:
         self.counts = {"deferred": 0, "preemptions": 0}
         self._deferrals: dict[int, int] = {}
 
-    def defer(self, worker: WorkerInfo, task_id: str) -> str | None:
-        """Why ``worker`` (a DiT) should put ``task_id``'s item back (None: claim it)."""
+    def defer(self, worker: WorkerInfo, task_id: str, attempt: int) -> str | None:
+        """Why ``worker`` (a DiT) should put ``task_id``'s item of ``attempt`` back (None:
+        claim it -- an item of an old attempt is refused by the claim, never put back)."""
         task = self.table.get(task_id)
-        if worker.role != Role.TRANSFORMER or task is None or task.stage != Stage.PHASE1:
+        if (worker.role != Role.TRANSFORMER or task is None or task.stage != Stage.PHASE1
+                or task.attempt != attempt):
             return None
         mine = rank(task.priority)
         urgent = next((t for t in self.table if t.stage == Stage.PHASE1

@@ -96,6 +96,21 @@ def test_a_dit_claim_is_deferred_while_a_higher_task_waits_encoded(tmp_path: Pat
     assert co.on_claim(dit, "low", 1)[0]  # nothing more urgent waits now
 
 
+def test_an_old_attempts_item_is_refused_at_once_not_deferred(tmp_path: Path) -> None:
+    """The claim of an item whose attempt has ended is refused (the worker frees what it
+    pulled) even while a more urgent task waits: never put back in the ring for later."""
+    rings, clock = Rings(), Clock()
+    co = make(tmp_path, rings, clock)
+    enc = co.on_register("encoder", "e", 1, PIPE, "s1")
+    dit = co.on_register("transformer", "t", 2, PIPE, "s2")
+    for tid, prio in (("low", "low"), ("high", "high")):
+        co.submit(task(tid, prio))
+        encoded(co, enc, tid)
+    ok, why = co.on_claim(dit, "low", 0)  # an attempt before the current one (1)
+    assert not ok and not why.startswith(DEFERRED), why
+    assert co.priorities.counts["deferred"] == 0
+
+
 def test_deferrals_are_bounded(tmp_path: Path) -> None:
     """An urgent task whose item is lost (reconciliation puts it back later) cannot keep a
     DiT turning its ring: the claim goes through after MAX_DEFERRALS."""
