@@ -89,14 +89,22 @@ class BaselineWorker:
         self.pipeline.load()
         # Each stage's GPU memory, as the workers report theirs (one process: each peak is
         # the process's while that stage ran).
-        p = self.pipeline
-        self.metrics.watch_memories({Role.ENCODER.value: p.encoder,
-                                     Role.TRANSFORMER.value: p.transformer,
-                                     Role.DECODER.value: p.decoder})
+        self.metrics.watch_memories({role.value: stage for role, stage in self.stages().items()})
         if self.cfg.warmup_shapes:
             seconds = self.pipeline.transformer.warm_up(self.cfg.warmup_shapes)
             log.info("baseline: warm-up of %s took %.1f s (compile=%s)",
                      ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
+
+    def stages(self) -> dict[Role, Any]:
+        p = self.pipeline
+        return {Role.ENCODER: p.encoder, Role.TRANSFORMER: p.transformer, Role.DECODER: p.decoder}
+
+    def report_memory(self) -> None:
+        """Each stage's GPU memory into its row of the status, as a worker's heartbeat
+        carries it (called on the loop, which owns the registry)."""
+        for role, stage in self.stages().items():
+            if stage.torch_model:
+                self.roles[role].stats = stage.memory.report()
 
     def start(self) -> None:
         self.load()
@@ -105,6 +113,7 @@ class BaselineWorker:
             self.roles[role] = self.co.on_register(
                 role, f"all/{role}", 0, self.co.config.pipeline, "",
                 loras=tuple(offers.get("loras", ())), caches=tuple(offers.get("caches", ())))
+        self.report_memory()
         self.thread.start()
 
     def close(self) -> None:
@@ -121,6 +130,7 @@ class BaselineWorker:
                 self._one(job)
             except Exception:
                 log.exception("baseline: task %s crashed", job.get("task_id"))
+            self.on_loop(self.report_memory)
 
     def _one(self, job: dict[str, Any]) -> None:
         tid, attempt = str(job["task_id"]), int(job["attempt"])
@@ -205,7 +215,7 @@ async def run_all_async(
     front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
     app = build_app(front)
     metrics_server = start_metrics(
-        cfg, co, app, lambda: {}, None, collectors=[worker.metrics.stage_seconds]
+        cfg, co, app, lambda: {}, None, collectors=[worker.metrics.registry]
     )
     retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
     log.info(

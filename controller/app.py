@@ -80,7 +80,8 @@ def start_metrics(
 ) -> Any:
     """Instrument the front door's ``app``; serve /metrics (and the /ready, /live probes:
     ready until ``stopping`` is set) when a metric port is configured. ``collectors``:
-    further Prometheus collectors to serve (the baseline's stage times)."""
+    further Prometheus collectors to serve (the baseline's worker metrics: stage times
+    and each stage's GPU memory)."""
     metrics = ControllerMetrics(co)
     for collector in collectors:
         metrics.registry.register(collector)

@@ -70,10 +70,11 @@ def start_group(pipeline: str, tiny_models: Path, workdir: Path, **overrides: An
 
 
 @pytest.fixture(scope="module")
-def baselines(tiny_models: Path, input_png: bytes, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[dict[str, bytes]]:
-    """Results of ``--service all`` for each pipeline (one baseline process per pipeline)."""
-    out: dict[str, bytes] = {}
+def baseline_runs(tiny_models: Path, input_png: bytes, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[dict[str, tuple[bytes, dict[str, Any]]]]:
+    """Result and then service status of ``--service all`` for each pipeline (one baseline
+    process per pipeline)."""
+    out: dict[str, tuple[bytes, dict[str, Any]]] = {}
     for pipeline in REQUESTS:
         wd = tmp_path_factory.mktemp(f"all-{pipeline}")
         group = start_group(pipeline, tiny_models, wd)
@@ -82,10 +83,27 @@ def baselines(tiny_models: Path, input_png: bytes, tmp_path_factory: pytest.Temp
             group.wait_http(timeout=180)
             st = submit(group.url, KIND[pipeline], body(pipeline, input_png), timeout=300)
             assert st["status"] == "completed", st
-            out[pipeline] = fetch(group.url, st["task_id"])
+            out[pipeline] = (fetch(group.url, st["task_id"]),
+                             httpx.get(f"{group.url}/v1/service/status", timeout=30).json())
         finally:
             group.stop()
     yield out
+
+
+@pytest.fixture(scope="module")
+def baselines(baseline_runs: dict[str, tuple[bytes, dict[str, Any]]]) -> dict[str, bytes]:
+    return {pipeline: result for pipeline, (result, _) in baseline_runs.items()}
+
+
+def test_baseline_status_reports_each_stages_memory(
+        baseline_runs: dict[str, tuple[bytes, dict[str, Any]]]) -> None:
+    """``--service all`` reports each stage's GPU memory in its status rows, as a group's
+    workers do (zeros on a CPU; the gauges: tests/test_stage_memory.py)."""
+    for pipeline, (_, status) in baseline_runs.items():
+        for role in ("encoder", "transformer", "decoder"):
+            (row,) = status["workers"][role]
+            assert row["stats"] == {"resident_bytes": 0.0, "last_peak_bytes": 0.0,
+                                    "max_peak_bytes": 0.0}, (pipeline, role, row)
 
 
 @pytest.fixture(scope="module")

@@ -56,14 +56,8 @@ class StageHost:
         self.stage.load()
         self.metrics.watch_memory(self.stage)
         if self.stage.torch_model:
-            self.link.heartbeats.report = self._memory_report
-
-    def _memory_report(self) -> dict[str, float]:
-        """The stage's GPU memory for the controller's status (zeros on a CPU)."""
-        mem = self.stage.memory
-        return {"resident_bytes": float(mem.resident_bytes),
-                "last_peak_bytes": float(mem.last_peak_bytes),
-                "max_peak_bytes": float(mem.max_peak_bytes)}
+            # The stage's GPU memory for the controller's status (zeros on a CPU).
+            self.link.heartbeats.report = self.stage.memory.report
 
     def adapter_options(self) -> dict[str, Any]:
         """Role-specific settings of the stage adapter."""

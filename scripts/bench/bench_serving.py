@@ -201,7 +201,8 @@ def run_level(dep: Deployment, urls: list[str], kind: str, body: dict[str, Any],
 
 def _level_log(mode: str, row: dict[str, Any]) -> None:
     dits = " ".join("-" if b is None else f"{b:.0%}" for b in row["dit_busy_by_device"])
-    peaks = "/".join(f"{row['peak_gib'][r]:.1f}" for r in layout.ROLES)
+    peaks = "/".join("-" if (g := row["peak_gib"][r]) is None else f"{g:.1f}"
+                     for r in layout.ROLES)
     log(f"{row.get('label', mode)} N={row['concurrency']}: {row['requests']} requests, "
         f"QPS {row['qps']:.3f}, P50 {row['p50_s']:.2f} s, DiT busy {row['busy']['DiT']:.1%} "
         f"(by device: {dits}), peak GiB e/t/d {peaks}")

@@ -84,8 +84,12 @@ def level_stats(endpoints: list[Endpoint], before: list[dict[str, float]],
     delta = [{k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b) if not gauge(k)}
              for b, a in zip(before, after, strict=True)]
     act = [(endpoints[i], delta[i]) for i in active]
-    memory = {f"{kind}_gib": {role: max((after[i].get(f"{kind}/{role}", 0.0) for i in active),
-                                        default=0.0) / 2**30 for role in ROLES}
+    def gib(key: str) -> float | None:
+        """The largest reading among the active endpoints; None where none reports it."""
+        got = [after[i][key] for i in active if key in after[i]]
+        return max(got) / 2**30 if got else None
+
+    memory = {f"{kind}_gib": {role: gib(f"{kind}/{role}") for role in ROLES}
               for kind in GAUGES.values()}
 
     def runs(ep: Endpoint, role: str) -> bool:

@@ -264,6 +264,12 @@ class MemoryWatch:
             self.last_peak_bytes = torch.cuda.max_memory_allocated(self.device)
             self.max_peak_bytes = max(self.max_peak_bytes, self.last_peak_bytes)
 
+    def report(self) -> dict[str, float]:
+        """The figures as a worker's heartbeat carries them to the controller's status."""
+        return {"resident_bytes": float(self.resident_bytes),
+                "last_peak_bytes": float(self.last_peak_bytes),
+                "max_peak_bytes": float(self.max_peak_bytes)}
+
 
 @contextlib.contextmanager
 def oom_guard(stage: str, what: str, device: torch.device, opts: StageOptions) -> Iterator[None]:
