@@ -294,10 +294,12 @@ def test_bench_serving_capped_modes_on_cpu(tiny_models: Path, tmp_path: Path) ->
 
 # -- the planned GPU commands -----------------------------------------------------------------
 
-def planned_commands() -> list[list[str]]:
-    """The benchmark commands of docs/benchmarks.md's issue-20 plan, as argument lists."""
+def planned_commands(heading: str = "## Serving under 24 GiB caps (issue 20)"
+                     ) -> list[list[str]]:
+    """The benchmark commands of one section of docs/benchmarks.md (by default the issue-20
+    runs), as argument lists."""
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    section = text.split("## Serving under 24 GiB caps (issue 20)", 1)[1].split("\n## ", 1)[0]
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -325,3 +327,27 @@ def test_planned_gpu_commands_parse_and_their_configs_are_accepted(
         assert mains[module]([*argv, "--dry-run"]) == 0, argv
     printed = capsys.readouterr().out
     assert '"weight_storage": "fp8"' in printed and '"offload": "block"' in printed
+
+
+def test_planned_issue_19_commands_parse(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue-19 plan's commands: bench_dit's suites parse into the variants they name
+    (what a GPU then runs), and the 14B serving table's run passes --dry-run with the FP8
+    options in both modes' configs."""
+    from scripts.bench import bench_dit, bench_serving
+
+    suites: list[Any] = []
+    monkeypatch.setattr(bench_dit, "suite", lambda args: suites.append(args) or 0)
+    commands = planned_commands("## Planned: issue 19's last figures")
+    assert {c[0] for c in commands} == {"scripts.bench.bench_dit", "scripts.bench.bench_serving"}
+    for module, *argv in commands:
+        argv = [a.replace("$OUT", str(tmp_path)) for a in argv]
+        main = bench_serving.main if module == "scripts.bench.bench_serving" else bench_dit.main
+        assert main([*argv, "--dry-run"] if main is bench_serving.main else argv) == 0, argv
+    assert [(a.arch, a.variants, a.keep_folder) for a in suites] == [
+        ("wan-1.3b", "fp8_compiled", True), ("wan-1.3b", "bf16,bf16_compiled,fp8_compiled", False),
+        ("qwen-image", "fp8_compiled", True),
+        ("qwen-image", "bf16,bf16_compiled,fp8_compiled", False)]
+    assert all(set(a.variants.split(",")) <= set(bench_dit.VARIANTS) for a in suites)
+    printed = capsys.readouterr().out
+    assert printed.count('"linear": "fp8"') == 2 and '"attention_backend": "fp8_cudnn"' in printed
