@@ -28,7 +28,14 @@ from contracts.errors import (
 from contracts.messages import Fault
 from contracts.request import GenerationRequest
 from contracts.roles import Role
-from controller.app import LocalQueue, open_table_for, retention_loop, serve_http, start_metrics
+from controller.app import (
+    LocalQueue,
+    open_table_for,
+    reserve_metric_port,
+    retention_loop,
+    serve_http,
+    start_metrics,
+)
 from controller.config import CoordinatorConfig
 from controller.coordinator import Coordinator
 from controller.frontdoor import FrontDoor
@@ -197,6 +204,11 @@ async def run_all_async(
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
+    try:
+        metrics_sock = reserve_metric_port(cfg)
+    except BaseException:
+        http_sock.close()
+        raise
     jobs = LocalQueue(cfg.disagg_config.rdma_buffer_slots, cfg.disagg_config.rdma_buffer_slot_size)
     co = Coordinator(
         CoordinatorConfig.from_service(cfg, output_dir),
@@ -209,13 +221,15 @@ async def run_all_async(
         await asyncio.get_running_loop().run_in_executor(None, worker.load)
     except DiffringError:
         http_sock.close()
+        if metrics_sock is not None:
+            metrics_sock.close()
         co.close()
         raise
     worker.start()
     front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
     app = build_app(front)
     metrics_server = start_metrics(
-        cfg, co, app, lambda: {}, None, collectors=[worker.metrics.registry]
+        cfg, co, app, lambda: {}, None, collectors=[worker.metrics.registry], sock=metrics_sock
     )
     retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
     log.info(
@@ -230,6 +244,8 @@ async def run_all_async(
             metrics_server.shutdown()
         await asyncio.get_running_loop().run_in_executor(None, worker.close)
         http_sock.close()
+        if metrics_sock is not None:
+            metrics_sock.close()
         front.close()
         co.close()
 

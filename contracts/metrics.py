@@ -53,9 +53,12 @@ def serve_metrics(
     port: int,
     what: str,
     probes: Mapping[str, Probe] | None = None,
+    sock: socket.socket | None = None,
 ) -> Any:
     """Start the /metrics endpoint (and ``probes``, path -> probe), or fail fast naming the
-    port and what holds it. Returns the server (``shutdown()`` stops it).
+    port and what holds it. Returns the server (``shutdown()`` stops it). ``sock``: the port
+    already bound and listening (:func:`rings.ports.bind_socket` at the process's start,
+    before it opens ephemeral ports of its own that could take it), served as it is.
 
     prometheus_client's own ``start_http_server`` answers metrics on every path, so the
     probes need a dispatch of their own: a small WSGI app in front of its metrics app, on the
@@ -78,6 +81,21 @@ def serve_metrics(
 
     class Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def server_bind(self) -> None:
+            if sock is None:
+                super().server_bind()
+                return
+            # Adopt the socket bound at start instead of binding a new one; then set what
+            # HTTPServer.server_bind and WSGIServer.setup_environ set after a bind (the
+            # stdlib server takes no ready socket; listen() again in server_activate only
+            # resets the backlog).
+            self.socket.close()
+            self.socket = sock
+            self.server_address = sock.getsockname()
+            self.server_name = host.strip("[]")
+            self.server_port = self.server_address[1]
+            self.setup_environ()
 
     try:
         server = make_server(host.strip("[]"), port, app, Server, handler_class=_QuietHandler)

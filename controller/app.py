@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from contracts import faults
 from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
 from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
@@ -77,11 +78,13 @@ def start_metrics(
     pool_stats: Callable[[], Any] | None,
     stopping: asyncio.Event | None = None,
     collectors: Iterable[Any] = (),
+    sock: socket.socket | None = None,
 ) -> Any:
     """Instrument the front door's ``app``; serve /metrics (and the /ready, /live probes:
     ready until ``stopping`` is set) when a metric port is configured. ``collectors``:
     further Prometheus collectors to serve (the baseline's worker metrics: stage times
-    and each stage's GPU memory)."""
+    and each stage's GPU memory); ``sock``: the metric port, bound at the process's start
+    (:func:`reserve_metric_port`)."""
     metrics = ControllerMetrics(co)
     for collector in collectors:
         metrics.registry.register(collector)
@@ -95,7 +98,18 @@ def start_metrics(
         return up, {"state": "running" if up else "stopping", "pipeline": cfg.pipeline}
 
     return serve_metrics(metrics.registry, cfg.server.host, cfg.server.metric_port,
-                         "controller", probes={READY_PATH: ready, LIVE_PATH: lambda: (True, {})})
+                         "controller", probes={READY_PATH: ready, LIVE_PATH: lambda: (True, {})},
+                         sock=sock)
+
+
+def reserve_metric_port(cfg: ServiceConfig) -> socket.socket | None:
+    """The configured metric port, bound and listening now, as the front door's port is:
+    before the process opens ports of its own (Mooncake's, the control channel's, the
+    rings'), whose ephemeral picks could otherwise take it, and before anything slow, so
+    that a port in use stops the start at once."""
+    if cfg.server.metric_port is None:
+        return None
+    return bind_socket(cfg.server.host, cfg.server.metric_port, "controller metrics endpoint")
 
 
 async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> None:
@@ -150,6 +164,11 @@ async def run_controller_async(
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
+    try:
+        metrics_sock = reserve_metric_port(cfg)
+    except BaseException:
+        http_sock.close()
+        raise
     rings = ControllerRings(d, token)
     await rings.start()
     engine = tensor_engine(cfg, env)
@@ -173,6 +192,7 @@ async def run_controller_async(
     front = None
     try:
         await control.start()
+        faults.hit("controller.ports")
         front = FrontDoor(co, status_extra=lambda: {
             **_ring_status(rings), "recovery": dict(co.recovery.counts),
             "checkpoints": checkpoints.summary() if checkpoints is not None else None,
@@ -182,7 +202,8 @@ async def run_controller_async(
         if images is not None:  # start the decoding processes before the first image
             await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)
         metrics_server = start_metrics(cfg, co, app, lambda: _ring_status(rings),
-                                       images.pool.stats if images else None, stop)
+                                       images.pool.stats if images else None, stop,
+                                       sock=metrics_sock)
 
         def periodic() -> None:
             doorbell.sweep()
@@ -218,6 +239,8 @@ async def run_controller_async(
         if engine is not None:
             engine.close()
         http_sock.close()
+        if metrics_sock is not None:
+            metrics_sock.close()
 
 
 def tensor_engine(cfg: ServiceConfig, env: Mapping[str, str]) -> Any:

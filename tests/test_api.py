@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.group import LocalGroup, free_ports, group_config, wait_task
-from tests.conftest import run_controller_to_exit
+from tests.conftest import run_controller_to_exit, wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -267,6 +267,29 @@ def test_group_sync_cancel_running_and_metrics(tiny_models: Path, tmp_path: Path
         assert pulled and pulled[0] > 0
     finally:
         group.stop()
+
+
+def test_controller_holds_its_metric_port_before_it_opens_ports_of_its_own(
+        tiny_models: Path, tmp_path: Path) -> None:
+    """The metric port is bound at start with the front door's, before the rings, the
+    Mooncake engine and the control channel bind ephemeral ports, so none of them can take
+    it. (A CI run once failed with "controller metrics endpoint cannot listen ...: held by
+    pid N", N the controller itself: its own engine had picked the port the test had chosen.)
+    Held where all its ports are open (fault point ``controller.ports``), the controller
+    already holds the metric port: binding it fails."""
+    (mport,) = free_ports(1)
+    gate = tmp_path / "ports-gate"
+    gate.touch()
+    cfg = group_config("qwen_t2i", str(tiny_models / "qwen_t2i"), tmp_path)
+    with LocalGroup(cfg, tmp_path) as group:
+        ctl = group.start("controller", {"server": {**cfg["server"], "metric_port": mport},
+                                         "faults": f"controller.ports:hold={gate}"})
+        wait_log(ctl, "fault point controller.ports fired")
+        with socket.socket() as probe, pytest.raises(OSError):
+            probe.bind(("127.0.0.1", mport))
+        gate.unlink()
+        group.wait_http()
+        assert "diffring_ring_depth" in metrics_of(mport)
 
 
 def test_metric_port_in_use_fails_fast_naming_holder(tiny_models: Path, tmp_path: Path) -> None:
