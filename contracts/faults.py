@@ -94,8 +94,9 @@ POINTS: Final[dict[str, str]] = {
     "ENOSPC, a full disk: the result is held and the write retried)",
     "controller.result_write": "the controller is about to write a result file a decoder "
     "sent (raise: OSError ENOSPC, a full disk: the decoder holds the result and retries)",
-    "controller.ports": "the controller opened its ports (front door, metric port, rings, "
-    "its Mooncake engine, the control channel); its front door and metrics do not answer yet",
+    "controller.ports": "the controller opened its ports (front door, metric port and "
+    "control channel first, then the rings and its Mooncake engine); its front door and "
+    "metrics do not answer yet",
     "control.drop": "a control-channel call (raise: the connection drops before the request "
     "is sent: ConnectionLost)",
     # Start-up boundaries of a worker (workers/startup.py): where a stop asked for during

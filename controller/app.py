@@ -163,11 +163,20 @@ async def run_controller_async(
     d = cfg.disagg_config
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
+    # The ports of configured numbers are bound first (the rings' next, by rings.start),
+    # before anything in this process binds or connects from an ephemeral port, as its
+    # Mooncake engine does, which could otherwise take one of them.
+    early: list[socket.socket] = []
     try:
+        http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
+        early.append(http_sock)
         metrics_sock = reserve_metric_port(cfg)
+        early += [metrics_sock] if metrics_sock is not None else []
+        control_sock = bind_socket(d.bootstrap_addr, d.control_port, "control channel")
+        early.append(control_sock)
     except BaseException:
-        http_sock.close()
+        for sock in early:
+            sock.close()
         raise
     rings = ControllerRings(d, token)
     await rings.start()
@@ -191,7 +200,7 @@ async def run_controller_async(
     metrics_server = None
     front = None
     try:
-        await control.start()
+        await control.start(control_sock)
         faults.hit("controller.ports")
         front = FrontDoor(co, status_extra=lambda: {
             **_ring_status(rings), "recovery": dict(co.recovery.counts),
@@ -238,9 +247,8 @@ async def run_controller_async(
             checkpoints.pool.close()
         if engine is not None:
             engine.close()
-        http_sock.close()
-        if metrics_sock is not None:
-            metrics_sock.close()
+        for sock in early:
+            sock.close()
 
 
 def tensor_engine(cfg: ServiceConfig, env: Mapping[str, str]) -> Any:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import socket
 import struct
 from typing import Any
 
@@ -45,11 +46,17 @@ class ControlServer:
         self._conns: set[asyncio.Task[None]] = set()
         self._next_conn = 1
 
-    async def start(self) -> None:
-        try:
-            self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        except OSError as exc:
-            raise bind_error("control channel", self.host, self.port, exc) from exc
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Serve on ``sock`` (the port already bound: :func:`rings.ports.bind_socket`), or
+        bind host:port now."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._serve, sock=sock)
+            self.port = sock.getsockname()[1]
+        else:
+            try:
+                self._server = await asyncio.start_server(self._serve, self.host, self.port)
+            except OSError as exc:
+                raise bind_error("control channel", self.host, self.port, exc) from exc
         if self.port == 0:
             self.port = self._server.sockets[0].getsockname()[1]
         log.info("control channel on %s:%d", self.host, self.port)

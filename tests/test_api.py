@@ -271,10 +271,10 @@ def test_group_sync_cancel_running_and_metrics(tiny_models: Path, tmp_path: Path
 
 def test_controller_holds_its_metric_port_before_it_opens_ports_of_its_own(
         tiny_models: Path, tmp_path: Path) -> None:
-    """The metric port is bound at start with the front door's, before the rings, the
-    Mooncake engine and the control channel bind ephemeral ports, so none of them can take
-    it. (A CI run once failed with "controller metrics endpoint cannot listen ...: held by
-    pid N", N the controller itself: its own engine had picked the port the test had chosen.)
+    """The metric port and the control port are bound at start with the front door's,
+    before the Mooncake engine binds or connects from ephemeral ports, so it cannot take
+    them. (A CI run once failed with "controller metrics endpoint cannot listen ...: held by
+    pid N", N the controller itself: a port of its own had taken the one the test chose.)
     Held where all its ports are open (fault point ``controller.ports``), the controller
     already holds the metric port: binding it fails."""
     (mport,) = free_ports(1)
@@ -285,8 +285,9 @@ def test_controller_holds_its_metric_port_before_it_opens_ports_of_its_own(
         ctl = group.start("controller", {"server": {**cfg["server"], "metric_port": mport},
                                          "faults": f"controller.ports:hold={gate}"})
         wait_log(ctl, "fault point controller.ports fired")
-        with socket.socket() as probe, pytest.raises(OSError):
-            probe.bind(("127.0.0.1", mport))
+        for port in (mport, cfg["disagg_config"]["control_port"]):
+            with socket.socket() as probe, pytest.raises(OSError):
+                probe.bind(("127.0.0.1", port))
         gate.unlink()
         group.wait_http()
         assert "diffring_ring_depth" in metrics_of(mport)
