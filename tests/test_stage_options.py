@@ -294,6 +294,24 @@ def test_bench_dit_runs_on_cpu(tmp_path: Path) -> None:
     assert "| 0.0000 | 0.0000 |" in (out / "bench_dit.md").read_text()  # offload: exact
 
 
+def test_fp8_storage_hook_cost_bench_on_cpu(tmp_path: Path) -> None:
+    """``bench_dit hooks``: the published Wan2.1-1.3B DiT on meta tensors, FP8 storage placed
+    by the stage's own code: every hooked module is one of the blocks' linear layers (weight
+    and bias cast), the norms, embeddings and output projection are left alone, and the
+    host time of one forward's casts is measured."""
+    from scripts.bench import bench_dit
+
+    out = tmp_path / "out"
+    assert bench_dit.main(["hooks", "--archs", "wan-1.3b", "--repeats", "2",
+                           "--out", str(out)]) == 0
+    row = json.loads((out / "hooks.json").read_text())["wan-1.3b"]
+    # 30 blocks x 10 linear layers (self- and cross-attention q, k, v, out; the two of the
+    # feed-forward); the condition embedder's and the output projection's are skipped.
+    assert (row["modules"], row["tensors"]) == (300, 600)
+    assert row["ms_median"] > 0
+    assert "| wan-1.3b | 300 | 600 |" in (out / "hooks.md").read_text()
+
+
 def test_reported_stats_are_sanitised_before_the_status_page() -> None:
     from controller.control import _stats
     from controller.registry import WorkerInfo

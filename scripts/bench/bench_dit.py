@@ -25,6 +25,11 @@ same run, the relative L2 of the one forward and of the final latents against ``
 peak and resident GiB, time to ready (load + warm-up) first and second start.
 ``attn`` times the FP8 attention kernel against bf16 cuDNN SDPA at the DiTs' self-attention
 shapes and states its error against a float32 reference.
+``hooks`` (any machine, no GPU, no weights) counts what ``weight_storage: "fp8"`` (layerwise
+casting, placed by the stage's own ``place``) hooks in the published DiT, and times the host
+side of those hooks for one forward: every hooked module's weights cast to the compute dtype
+and back, on meta tensors, so what is timed is Python and dispatch alone, which a forward
+whose GPU work is short cannot hide.
 """
 
 from __future__ import annotations
@@ -336,10 +341,59 @@ def attn(args: argparse.Namespace) -> int:
     return 0
 
 
+def hooks(args: argparse.Namespace) -> int:
+    import statistics
+
+    import torch
+
+    from contracts.stage_options import StageOptions
+    from modelkit.real import qwen_dit, wan_dit
+    from workers.models.memory import Placement, place
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for arch in args.archs.split(","):
+        with torch.device("meta"):
+            model = qwen_dit() if arch == "qwen-image" else wan_dit(arch)
+        place(model, Placement(torch.device("meta"), torch.bfloat16,
+                               StageOptions(weight_storage="fp8")))
+        hooked = [(m, list(reg.hooks.values())) for m in model.modules()
+                  if (reg := getattr(m, "_diffusers_hook", None)) is not None and reg.hooks]
+        tensors = sum(1 for m, _ in hooked for _ in m.parameters(recurse=False))
+
+        def one_forward(hooked: list[Any] = hooked) -> float:
+            t0 = time.perf_counter()
+            for module, hs in hooked:
+                for h in hs:
+                    h.pre_forward(module)
+                for h in hs:
+                    h.post_forward(module, None)
+            return time.perf_counter() - t0
+
+        one_forward()
+        times = [one_forward() for _ in range(args.repeats)]
+        rows[arch] = {"modules": len(hooked), "tensors": tensors,
+                      "ms_median": round(statistics.median(times) * 1e3, 1),
+                      "ms_min": round(min(times) * 1e3, 1)}
+        log(f"hooks {arch}: {rows[arch]}")
+    lines = ["| DiT | modules hooked | weight tensors cast (each way) | host ms per forward, "
+             "median (min) |", "| --- | --- | --- | --- |"]
+    lines += [f"| {a} | {r['modules']} | {r['tensors']} | {r['ms_median']} ({r['ms_min']}) |"
+              for a, r in rows.items()]
+    (args.out / "hooks.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "hooks.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    hk = sub.add_parser("hooks")
+    hk.add_argument("--out", type=Path, required=True, help="where the tables go")
+    hk.add_argument("--archs", default="qwen-image,wan-14b")
+    hk.add_argument("--repeats", type=int, default=10)
     for name in ("suite", "run", "report", "attn"):
         p = sub.add_parser(name)
         p.add_argument("--out", type=Path, required=True, help="where the tables go")
@@ -370,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--cap-gib", type=float)
             p.add_argument("--compile-cache", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.cmd == "hooks":
+        return hooks(args)
     if getattr(args, "shape", None):
         SHAPES[args.arch] = args.shape
     if args.cmd != "attn" and args.work is None:
