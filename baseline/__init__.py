@@ -29,9 +29,9 @@ from contracts.messages import Fault
 from contracts.request import GenerationRequest
 from contracts.roles import Role
 from controller.app import (
+    FixedPorts,
     LocalQueue,
     open_table_for,
-    reserve_metric_port,
     retention_loop,
     serve_http,
     start_metrics,
@@ -42,7 +42,6 @@ from controller.frontdoor import FrontDoor
 from controller.main import run_async
 from controller.registry import WorkerInfo
 from controller.webapp import build_app
-from rings.ports import bind_socket
 from workers.metrics import WorkerMetrics
 from workers.models import LocalPipeline
 from workers.roles import _size, video_settings
@@ -203,12 +202,7 @@ async def run_all_async(
 ) -> None:
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
-    try:
-        metrics_sock = reserve_metric_port(cfg)
-    except BaseException:
-        http_sock.close()
-        raise
+    ports = FixedPorts.bind(cfg, control=False)
     jobs = LocalQueue(cfg.disagg_config.rdma_buffer_slots, cfg.disagg_config.rdma_buffer_slot_size)
     co = Coordinator(
         CoordinatorConfig.from_service(cfg, output_dir),
@@ -220,32 +214,28 @@ async def run_all_async(
     try:
         await asyncio.get_running_loop().run_in_executor(None, worker.load)
     except DiffringError:
-        http_sock.close()
-        if metrics_sock is not None:
-            metrics_sock.close()
+        ports.close()
         co.close()
         raise
     worker.start()
     front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
     app = build_app(front)
     metrics_server = start_metrics(
-        cfg, co, app, lambda: {}, None, collectors=[worker.metrics.registry], sock=metrics_sock
+        cfg, co, app, lambda: {}, None, collectors=[worker.metrics.registry], sock=ports.metrics
     )
     retention = asyncio.create_task(retention_loop(co, cfg.task_retention_s))
     log.info(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
     try:
-        await serve_http(app, http_sock, stop, on_stop=front.close)
+        await serve_http(app, ports.http, stop, on_stop=front.close)
     finally:
         log.info("baseline shutting down")
         retention.cancel()
         if metrics_server is not None:
             metrics_server.shutdown()
         await asyncio.get_running_loop().run_in_executor(None, worker.close)
-        http_sock.close()
-        if metrics_sock is not None:
-            metrics_sock.close()
+        ports.close()
         front.close()
         co.close()
 

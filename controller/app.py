@@ -12,6 +12,7 @@ import queue
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def start_metrics(
     ready until ``stopping`` is set) when a metric port is configured. ``collectors``:
     further Prometheus collectors to serve (the baseline's worker metrics: stage times
     and each stage's GPU memory); ``sock``: the metric port, bound at the process's start
-    (:func:`reserve_metric_port`)."""
+    (:class:`FixedPorts`)."""
     metrics = ControllerMetrics(co)
     for collector in collectors:
         metrics.registry.register(collector)
@@ -102,14 +103,44 @@ def start_metrics(
                          sock=sock)
 
 
-def reserve_metric_port(cfg: ServiceConfig) -> socket.socket | None:
-    """The configured metric port, bound and listening now, as the front door's port is:
-    before the process opens ports of its own (Mooncake's, the control channel's, the
-    rings'), whose ephemeral picks could otherwise take it, and before anything slow, so
-    that a port in use stops the start at once."""
-    if cfg.server.metric_port is None:
-        return None
-    return bind_socket(cfg.server.host, cfg.server.metric_port, "controller metrics endpoint")
+@dataclass
+class FixedPorts:
+    """The ports of configured numbers, bound and listening at the process's start: before
+    it binds or connects from ephemeral ports of its own (its Mooncake engine does), whose
+    picks could otherwise take one of them, and before anything slow, so that a port in use
+    stops the start at once. The rings bind theirs next, in ``rings.start``."""
+
+    http: socket.socket
+    metrics: socket.socket | None
+    control: socket.socket | None
+
+    @classmethod
+    def bind(cls, cfg: ServiceConfig, control: bool) -> FixedPorts:
+        """The front door's and the metric port (when configured); ``control``: the
+        control channel's too (the controller; the one-process baseline has none)."""
+        bound: list[socket.socket] = []
+
+        def take(host: str, port: int, what: str) -> socket.socket:
+            bound.append(bind_socket(host, port, what))
+            return bound[-1]
+
+        srv, d = cfg.server, cfg.disagg_config
+        try:
+            return cls(
+                take(srv.host, srv.port, "front door"),
+                take(srv.host, srv.metric_port, "controller metrics endpoint")
+                if srv.metric_port is not None else None,
+                take(d.bootstrap_addr, d.control_port, "control channel") if control else None,
+            )
+        except BaseException:
+            for sock in bound:
+                sock.close()
+            raise
+
+    def close(self) -> None:
+        for sock in (self.http, self.metrics, self.control):
+            if sock is not None:
+                sock.close()
 
 
 async def _sweeper(co: Coordinator, extra: Callable[[], None] | None = None) -> None:
@@ -163,21 +194,7 @@ async def run_controller_async(
     d = cfg.disagg_config
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    # The ports of configured numbers are bound first (the rings' next, by rings.start),
-    # before anything in this process binds or connects from an ephemeral port, as its
-    # Mooncake engine does, which could otherwise take one of them.
-    early: list[socket.socket] = []
-    try:
-        http_sock = bind_socket(cfg.server.host, cfg.server.port, "front door")
-        early.append(http_sock)
-        metrics_sock = reserve_metric_port(cfg)
-        early += [metrics_sock] if metrics_sock is not None else []
-        control_sock = bind_socket(d.bootstrap_addr, d.control_port, "control channel")
-        early.append(control_sock)
-    except BaseException:
-        for sock in early:
-            sock.close()
-        raise
+    ports = FixedPorts.bind(cfg, control=True)
     rings = ControllerRings(d, token)
     await rings.start()
     engine = tensor_engine(cfg, env)
@@ -200,7 +217,7 @@ async def run_controller_async(
     metrics_server = None
     front = None
     try:
-        await control.start(control_sock)
+        await control.start(ports.control)
         faults.hit("controller.ports")
         front = FrontDoor(co, status_extra=lambda: {
             **_ring_status(rings), "recovery": dict(co.recovery.counts),
@@ -212,7 +229,7 @@ async def run_controller_async(
             await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)
         metrics_server = start_metrics(cfg, co, app, lambda: _ring_status(rings),
                                        images.pool.stats if images else None, stop,
-                                       sock=metrics_sock)
+                                       sock=ports.metrics)
 
         def periodic() -> None:
             doorbell.sweep()
@@ -229,7 +246,7 @@ async def run_controller_async(
             rings.ports(),
             control.port,
         )
-        await serve_http(app, http_sock, stop, on_stop=front.close)
+        await serve_http(app, ports.http, stop, on_stop=front.close)
         sweeper.cancel()
         retention.cancel()
     finally:
@@ -247,8 +264,7 @@ async def run_controller_async(
             checkpoints.pool.close()
         if engine is not None:
             engine.close()
-        for sock in early:
-            sock.close()
+        ports.close()
 
 
 def tensor_engine(cfg: ServiceConfig, env: Mapping[str, str]) -> Any:

@@ -340,10 +340,12 @@ def test_planned_issue_19_commands_parse(capsys: pytest.CaptureFixture[str], tmp
     monkeypatch.setattr(bench_dit, "suite", lambda args: suites.append(args) or 0)
     commands = planned_commands("## Planned: issue 19's last figures")
     assert {c[0] for c in commands} == {"scripts.bench.bench_dit", "scripts.bench.bench_serving"}
+    runs = {"scripts.bench.bench_serving": (bench_serving.main, ["--dry-run"]),
+            "scripts.bench.bench_dit": (bench_dit.main, [])}
     for module, *argv in commands:
+        main, extra = runs[module]
         argv = [a.replace("$OUT", str(tmp_path)) for a in argv]
-        main = bench_serving.main if module == "scripts.bench.bench_serving" else bench_dit.main
-        assert main([*argv, "--dry-run"] if main is bench_serving.main else argv) == 0, argv
+        assert main([*argv, *extra]) == 0, argv
     assert [(a.arch, a.variants, a.keep_folder) for a in suites] == [
         ("wan-1.3b", "fp8_compiled", True), ("wan-1.3b", "bf16,bf16_compiled,fp8_compiled", False),
         ("qwen-image", "fp8_compiled", True),
