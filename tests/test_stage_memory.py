@@ -329,27 +329,68 @@ def test_planned_gpu_commands_parse_and_their_configs_are_accepted(
     assert '"weight_storage": "fp8"' in printed and '"offload": "block"' in printed
 
 
-def test_planned_issue_19_commands_parse(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+def test_planned_issue_19_commands_parse(tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The issue-19 plan's commands: bench_dit's suites parse into the variants they name
-    (what a GPU then runs), and the 14B serving table's run passes --dry-run with the FP8
-    options in both modes' configs."""
-    from scripts.bench import bench_dit, bench_serving
+    """The issue-19 plan's commands: bench_dit's two suites parse into the cold starts and the
+    measured variants they name (what a GPU then runs), sharing one folder, cache and --work."""
+    from scripts.bench import bench_dit
 
     suites: list[Any] = []
     monkeypatch.setattr(bench_dit, "suite", lambda args: suites.append(args) or 0)
-    commands = planned_commands("## Planned: issue 19's last figures")
-    assert {c[0] for c in commands} == {"scripts.bench.bench_dit", "scripts.bench.bench_serving"}
-    runs = {"scripts.bench.bench_serving": (bench_serving.main, ["--dry-run"]),
-            "scripts.bench.bench_dit": (bench_dit.main, [])}
-    for module, *argv in commands:
-        main, extra = runs[module]
+    commands = planned_commands("## Planned: issue 19's last figure")
+    assert {c[0] for c in commands} == {"scripts.bench.bench_dit"}
+    for _module, *argv in commands:
         argv = [a.replace("$OUT", str(tmp_path)) for a in argv]
-        assert main([*argv, *extra]) == 0, argv
-    assert [(a.arch, a.variants, a.keep_folder) for a in suites] == [
-        ("wan-1.3b", "fp8_compiled", True), ("wan-1.3b", "bf16,bf16_compiled,fp8_compiled", False),
-        ("qwen-image", "fp8_compiled", True),
+        argv = [a.replace("/dev/shm", str(tmp_path)) for a in argv]
+        assert bench_dit.main(argv) == 0, argv
+    assert [(a.arch, a.variants, a.cold_only) for a in suites] == [
+        ("qwen-image", "bf16_compiled,fp8_compiled", True),
         ("qwen-image", "bf16,bf16_compiled,fp8_compiled", False)]
+    assert len({(a.models, a.work) for a in suites}) == 1
     assert all(set(a.variants.split(",")) <= set(bench_dit.VARIANTS) for a in suites)
-    printed = capsys.readouterr().out
-    assert printed.count('"linear": "fp8"') == 2 and '"attention_backend": "fp8_cudnn"' in printed
+
+
+def test_bench_dit_cold_only_then_measured_keeps_the_first_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``suite --cold-only`` runs the compiled variants' cold starts and nothing else; a later
+    suite on the same --work starts only what has no cold record, so the first start it
+    reports is the real one. (The variants' processes are stood in for: they need a GPU.)"""
+    from scripts.bench import bench_dit
+
+    started: list[tuple[str, str]] = []
+
+    def fake_variant(cmd: list[str], **_kw: Any) -> Any:
+        variant, phase = cmd[cmd.index("--variant") + 1], cmd[cmd.index("--phase") + 1]
+        started.append((variant, phase))
+        work = Path(cmd[cmd.index("--work") + 1])
+        row = {"variant": variant, "phase": phase, "ready_s": 1.0 if phase == "cold" else 2.0,
+               "step_s": 1.0, "peak_gib": 1.0, "resident_gib": 1.0}
+        (work / f"{variant}.{phase}.json").write_text(json.dumps(row))
+
+        class Done:
+            def wait(self) -> int:
+                return 0
+        return Done()
+
+    monkeypatch.setattr(bench_dit, "build_folder", lambda *a, **k: {"reused": True})
+    monkeypatch.setattr(bench_dit.subprocess, "Popen", fake_variant)
+    monkeypatch.setattr(bench_dit.subprocess, "run", fake_variant)
+    common = ["suite", "--arch", "wan-1.3b", "--device", "cpu", "--models", str(tmp_path / "m"),
+              "--work", str(tmp_path / "w")]
+    assert bench_dit.main([*common, "--cold-only", "--variants", "bf16_compiled",
+                           "--out", str(tmp_path / "cold")]) == 0
+    assert started == [("bf16_compiled", "cold")]
+    assert not (tmp_path / "cold" / "bench_dit.md").exists()  # nothing measured
+    started.clear()
+    assert bench_dit.main([*common, "--variants", "bf16_compiled,fp8_compiled",
+                           "--out", str(tmp_path / "out")]) == 0
+    # fp8_compiled had no cold record: its first start runs now; bf16_compiled's is kept.
+    assert started == [("fp8_compiled", "cold"), ("bf16_compiled", "warm"),
+                       ("fp8_compiled", "warm")]
+    assert "| bf16_compiled | - | 1.0 | - | - | - | 1.0 | 1.0 | 1.0 / 2.0 |" in \
+        (tmp_path / "out" / "bench_dit.md").read_text()
+    # A cold-only run whose cold start left no record says so in its exit status.
+    monkeypatch.setattr(bench_dit.subprocess, "Popen", lambda *a, **k: fake_variant(
+        ["--variant", "x", "--phase", "none", "--work", str(tmp_path / "w")]))
+    assert bench_dit.main([*common, "--cold-only", "--variants", "fp8_linear_compiled",
+                           "--out", str(tmp_path / "cold2")]) == 1

@@ -8,6 +8,7 @@ The speed and memory figures are GPU measurements: scripts/bench/bench_dit.py (B
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +123,70 @@ def test_fp8_linear_converts_block_projections_only() -> None:
     assert {n.split(".", 2)[1] for n in wan} == {"0", "1"} and len(wan) == 24
     qwen = fp8_linear_targets(_qwen_dit())
     assert qwen and all(n.startswith("transformer_blocks.") for n in qwen)
+    # Qwen-Image: the image stream only; the text stream's rows are the prompt's tokens.
+    assert {n.split(".", 2)[2] for n in qwen} == {
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "img_mlp.net.0.proj", "img_mlp.net.2",
+    }
     # Left alone: modulation (img_mod / txt_mod), embeddings, norms, the final projection.
     assert not [n for n in qwen if "_mod" in n or "norm" in n]
     for names in (wan, qwen):
         assert not [n for n in names if n.startswith(("proj_out", "patch_embedding", "img_in",
                                                       "txt_in", "condition_embedder",
                                                       "time_text_embed", "norm_out"))]
+
+
+@pytest.mark.parametrize("task", ["wan_t2v", "qwen_t2i"])
+def test_fp8_linear_refuses_a_request_of_too_few_tokens(tiny_models: Path, task: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLASLt has no FP8 rowwise matmul for a few rows at a long inner dimension (measured
+    on an H200, ``dit_options.FP8_MIN_TOKENS``): a request of fewer image / video tokens is
+    refused before its first step, naming its count; one of exactly the minimum runs. The
+    conversion itself needs a GPU, so here it is left out: what is checked is the count."""
+    from workers.models import dit_options
+
+    monkeypatch.setattr(dit_options, "apply_fp8_linear", lambda model, device: 0)
+    req = small_request(task)
+    enc = EncoderAdapter.for_task(tiny_models / task, task)
+    enc.load()
+    cond = wire(enc.encode(req))
+    dit = TransformerAdapter.for_task(tiny_models / task, task,
+                                      options=StageOptions(linear="fp8"))
+    dit.load()
+    # The tokens as the model sees them: the output of its patch embedding.
+    seen: list[int] = []
+    embed = dit.transformer.patch_embedding if task == "wan_t2v" else dit.transformer.img_in
+    handle = embed.register_forward_hook(
+        lambda _m, _i, out: seen.append(out[0, 0].numel() if task == "wan_t2v"
+                                        else out.shape[1]))
+    monkeypatch.setattr(dit_options, "FP8_MIN_TOKENS", 1)
+    dit.denoise(req, cond)
+    handle.remove()
+    tokens = seen[0]
+    monkeypatch.setattr(dit_options, "FP8_MIN_TOKENS", tokens + 1)
+    with pytest.raises(StageError, match=re.escape(
+            f"{task} request is too small for transformer.linear 'fp8': {tokens} latent "
+            f"tokens, FP8 matmuls need at least {tokens + 1}")):
+        dit.denoise(req, cond)
+    monkeypatch.setattr(dit_options, "FP8_MIN_TOKENS", tokens)
+    assert torch.isfinite(dit.denoise(req, cond)["latents"]).all()
+
+
+def test_fp8_rows_probe_lists_each_block_shape_and_needs_a_gpu(tmp_path: Path) -> None:
+    """``bench_dit rows`` (the GPU probe FP8_MIN_TOKENS rests on) covers the published DiTs'
+    feed-forward shapes, converted, and Qwen-Image's text stream, left in bf16; without an
+    FP8 GPU it stops with the reason instead of a traceback."""
+    from scripts.bench import bench_dit
+
+    shapes = {(r["arch"], r["in"], r["out"], r["kind"])
+              for arch in ("wan-1.3b", "wan-14b", "qwen-image")
+              for r in bench_dit.fp8_row_shapes(arch)}
+    assert {("wan-1.3b", 8960, 1536, "fp8"), ("wan-14b", 13824, 5120, "fp8"),
+            ("qwen-image", 12288, 3072, "fp8"),
+            ("qwen-image", 12288, 3072, "bf16 (prompt rows)")} <= shapes
+    assert not [s for s in shapes if s[0] != "qwen-image" and s[3] != "fp8"]
+    with pytest.raises(SystemExit, match=r"compute capability 8\.9 or newer"):
+        bench_dit.main(["rows", "--out", str(tmp_path), "--device", "cpu"])
 
 
 # -- the memory estimate and the budget ------------------------------------------------------------

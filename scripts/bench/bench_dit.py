@@ -5,6 +5,7 @@
         [--variants bf16,fp8_compiled,...] [--steps 2] [--models /dev/shm/diffring-models]
     python -m scripts.bench.bench_dit attn --out out/dit
     python -m scripts.bench.bench_dit report --out out/dit
+    python -m scripts.bench.bench_dit rows --out out/dit
 
 ``suite`` builds a DiT-stage folder of the published architecture with random weights
 (transformer + scheduler + VAE config: what the DiT stage reads; nothing is downloaded),
@@ -30,6 +31,9 @@ casting, placed by the stage's own ``place``) hooks in the published DiT, and ti
 side of those hooks for one forward: every hooked module's weights cast to the compute dtype
 and back, on meta tensors, so what is timed is Python and dispatch alone, which a forward
 whose GPU work is short cannot hide.
+``rows`` (a GPU with FP8) finds, for every linear shape of the published DiTs' blocks, the
+row counts for which the FP8 rowwise matmul is not supported by cuBLASLt: what
+``FP8_MIN_TOKENS`` and the bf16 text stream of Qwen-Image rest on.
 """
 
 from __future__ import annotations
@@ -220,11 +224,22 @@ def suite(args: argparse.Namespace) -> int:
     if args.shape:
         base += ["--shape", args.shape]
     runs = [(v, None) for v in variants] + [(v, args.cap_gib) for v in capped]
-    # 1. cold starts of the compiled variants, in parallel: they fill the compile cache.
-    cold = sorted({v for v, _ in runs if VARIANTS[v].get("compile")})
+    # 1. cold starts of the compiled variants, in parallel: they fill the compile cache. A
+    # variant whose cold start is already recorded in --work (an earlier --cold-only call,
+    # same --models, so the same cache) keeps that record: starting it again would be a
+    # second start, not a first.
+    compiled = sorted({v for v, _ in runs if VARIANTS[v].get("compile")})
+    cold = [v for v in compiled if not (args.work / f"{v}.cold.json").is_file()]
+    for v in sorted(set(compiled) - set(cold)):
+        log(f"{v}: cold start already recorded in {args.work}; not started again")
     procs = [subprocess.Popen([*base, "--variant", v, "--phase", "cold"]) for v in cold]
     for p in procs:
         p.wait()
+    if args.cold_only:
+        missing = [v for v in compiled if not (args.work / f"{v}.cold.json").is_file()]
+        log(f"cold starts done, folder kept at {folder}" +
+            (f"; no record from {missing}" if missing else ""))
+        return 1 if missing else 0
     # 2. measured, one at a time (a compiled variant's warm-up is now its second start).
     for v, cap in runs:
         extra = [] if cap is None else ["--cap-gib", str(cap)]
@@ -386,6 +401,94 @@ def hooks(args: argparse.Namespace) -> int:
     return 0
 
 
+def fp8_row_shapes(arch: str) -> list[dict[str, Any]]:
+    """The distinct (in, out) shapes of the linear layers in one block of the published DiT
+    (built on meta tensors) that FP8 linear converts, and of those it leaves in bf16 because
+    their rows are the prompt's tokens; each with the first layer that has it."""
+    import torch
+
+    from modelkit.real import qwen_dit, wan_dit
+    from workers.models.dit_options import PROMPT_ROW_LAYERS, fp8_linear_targets
+
+    with torch.device("meta"):
+        model = qwen_dit(1) if arch == "qwen-image" else wan_dit(arch, 1)
+    converted = set(fp8_linear_targets(model))
+    prompt = {part for parts in PROMPT_ROW_LAYERS.values() for part in parts}
+    shapes: dict[tuple[int, int, str], dict[str, Any]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        kind = "fp8" if name in converted else \
+            "bf16 (prompt rows)" if any(part in name for part in prompt) else None
+        if kind is None:
+            continue
+        key = (module.in_features, module.out_features, kind)
+        if key not in shapes:
+            shapes[key] = {"arch": arch, "layer": name, "in": key[0], "out": key[1],
+                           "kind": kind}
+    return list(shapes.values())
+
+
+def rows(args: argparse.Namespace) -> int:
+    """For each linear shape of :func:`fp8_row_shapes`: the row counts (batch 1, 1..128 and
+    ``FP8_MIN_TOKENS``) for which torchao's FP8 rowwise matmul raises
+    CUBLAS_STATUS_NOT_SUPPORTED on this GPU. What ``FP8_MIN_TOKENS`` and the text stream's
+    exclusion rest on; a converted shape failing at the minimum exits 1."""
+    import torch
+
+    from contracts.errors import ModelLoadError
+    from workers.models.dit_options import FP8_MIN_TOKENS, check_fp8_linear
+
+    try:
+        check_fp8_linear(torch.device(args.device))
+    except ModelLoadError as exc:
+        raise SystemExit(f"bench_dit rows: {exc}") from None
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        PerRow,
+        quantize_,
+    )
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    counts = [*range(1, 129), FP8_MIN_TOKENS]
+    table = []
+    for arch in args.archs.split(","):
+        for shape in fp8_row_shapes(arch):
+            lin = torch.nn.Linear(shape["in"], shape["out"], device=args.device,
+                                  dtype=torch.bfloat16)
+            quantize_(lin, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+            failing = []
+            for n in counts:
+                x = torch.randn(1, n, shape["in"], device=args.device, dtype=torch.bfloat16)
+                try:
+                    with torch.no_grad():
+                        lin(x)
+                    torch.cuda.synchronize(args.device)
+                except RuntimeError as exc:
+                    if "CUBLAS_STATUS_NOT_SUPPORTED" not in str(exc):
+                        raise
+                    failing.append(n)
+            shape["failing_rows"] = failing
+            table.append(shape)
+            log(f"rows {arch} {shape['layer']}: {len(failing)} failing, up to "
+                f"{max(failing, default=0)}")
+    lines = [f"| DiT | layer | in -> out | FP8 or bf16 | rows failing (of 1..128 and "
+             f"{FP8_MIN_TOKENS}) |", "| --- | --- | --- | --- | --- |"]
+    for r in table:
+        f = r["failing_rows"]
+        span = f"{len(f)}, from {min(f)} to {max(f)}" if f else "none"
+        lines.append(f"| {r['arch']} | {r['layer']} | {r['in']} -> {r['out']} | {r['kind']} | "
+                     f"{span} |")
+    env = {"gpu": torch.cuda.get_device_name(args.device), "torch": torch.__version__,
+           "cuda": torch.version.cuda}
+    (args.out / "rows.json").write_text(json.dumps({"environment": env, "shapes": table},
+                                                   indent=1))
+    (args.out / "rows.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    bad = [r for r in table if r["kind"] == "fp8" and FP8_MIN_TOKENS in r["failing_rows"]]
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -394,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
     hk.add_argument("--out", type=Path, required=True, help="where the tables go")
     hk.add_argument("--archs", default="qwen-image,wan-14b")
     hk.add_argument("--repeats", type=int, default=10)
+    rw = sub.add_parser("rows")
+    rw.add_argument("--out", type=Path, required=True, help="where the tables go")
+    rw.add_argument("--archs", default="wan-1.3b,wan-14b,qwen-image")
+    rw.add_argument("--device", default="cuda:0")
     for name in ("suite", "run", "report", "attn"):
         p = sub.add_parser(name)
         p.add_argument("--out", type=Path, required=True, help="where the tables go")
@@ -417,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--cap-gib", type=float,
                            help="GPU memory cap of each --capped process (max_vram_gb)")
             p.add_argument("--keep-folder", action="store_true")
+            p.add_argument("--cold-only", action="store_true",
+                           help="build the folder and run the compiled variants' cold starts "
+                           "(filling the compile cache), keep both, measure nothing; a later "
+                           "suite with the same --models and --work measures")
         if name == "run":
             p.add_argument("--variant", choices=sorted(VARIANTS), required=True)
             p.add_argument("--folder", type=Path, required=True)
@@ -426,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "hooks":
         return hooks(args)
+    if args.cmd == "rows":
+        return rows(args)
     if getattr(args, "shape", None):
         SHAPES[args.arch] = args.shape
     if args.cmd != "attn" and args.work is None:

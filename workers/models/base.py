@@ -231,6 +231,14 @@ class TransformerAdapter(StageAdapter):
                     self.requests.warm(self._denoise, req, self.warmup_inputs(req, variant))
         return time.perf_counter() - t0
 
+    def _check_fp8_rows(self, tokens: int) -> None:
+        """With FP8 linear layers, refuse a request of fewer than ``FP8_MIN_TOKENS`` image /
+        video tokens (``tokens``: one sample's, after patching) before its first step."""
+        if self.options.linear == "fp8":
+            from .dit_options import check_fp8_rows
+
+            check_fp8_rows(self.task, tokens)
+
     warmup_variants: ClassVar[int] = 1
     """How many input variants :meth:`warm_up` runs per shape (Qwen: two text lengths)."""
 

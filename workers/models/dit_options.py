@@ -15,6 +15,14 @@ trained range), every norm (fp32 by design in Wan), the modulation tables and la
 (Wan's ``scale_shift_table``, Qwen's ``img_mod`` / ``txt_mod``: they scale every token of a
 block and an error there is an error everywhere), and the final projection ``proj_out``
 (the velocity itself). :func:`fp8_linear_targets` is the list, tested on CPU.
+
+Also left in bf16: Qwen-Image's text stream (``txt_mlp`` and the attention's ``add_*_proj``
+/ ``to_add_out``). Its rows are the prompt's tokens, as few as the prompt is short, and
+cuBLASLt has no rowwise-scaled FP8 algorithm for a few rows against a long inner dimension:
+``torch._scaled_mm`` raises CUBLAS_STATUS_NOT_SUPPORTED (measured on an H200, torch 2.11 /
+CUDA 13.0: ``txt_mlp``'s 12288 -> 3072 projection fails for up to 42 rows). It is a few
+per cent of a forward's matmul work. The image / video stream's rows are checked per
+request (:func:`check_fp8_rows`).
 """
 
 from __future__ import annotations
@@ -27,10 +35,10 @@ from typing import Any
 
 import torch
 
-from contracts.errors import ModelLoadError
+from contracts.errors import InvalidRequestError, ModelLoadError
 
-__all__ = ["apply_fp8_linear", "check_fp8_linear", "configure_compile_cache",
-           "fp8_linear_targets"]
+__all__ = ["FP8_MIN_TOKENS", "PROMPT_ROW_LAYERS", "apply_fp8_linear", "check_fp8_linear",
+           "check_fp8_rows", "configure_compile_cache", "fp8_linear_targets"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,18 @@ _MODULATION = ("img_mod", "txt_mod", "norm", "modulation")
 """Names of the layers inside a block that produce modulation (scale / shift / gate)."""
 _ALIGN = 16
 """torch._scaled_mm needs both matrix dimensions to be multiples of 16."""
+PROMPT_ROW_LAYERS = {
+    "QwenImageTransformerBlock": ("txt_mlp", "add_q_proj", "add_k_proj", "add_v_proj",
+                                  "to_add_out"),
+}
+"""Per block class: the layers whose rows are the prompt's tokens (left in bf16)."""
+FP8_MIN_TOKENS = 256
+"""Fewest image / video tokens a request may give FP8 linear layers. cuBLASLt's FP8
+rowwise matmul fails (CUBLAS_STATUS_NOT_SUPPORTED) for few rows at a long inner dimension;
+measured on an H200 (torch 2.11, CUDA 13.0), for batch 1 and 2: up to 42 rows at 12288 -> 3072
+(Qwen-Image), 25 at 13824 -> 5120 (Wan2.1-14B), 84 at 8960 -> 1536 (Wan2.1-1.3B), none at
+3072 -> 12288 (``python -m scripts.bench.bench_dit rows`` measures it on the GPU at hand).
+256 is three times the worst, and smaller than any published geometry."""
 
 
 def fp8_linear_targets(model: Any) -> list[str]:
@@ -53,15 +73,27 @@ def fp8_linear_targets(model: Any) -> list[str]:
     for block_name, block in model.named_modules():
         if type(block).__name__ not in blocks:
             continue
+        prompt_rows = PROMPT_ROW_LAYERS.get(type(block).__name__, ())
         for name, module in block.named_modules():
             if not isinstance(module, torch.nn.Linear):
                 continue
-            if any(part in name for part in _MODULATION):
+            if any(part in name for part in _MODULATION + prompt_rows):
                 continue
             if module.in_features % _ALIGN or module.out_features % _ALIGN:
                 continue
             names.append(f"{block_name}.{name}")
     return names
+
+
+def check_fp8_rows(task: str, tokens: int) -> None:
+    """Refuse a request whose image / video stream is too short for FP8 matmuls
+    (:data:`FP8_MIN_TOKENS`), before its first step, naming the size and what to do."""
+    if tokens < FP8_MIN_TOKENS:
+        raise InvalidRequestError(
+            f"{task} request is too small for transformer.linear 'fp8': {tokens} latent "
+            f"tokens, FP8 matmuls need at least {FP8_MIN_TOKENS} (a larger height/width/"
+            "num_frames, or a worker with linear 'dtype')"
+        )
 
 
 def check_fp8_device(device: torch.device, option: str, minimum: tuple[int, int], gpus: str,

@@ -133,6 +133,7 @@ class QwenTransformer(TransformerAdapter):
         true_cfg = req.true_cfg_scale
         cfg = true_cfg > 1.0
         inp = self._inputs(req, tensors, cfg)
+        self._check_fp8_rows((inp.lat_h // 2) * (inp.lat_w // 2))  # the packed 2x2 patches
         guidance = self._guidance(req)
         scheduler = fresh_scheduler(self.scheduler)
         with torch.no_grad():

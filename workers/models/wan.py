@@ -238,6 +238,8 @@ class WanTransformer(TransformerAdapter):
         self._require_loaded()
         check_request_task(req, self.task, self.role)
         frames, lat_h, lat_w = self._check_geometry(req)
+        pt, ph, pw = self.patch
+        self._check_fp8_rows((frames // pt) * (lat_h // ph) * (lat_w // pw))
         assert req.guidance_scale is not None and req.infer_steps is not None
         i2v = self.spec.needs_image
         dtype = self.transformer.dtype
