@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from controller.group import submit, wait_task
+from tests.conftest import wait_log
 from tests.test_e2e import body, fetch, start_group
 
 pytestmark = pytest.mark.integration  # starts processes or servers
@@ -52,21 +53,25 @@ def test_dead_producer_fails_task_clearly_and_workers_keep_serving(
 
 
 def test_killed_transformer_task_is_requeued(tiny_models: Path, tmp_path: Path) -> None:
-    """A transformer SIGKILLed mid-denoise loses nothing: the task completes elsewhere."""
+    """A transformer SIGKILLed mid-denoise loses nothing: the task completes elsewhere. The
+    victim is held after its third step (fault point ``dit.step``) and killed there, so the
+    kill lands mid-denoise however slowly the machine runs."""
     pipeline = "qwen_t2i"
+    gate = tmp_path / "step-3-gate"
+    gate.touch()  # never removed: the victim dies held
     with start_group(pipeline, tiny_models, tmp_path) as group:
-        group.start_all(transformers=1)
+        group.start("controller")
+        group.wait_http()
+        group.start("encoder")
+        group.start("decoder")
+        victim = group.start("transformer", {"faults": f"dit.step:hold={gate}:nth=3"})
+        group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1})
         r = httpx.post(f"{group.url}/v1/tasks/image/",
-                       json=body(pipeline, None, task_id="long", infer_steps=100), timeout=30)
+                       json=body(pipeline, None, task_id="long", infer_steps=8), timeout=30)
         assert r.status_code == 200
-        victim = next(s for s in group.services if s.role == "transformer")
-        deadline = time.monotonic() + 120
-        while True:
-            st = httpx.get(f"{group.url}/v1/tasks/long/status").json()
-            if st["stage"] == "denoising" and st["step"] >= 3:
-                break
-            assert time.monotonic() < deadline, st
-            time.sleep(0.05)
+        wait_log(victim, "fault point dit.step fired", timeout=300)
+        st = httpx.get(f"{group.url}/v1/tasks/long/status", timeout=30).json()
+        assert st["stage"] == "denoising" and st["attempt"] == 1, st
         os.kill(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
         group.start("transformer")
@@ -80,23 +85,32 @@ def test_controller_restart_loses_no_task(tiny_models: Path, tmp_path: Path) -> 
     reconnect by themselves, the unfinished task completes, the finished one stays served."""
     pipeline = "qwen_t2i"
     with start_group(pipeline, tiny_models, tmp_path) as group:
-        group.start_all()
+        # The transformer holds after the second step of its second task ("during") until
+        # the new controller is up: the controller dies mid-task however slow the machine is.
+        gate = tmp_path / "held-during-restart"
+        gate.touch()
+        group.start("controller")
+        group.wait_http()
+        group.start("encoder")
+        group.start("decoder")
+        dit = group.start("transformer", {"faults": f"dit.step:hold={gate}:nth=4"})
+        group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1})
         before = submit(group.url, "image", body(pipeline, None, seed=1, task_id="before"))
         assert before["status"] == "completed"
         first = fetch(group.url, "before")
         r = httpx.post(f"{group.url}/v1/tasks/image/",
-                       json=body(pipeline, None, task_id="during", infer_steps=100), timeout=30)
+                       json=body(pipeline, None, task_id="during", infer_steps=8), timeout=30)
         assert r.status_code == 200
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{group.url}/v1/tasks/during/status").json()["step"] < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_log(dit, "fault point dit.step fired", timeout=300)
         old = group.services[0]
         os.kill(old.proc.pid, signal.SIGKILL)
         old.proc.wait()
         group.services.remove(old)  # reaped: no longer part of the group
         group.start("controller")
         group.wait_http()
+        # The held transformer reconnects once its step is done (its worker is busy in it).
+        group.wait_workers({"encoder": 1, "decoder": 1}, timeout=120)
+        gate.unlink()
         group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1}, timeout=120)
         st = wait_task(group.url, "during", timeout=600)
         assert st["status"] == "completed" and st["attempt"] == 2, st
