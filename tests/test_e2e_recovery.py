@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -52,6 +53,18 @@ def test_dead_producer_fails_task_clearly_and_workers_keep_serving(
         assert again["status"] == "completed" and again["attempt"] == 1
 
 
+def start_with_held_dit(group: Any, gate: Path, nth: int) -> Any:
+    """Start a 1/1/1 group whose transformer holds at its ``nth`` denoising step boundary
+    (fault point ``dit.step``) while ``gate`` exists; returns the transformer's service."""
+    group.start("controller")
+    group.wait_http()
+    group.start("encoder")
+    group.start("decoder")
+    dit = group.start("transformer", {"faults": f"dit.step:hold={gate}:nth={nth}"})
+    group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1})
+    return dit
+
+
 def test_killed_transformer_task_is_requeued(tiny_models: Path, tmp_path: Path) -> None:
     """A transformer SIGKILLed mid-denoise loses nothing: the task completes elsewhere. The
     victim is held after its third step (fault point ``dit.step``) and killed there, so the
@@ -60,12 +73,7 @@ def test_killed_transformer_task_is_requeued(tiny_models: Path, tmp_path: Path) 
     gate = tmp_path / "step-3-gate"
     gate.touch()  # never removed: the victim dies held
     with start_group(pipeline, tiny_models, tmp_path) as group:
-        group.start("controller")
-        group.wait_http()
-        group.start("encoder")
-        group.start("decoder")
-        victim = group.start("transformer", {"faults": f"dit.step:hold={gate}:nth=3"})
-        group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1})
+        victim = start_with_held_dit(group, gate, 3)
         r = httpx.post(f"{group.url}/v1/tasks/image/",
                        json=body(pipeline, None, task_id="long", infer_steps=8), timeout=30)
         assert r.status_code == 200
@@ -89,12 +97,7 @@ def test_controller_restart_loses_no_task(tiny_models: Path, tmp_path: Path) -> 
         # the new controller is up: the controller dies mid-task however slow the machine is.
         gate = tmp_path / "held-during-restart"
         gate.touch()
-        group.start("controller")
-        group.wait_http()
-        group.start("encoder")
-        group.start("decoder")
-        dit = group.start("transformer", {"faults": f"dit.step:hold={gate}:nth=4"})
-        group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1})
+        dit = start_with_held_dit(group, gate, 4)
         before = submit(group.url, "image", body(pipeline, None, seed=1, task_id="before"))
         assert before["status"] == "completed"
         first = fetch(group.url, "before")

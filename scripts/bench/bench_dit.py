@@ -229,14 +229,18 @@ def suite(args: argparse.Namespace) -> int:
     # same --models, so the same cache) keeps that record: starting it again would be a
     # second start, not a first.
     compiled = sorted({v for v, _ in runs if VARIANTS[v].get("compile")})
-    cold = [v for v in compiled if not (args.work / f"{v}.cold.json").is_file()]
+
+    def unrecorded() -> list[str]:
+        return [v for v in compiled if not (args.work / f"{v}.cold.json").is_file()]
+
+    cold = unrecorded()
     for v in sorted(set(compiled) - set(cold)):
         log(f"{v}: cold start already recorded in {args.work}; not started again")
     procs = [subprocess.Popen([*base, "--variant", v, "--phase", "cold"]) for v in cold]
     for p in procs:
         p.wait()
     if args.cold_only:
-        missing = [v for v in compiled if not (args.work / f"{v}.cold.json").is_file()]
+        missing = unrecorded()
         log(f"cold starts done, folder kept at {folder}" +
             (f"; no record from {missing}" if missing else ""))
         return 1 if missing else 0
@@ -408,20 +412,15 @@ def fp8_row_shapes(arch: str) -> list[dict[str, Any]]:
     import torch
 
     from modelkit.real import qwen_dit, wan_dit
-    from workers.models.dit_options import PROMPT_ROW_LAYERS, fp8_linear_targets
+    from workers.models.dit_options import fp8_linear_targets, prompt_row_layers
 
     with torch.device("meta"):
         model = qwen_dit(1) if arch == "qwen-image" else wan_dit(arch, 1)
-    converted = set(fp8_linear_targets(model))
-    prompt = {part for parts in PROMPT_ROW_LAYERS.values() for part in parts}
+    kinds = [(name, "fp8") for name in fp8_linear_targets(model)] + \
+        [(name, "bf16 (prompt rows)") for name in prompt_row_layers(model)]
     shapes: dict[tuple[int, int, str], dict[str, Any]] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        kind = "fp8" if name in converted else \
-            "bf16 (prompt rows)" if any(part in name for part in prompt) else None
-        if kind is None:
-            continue
+    for name, kind in kinds:
+        module = model.get_submodule(name)
         key = (module.in_features, module.out_features, kind)
         if key not in shapes:
             shapes[key] = {"arch": arch, "layer": name, "in": key[0], "out": key[1],
@@ -437,17 +436,12 @@ def rows(args: argparse.Namespace) -> int:
     import torch
 
     from contracts.errors import ModelLoadError
-    from workers.models.dit_options import FP8_MIN_TOKENS, check_fp8_linear
+    from workers.models.dit_options import FP8_MIN_TOKENS, check_fp8_linear, quantize_fp8
 
     try:
         check_fp8_linear(torch.device(args.device))
     except ModelLoadError as exc:
         raise SystemExit(f"bench_dit rows: {exc}") from None
-    from torchao.quantization import (
-        Float8DynamicActivationFloat8WeightConfig,
-        PerRow,
-        quantize_,
-    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     counts = [*range(1, 129), FP8_MIN_TOKENS]
@@ -456,7 +450,7 @@ def rows(args: argparse.Namespace) -> int:
         for shape in fp8_row_shapes(arch):
             lin = torch.nn.Linear(shape["in"], shape["out"], device=args.device,
                                   dtype=torch.bfloat16)
-            quantize_(lin, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+            quantize_fp8(lin)
             failing = []
             for n in counts:
                 x = torch.randn(1, n, shape["in"], device=args.device, dtype=torch.bfloat16)

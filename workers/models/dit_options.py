@@ -38,7 +38,8 @@ import torch
 from contracts.errors import InvalidRequestError, ModelLoadError
 
 __all__ = ["FP8_MIN_TOKENS", "PROMPT_ROW_LAYERS", "apply_fp8_linear", "check_fp8_linear",
-           "check_fp8_rows", "configure_compile_cache", "fp8_linear_targets"]
+           "check_fp8_rows", "configure_compile_cache", "fp8_linear_targets",
+           "prompt_row_layers", "quantize_fp8"]
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +63,53 @@ measured on an H200 (torch 2.11, CUDA 13.0), for batch 1 and 2: up to 42 rows at
 256 is three times the worst, and smaller than any published geometry."""
 
 
-def fp8_linear_targets(model: Any) -> list[str]:
-    """Qualified names of the linear layers :func:`apply_fp8_linear` converts: those inside
-    the model's repeated blocks (diffusers' ``_repeated_blocks``), minus modulation layers
-    and layers whose sizes FP8 matmuls cannot take."""
+def _block_linears(model: Any) -> list[tuple[str, str, torch.nn.Linear, tuple[str, ...]]]:
+    """Every linear layer inside the model's repeated blocks (diffusers'
+    ``_repeated_blocks``): qualified name, name inside its block, the layer, and the block's
+    :data:`PROMPT_ROW_LAYERS`."""
     blocks = set(getattr(model, "_repeated_blocks", ()) or ())
     if not blocks:
         raise ModelLoadError(f"{type(model).__name__} declares no repeated blocks for FP8")
-    names: list[str] = []
+    out: list[tuple[str, str, torch.nn.Linear, tuple[str, ...]]] = []
     for block_name, block in model.named_modules():
         if type(block).__name__ not in blocks:
             continue
         prompt_rows = PROMPT_ROW_LAYERS.get(type(block).__name__, ())
         for name, module in block.named_modules():
-            if not isinstance(module, torch.nn.Linear):
-                continue
-            if any(part in name for part in _MODULATION + prompt_rows):
-                continue
-            if module.in_features % _ALIGN or module.out_features % _ALIGN:
-                continue
-            names.append(f"{block_name}.{name}")
-    return names
+            if isinstance(module, torch.nn.Linear):
+                out.append((f"{block_name}.{name}", name, module, prompt_rows))
+    return out
+
+
+def fp8_linear_targets(model: Any) -> list[str]:
+    """Qualified names of the linear layers :func:`apply_fp8_linear` converts: those inside
+    the model's repeated blocks, minus modulation layers, the layers whose rows are the
+    prompt's tokens (:func:`prompt_row_layers`) and layers whose sizes FP8 matmuls cannot
+    take."""
+    return [qualified for qualified, name, module, prompt_rows in _block_linears(model)
+            if not any(part in name for part in _MODULATION + prompt_rows)
+            and not module.in_features % _ALIGN and not module.out_features % _ALIGN]
+
+
+def prompt_row_layers(model: Any) -> list[str]:
+    """Qualified names of the block linear layers left in bf16 because their rows are the
+    prompt's tokens (:data:`PROMPT_ROW_LAYERS`)."""
+    return [qualified for qualified, name, _, prompt_rows in _block_linears(model)
+            if any(part in name for part in prompt_rows)]
+
+
+def quantize_fp8(module: torch.nn.Module, chosen: Any = None) -> None:
+    """torchao float8 with rowwise weight scales and rowwise dynamic activation scales, in
+    place, on the linear layers of ``module`` that ``chosen(layer, fqn)`` picks (None: all):
+    the one configuration the stage and ``bench_dit rows`` use."""
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        PerRow,
+        quantize_,
+    )
+
+    quantize_(module, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=chosen)
 
 
 def check_fp8_rows(task: str, tokens: int) -> None:
@@ -130,19 +157,12 @@ def apply_fp8_linear(model: Any, device: torch.device) -> int:
     """Convert :func:`fp8_linear_targets` to torchao float8 (rowwise, dynamic activations)
     in place; returns how many layers were converted."""
     check_fp8_linear(device)
-    from torchao.quantization import (
-        Float8DynamicActivationFloat8WeightConfig,
-        PerRow,
-        quantize_,
-    )
-
     targets = set(fp8_linear_targets(model))
 
     def chosen(_module: torch.nn.Module, fqn: str) -> bool:
         return fqn in targets
 
-    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
-              filter_fn=chosen)
+    quantize_fp8(model, chosen)
     log.info("FP8 linear layers: %d of the DiT's linear layers converted", len(targets))
     return len(targets)
 
