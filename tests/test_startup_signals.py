@@ -192,6 +192,7 @@ def test_a_signal_during_the_controller_start_up_stops_it(
         first = group.start("controller")
         t0 = time.monotonic()
         group.wait_http(timeout=300)
+        wait_log(first, "controller ready")  # its own front door, not another's on the port
         span = 1.3 * (time.monotonic() - t0)
         first.proc.send_signal(signal.SIGTERM)
         assert _exit(first) == 0
