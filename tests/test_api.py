@@ -213,11 +213,15 @@ def test_group_sync_cancel_running_and_metrics(tiny_models: Path, tmp_path: Path
     def with_metrics(port: int) -> dict[str, Any]:
         return {"server": {**cfg["server"], "metric_port": port}}
 
+    gate = tmp_path / "cancel-gate"
+    gate.touch()
     try:
         group.start("controller", with_metrics(m_ctl))
         group.wait_http()
         group.start("encoder", with_metrics(m_enc))
-        group.start("transformer", with_metrics(m_dit))
+        # Held after the long task's second step (after the sync task's steps), for the cancel.
+        held = f"dit.step:hold={gate}:nth={SMALL['infer_steps'] + 2}"
+        dit = group.start("transformer", {**with_metrics(m_dit), "faults": held})
         group.start("decoder", with_metrics(m_dec))
         group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1})
 
@@ -228,18 +232,22 @@ def test_group_sync_cancel_running_and_metrics(tiny_models: Path, tmp_path: Path
 
         assert Image.open(io.BytesIO(r.content)).size == (48, 32)
 
-        # A long task, cancelled while denoising: it stops at a step boundary.
+        # A longer task, cancelled while its DiT is held after step 2: the worker hears of
+        # it, and once released stops at the step boundary it is at.
         r = post(group, "image", {"prompt": "long", "task_id": "long", **SMALL,
-                                  "infer_steps": 400})
+                                  "infer_steps": 8})
         assert r.status_code == 200
+        wait_log(dit, "fault point dit.step fired", timeout=300)
         deadline = time.monotonic() + 120
         while (st := httpx.get(f"{group.url}/v1/tasks/long/status").json())["step"] < 2:
-            assert time.monotonic() < deadline and st["status"] != "completed", st
+            assert time.monotonic() < deadline, st  # the report of step 2 is on its way
             time.sleep(0.05)
-        assert "denoising step" in st["progress"]
+        assert st["step"] == 2 and "denoising step" in st["progress"], st
         assert httpx.delete(f"{group.url}/v1/tasks/long").json()["stop_status"] == "success"
+        wait_log(dit, "task long: the controller asked to cancel it", timeout=120)
+        gate.unlink()
         st = wait_task(group.url, "long", timeout=120)
-        assert st["status"] == "cancelled" and st["step"] < 400, st
+        assert st["status"] == "cancelled" and st["step"] == 2, st
         # ... and every worker's staging pool is empty again: its buffers were freed.
         deadline = time.monotonic() + 30
         for port in (m_enc, m_dit, m_dec):

@@ -30,6 +30,7 @@ from contracts.config import ServiceConfig
 from contracts.metrics import LIVE_PATH, READY_PATH
 from contracts.pipelines import check_device
 from controller.group import MULTI_HOST, LocalGroup, free_ports, group_config, submit, wait_task
+from tests.conftest import wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -258,6 +259,10 @@ def metrics_text(url: str) -> dict[str, float]:
     return out
 
 
+SMALL_STEPS = 4
+"""The first task's steps: the transformer's fault point is armed for the second's."""
+
+
 @pytest.mark.timeout(600)
 def test_probes_and_autoscaler_metrics_on_a_live_group(tiny_models: Path,
                                                        tmp_path: Path) -> None:
@@ -266,6 +271,8 @@ def test_probes_and_autoscaler_metrics_on_a_live_group(tiny_models: Path,
     ctl_host = MULTI_HOST["controller"][0]
     base = group_config(pipeline, str(tiny_models / pipeline), tmp_path, host=ctl_host)
     ports: dict[str, int] = {}
+    gate = tmp_path / "drain-gate"
+    gate.touch()
     group = LocalGroup(base, tmp_path)
     try:
         for role in ("controller", *WORKERS):
@@ -281,6 +288,8 @@ def test_probes_and_autoscaler_metrics_on_a_live_group(tiny_models: Path,
             else:
                 cfg.update(model_path=base["model_path"], dtype="float32", torch_threads=1,
                            output_dir=str(tmp_path / role))
+            if role == "transformer":  # held after the drain task's second step (below)
+                cfg["faults"] = f"dit.step:hold={gate}:nth={SMALL_STEPS + 2}"
             group.start(role, cfg)
             if role == "controller":
                 group.wait_http(timeout=120)
@@ -298,39 +307,32 @@ def test_probes_and_autoscaler_metrics_on_a_live_group(tiny_models: Path,
         # Every metric the autoscaler queries is exported by the controller, and measured.
         small = {"prompt": "k8s", "height": 32, "width": 32, "target_video_length": 5,
                  "target_fps": 8}
-        st = submit(group.url, "video", {**small, "infer_steps": 4}, timeout=300)
+        st = submit(group.url, "video", {**small, "infer_steps": SMALL_STEPS}, timeout=300)
         assert st["status"] == "completed", st
         m = metrics_text(url("controller", "/metrics"))
         assert autoscaler_metrics() <= set(m), autoscaler_metrics() - set(m)
         assert m["diffring_dit_step_seconds"] > 0
 
-        # A long task: the waiting DiT work shows while it runs; SIGTERM to the transformer
-        # drains it (/ready 503, /live 200) at the next step boundary: the task is handed back
-        # checkpointed, the worker exits 0, and a new replica resumes it from that step.
+        # A longer task, its DiT held after step 2 (fault point dit.step): the waiting DiT
+        # work shows while it runs; SIGTERM to the transformer drains it (/ready 503, /live
+        # 200); released, it hands the task back at that step boundary, checkpointed, and
+        # exits 0; a new replica resumes it from that step.
         r = httpx.post(f"{group.url}/v1/tasks/video/",
-                       json={**small, "infer_steps": 400, "task_id": "drain"}, timeout=30)
+                       json={**small, "infer_steps": 8, "task_id": "drain"}, timeout=30)
         assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{group.url}/v1/tasks/drain/status").json()["step"] < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        dit = next(s for s in group.services if s.role == "transformer")
+        wait_log(dit, "fault point dit.step fired", timeout=300)
         m = metrics_text(url("controller", "/metrics"))
         assert m["diffring_dit_steps_waiting"] > 0 and m["diffring_dit_seconds_waiting"] > 0
-        dit = next(s for s in group.services if s.role == "transformer")
         dit.proc.send_signal(signal.SIGTERM)
-        # Ready no more: 503 "draining" while it checkpoints, or gone already (a tiny step).
-        deadline = time.monotonic() + 30
-        while dit.proc.poll() is None:
-            try:
-                r = httpx.get(url("transformer", READY_PATH), timeout=10)
-            except httpx.TransportError:
-                continue  # its metrics endpoint closed: the process is exiting
-            if r.status_code != 200:
-                assert r.status_code == 503 and r.json()["state"] == "draining", r.text
-                break
-            assert time.monotonic() < deadline
+        deadline = time.monotonic() + 120
+        while (r := httpx.get(url("transformer", READY_PATH), timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "/ready still 200 after the SIGTERM"
             time.sleep(0.02)
-        assert dit.proc.wait(timeout=60) == 0
+        assert r.status_code == 503 and r.json()["state"] == "draining", r.text
+        assert httpx.get(url("transformer", LIVE_PATH), timeout=10).status_code == 200
+        gate.unlink()
+        assert dit.proc.wait(timeout=120) == 0
         cfg = json.loads(json.dumps(cfgs["transformer"]))
         cfg["disagg_config"] = base["disagg_config"]
         cfg["server"] = {**cfg["server"], "host": MULTI_HOST["transformer"][0],
@@ -340,6 +342,6 @@ def test_probes_and_autoscaler_metrics_on_a_live_group(tiny_models: Path,
         group.start("transformer", cfg)
         st = wait_task(group.url, "drain", timeout=300)
         assert st["status"] == "completed" and st["attempt"] == 2, st
-        assert st["failures"] == 0 and st["resumed_from"] >= 2, st
+        assert st["failures"] == 0 and st["resumed_from"] == 2, st
     finally:
         group.stop()

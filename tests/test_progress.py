@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.messages import Op
 from workers.progress import ProgressReporter
+from workers.worker import Job
 
 
-@dataclass
-class FakeJob:
-    task_id: str
-    attempt: int = 1
-    cancel: threading.Event = field(default_factory=threading.Event)
+def claimed(task_id: str) -> Job:
+    """A claimed job of the worker's own kind, nothing staged."""
+    return Job(task_id, 1, {})
 
 
 class SlowControl:
@@ -37,7 +35,7 @@ def test_reports_never_block_keep_their_order_flush_and_cancel() -> None:
     rep = ProgressReporter(ctl, "t")  # type: ignore[arg-type]
     rep.start()
     try:
-        job = FakeJob("a")
+        job = claimed("a")
         for k in range(1, 6):  # the first call is stuck in the "network"
             rep.report(job, k, 5)
         # Every report() returned while the controller had answered nothing: none waited.
@@ -48,16 +46,16 @@ def test_reports_never_block_keep_their_order_flush_and_cancel() -> None:
         assert ctl.sent == [("a", k) for k in range(1, 6)]  # every step, in order
 
         ctl.cancel.add("b")
-        cancelled = FakeJob("b")
+        cancelled = claimed("b")
         rep.report(cancelled, 1, 5)
         assert rep.flush(cancelled) and cancelled.cancel.is_set()
 
         ctl.release.clear()
-        busy, gone = FakeJob("x"), FakeJob("c")
+        busy, gone = claimed("x"), claimed("c")
         rep.report(busy, 1, 1)  # occupies the thread
         rep.report(gone, 1, 5)
         rep.forget(gone)  # failed before its report left: never sent
-        after = FakeJob("d")
+        after = claimed("d")
         rep.report(after, 1, 1)  # sent in order: once it is, c would have been before it
         ctl.release.set()
         assert rep.flush(busy) and rep.flush(gone) and rep.flush(after)

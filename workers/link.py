@@ -44,8 +44,8 @@ is exiting; a controller that does not answer by then learns of it from the leas
 
 class HeldTask(Protocol):
     task_id: str
-    cancel: threading.Event
-    yield_asked: threading.Event
+
+    def asked(self, cancel: bool = False, hand_back: bool = False) -> None: ...
 
 
 class Heartbeats:
@@ -114,10 +114,9 @@ class Heartbeats:
                     self.lost.set()  # the pull loop sees it within its idle backoff
                 return
             self._beat()
-            if job is not None and job.task_id in reply.get("cancel", []):
-                job.cancel.set()
-            if job is not None and job.task_id in reply.get("yield", []):
-                job.yield_asked.set()  # preempted: hand it back at the next step boundary
+            if job is not None:
+                job.asked(cancel=job.task_id in reply.get("cancel", []),
+                          hand_back=job.task_id in reply.get("yield", []))
             if "drop_staged" in reply:  # by (task, attempt): never the attempt being read
                 self._staged.drop_keys({(str(t), int(a)) for t, a in reply["drop_staged"]})
             elif reply.get("drop"):  # a controller of an older build names tasks only

@@ -20,15 +20,13 @@ from typing import Protocol
 from contracts.errors import DiffringError
 from contracts.messages import Op
 from workers.control import ControlClient
+from workers.link import HeldTask
 
 log = logging.getLogger("diffring.worker")
 
 
-class _Job(Protocol):
-    task_id: str
+class _Job(HeldTask, Protocol):
     attempt: int
-    cancel: threading.Event
-    yield_asked: threading.Event
 
 
 class ProgressReporter:
@@ -88,10 +86,7 @@ class ProgressReporter:
                     Op.PROGRESS, task_id=job.task_id, attempt=job.attempt, step=step,
                     steps=steps,
                 )
-                if reply.get("cancel"):
-                    job.cancel.set()
-                if reply.get("yield"):  # preempted: hand it back at the next step boundary
-                    job.yield_asked.set()
+                job.asked(cancel=bool(reply.get("cancel")), hand_back=bool(reply.get("yield")))
             except DiffringError as exc:
                 # The loop's own calls (handoff, fail) see a lost controller too and
                 # reconnect; a progress report is not worth more than a log line.

@@ -113,6 +113,16 @@ class Job:
     """The controller keeps this task's encoder outputs (a checkpoint with them was kept,
     or the attempt resumed from one): later checkpoints leave them out."""
 
+    def asked(self, cancel: bool = False, hand_back: bool = False) -> None:
+        """The controller's word on this task (a heartbeat's or a progress report's reply):
+        stop it (cancel), or hand it back at the next step boundary (preemption). Each is
+        logged when it first arrives."""
+        for wanted, event, what in ((cancel, self.cancel, "cancel it"),
+                                    (hand_back, self.yield_asked, "hand it back")):
+            if wanted and not event.is_set():
+                event.set()
+                log.info("task %s: the controller asked to %s", self.task_id, what)
+
     def descriptors(self) -> list[TensorDescriptor]:
         """The input tensors the producer staged for this task."""
         return [TensorDescriptor.from_dict(d) for d in self.item.get("tensors", [])]
