@@ -45,7 +45,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     port between the asking and the binding, and then one group's client reaches the other's
     server; processes given disjoint ranges (``DIFFRING_PORT_RANGE``) cannot be."""
     spec = os.environ.get(PORT_RANGE_ENV)
-    if not spec:
+    if not spec or n == 0:
         return _bound_and_released([0] * n, host)
     lo, hi = parse_port_range(spec)
     # A walk through the range from a start of this process's own (a child, e.g. a benchmark

@@ -22,34 +22,42 @@ if str(ROOT) not in sys.path:
 
 TOKEN = "test-cluster-token"
 
-from controller.group import PORT_RANGE_ENV, free_ports  # noqa: E402
+from controller.group import PORT_RANGE_ENV, free_ports, parse_port_range  # noqa: E402
 from rings.soak import stop_process as stop  # noqa: E402
 
 if TYPE_CHECKING:
     from controller.coordinator import Coordinator
     from controller.registry import WorkerInfo
 
-TEST_PORTS = (20000, 31999)
-"""The ports the suite's groups take (``DIFFRING_PORT_RANGE``): below the kernel's usual
-ephemeral range (32768-60999, where bind-to-0 and outgoing connections take theirs) and above
-Mooncake's (15000-16999), split between the pytest-xdist workers. A loaded CI run once had a
-controller answer another worker's health check: both had been given the same port."""
+TEST_PORTS = "20000-31999"
+"""The ports the suite's groups take (``DIFFRING_PORT_RANGE``, unless the caller set its own):
+below the kernel's usual ephemeral range (32768-60999, where bind-to-0 and outgoing
+connections take theirs) and above Mooncake's (15000-16999), split between the pytest-xdist
+workers. A loaded CI run once had a controller answer another worker's health check: both
+had been given the same port."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get(PORT_RANGE_ENV):
-        return  # the caller's own range
-    try:
-        eph_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return  # not Linux: the kernel's choice
-    if eph_lo <= TEST_PORTS[1]:
-        return  # this host's kernel hands out these ports itself: leave the choice to it
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index, count = int(worker.removeprefix("gw")), int(
-        os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    width = (TEST_PORTS[1] - TEST_PORTS[0] + 1) // count
-    lo = TEST_PORTS[0] + index * width
+    workerinput = getattr(config, "workerinput", None)  # set in a pytest-xdist worker
+    if workerinput is None and getattr(config.option, "numprocesses", None):
+        return  # xdist's controller: its workers (which inherit its environment) split it
+    spec = os.environ.get(PORT_RANGE_ENV)
+    if spec is None:
+        try:
+            eph = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        except OSError:
+            return  # not Linux: the kernel's choice
+        if int(eph[0]) <= parse_port_range(TEST_PORTS)[1]:
+            return  # this host's kernel hands out these ports itself: leave it the choice
+        spec = TEST_PORTS
+    lo, hi = parse_port_range(spec)
+    index, count = ((0, 1) if workerinput is None
+                    else (int(workerinput["workerid"].removeprefix("gw")),
+                          int(workerinput["workercount"])))
+    width = (hi - lo + 1) // count
+    if width < 64:
+        raise pytest.UsageError(f"{PORT_RANGE_ENV}={spec}: under 64 ports per worker")
+    lo += index * width
     os.environ[PORT_RANGE_ENV] = f"{lo}-{lo + width - 1}"
 
 

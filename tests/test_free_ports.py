@@ -16,8 +16,9 @@ from controller.group import PORT_RANGE_ENV, free_ports
 
 @pytest.fixture
 def port_range(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, int]]:
-    """A range of 16 ports (below the kernel's ephemeral range) and a fresh hand-out record."""
-    lo = 20000 + 16 * (os.getpid() % 700)
+    """A range of 16 ports and a fresh hand-out record: between the suite's ranges (conftest's
+    TEST_PORTS) and the kernel's ephemeral range, so no other test's server is on them."""
+    lo = 32000 + 16 * (os.getpid() % 48)
     monkeypatch.setenv(PORT_RANGE_ENV, f"{lo}-{lo + 15}")
     monkeypatch.setattr(group, "_handed_out", set())
     yield lo, lo + 15
@@ -32,7 +33,8 @@ def test_the_suite_runs_each_worker_in_a_range_of_its_own() -> None:
         pytest.skip(f"this host's kernel hands out ports from {eph_lo}")
     assert spec is not None
     lo, hi = group.parse_port_range(spec)
-    assert 20000 <= lo <= hi <= 31999
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    assert 20000 <= lo <= hi <= 31999 and hi - lo + 1 == 12000 // workers, (spec, workers)
 
 
 def test_ports_come_from_the_range_and_are_not_handed_out_twice(
@@ -61,6 +63,10 @@ def test_a_port_in_use_is_skipped(port_range: tuple[int, int]) -> None:
     finally:
         for s in holders:
             s.close()
+
+
+def test_none_asked_none_given(port_range: tuple[int, int]) -> None:
+    assert free_ports(0) == []
 
 
 def test_a_used_up_range_hands_its_ports_out_again(port_range: tuple[int, int]) -> None:
