@@ -25,6 +25,7 @@ import httpx
 from contracts.errors import ConfigError
 from contracts.pipelines import TASK_SPECS
 from contracts.roles import Role
+from controller.group_files import port_busy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +47,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     server; processes given disjoint ranges (``DIFFRING_PORT_RANGE``) cannot be."""
     spec = os.environ.get(PORT_RANGE_ENV)
     if not spec or n == 0:
-        return _bound_and_released([0] * n, host)
+        return _kernel_ports(n, host)
     lo, hi = parse_port_range(spec)
     # A walk through the range from a start of this process's own (a child, e.g. a benchmark
     # a test starts, inherits its parent's range), skipping ports in use now.
@@ -56,11 +57,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     for _ in range(2):  # the second walk: the range was used up, hand out again
         for i in range(span):
             port = lo + (start + i) % span
-            if (host, port) in _handed_out or port in ports:
-                continue
-            try:
-                _bound_and_released([port], host)
-            except OSError:
+            if (host, port) in _handed_out or port in ports or port_busy(host, port):
                 continue
             ports.append(port)
             if len(ports) == n:
@@ -81,14 +78,14 @@ def parse_port_range(spec: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _bound_and_released(ports: list[int], host: str) -> list[int]:
-    """Bind each of ``ports`` (0: the kernel picks) at once, then release them all."""
+def _kernel_ports(n: int, host: str) -> list[int]:
+    """``n`` ports the kernel picks (bound to port 0 together, then released)."""
     socks = []
     try:
-        for port in ports:
+        for _ in range(n):
             s = socket.socket()
+            s.bind((host, 0))
             socks.append(s)
-            s.bind((host, port))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
