@@ -294,12 +294,15 @@ def test_bench_serving_capped_modes_on_cpu(tiny_models: Path, tmp_path: Path) ->
 
 # -- the planned GPU commands -----------------------------------------------------------------
 
-def planned_commands(heading: str = "## Serving under 24 GiB caps (issue 20)"
-                     ) -> list[list[str]]:
-    """The benchmark commands of one section of docs/benchmarks.md (by default the issue-20
-    runs), as argument lists."""
-    text = (ROOT / "docs" / "benchmarks.md").read_text()
-    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+def planned_commands(heading: str = "## Serving under 24 GiB caps (issue 20)",
+                     doc: str = "docs/benchmarks.md") -> list[list[str]]:
+    """The benchmark commands of one section of ``doc`` (by default the issue-20 runs of
+    docs/benchmarks.md), as argument lists. The section ends at the next heading of its
+    level or above."""
+    text = (ROOT / doc).read_text()
+    section = text.split(heading, 1)[1]
+    level = heading.split(" ", 1)[0]
+    section = re.split(rf"\n#{{1,{len(level)}}} ", section, maxsplit=1)[0]
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -329,25 +332,28 @@ def test_planned_gpu_commands_parse_and_their_configs_are_accepted(
     assert '"weight_storage": "fp8"' in printed and '"offload": "block"' in printed
 
 
-def test_planned_issue_19_commands_parse(tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The issue-19 plan's commands: bench_dit's two suites parse into the cold starts and the
-    measured variants they name (what a GPU then runs), sharing one folder, cache and --work."""
+def test_issue_19_qwen_commands_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands BENCHMARKS.md gives for the Qwen-Image FP8 figures parse into what was
+    run: one suite of the three variants (its cold starts, then each measured) and the
+    few-rows probe."""
     from scripts.bench import bench_dit
 
     suites: list[Any] = []
+    probes: list[Any] = []
     monkeypatch.setattr(bench_dit, "suite", lambda args: suites.append(args) or 0)
-    commands = planned_commands("## Planned: issue 19's last figure")
+    monkeypatch.setattr(bench_dit, "rows", lambda args: probes.append(args) or 0)
+    commands = [c for heading in ("### Qwen-Image DiT (20.4B), 1024x1024",
+                                  "### FP8 matmuls at a few rows")
+                for c in planned_commands(heading, "BENCHMARKS.md")]
     assert {c[0] for c in commands} == {"scripts.bench.bench_dit"}
     for _module, *argv in commands:
         argv = [a.replace("$OUT", str(tmp_path)) for a in argv]
         argv = [a.replace("/dev/shm", str(tmp_path)) for a in argv]
         assert bench_dit.main(argv) == 0, argv
-    assert [(a.arch, a.variants, a.cold_only) for a in suites] == [
-        ("qwen-image", "bf16_compiled,fp8_compiled", True),
-        ("qwen-image", "bf16,bf16_compiled,fp8_compiled", False)]
-    assert len({(a.models, a.work) for a in suites}) == 1
-    assert all(set(a.variants.split(",")) <= set(bench_dit.VARIANTS) for a in suites)
+    assert [(a.arch, a.variants, a.cold_only, a.steps) for a in suites] == [
+        ("qwen-image", "bf16,bf16_compiled,fp8_compiled", False, 2)]
+    assert set(suites[0].variants.split(",")) <= set(bench_dit.VARIANTS)
+    assert [a.archs for a in probes] == ["wan-1.3b,wan-14b,qwen-image"]
 
 
 def test_bench_dit_cold_only_then_measured_keeps_the_first_start(

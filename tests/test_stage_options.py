@@ -353,6 +353,25 @@ def test_bench_dit_runs_on_cpu(tmp_path: Path) -> None:
     assert "| 0.0000 | 0.0000 |" in (out / "bench_dit.md").read_text()  # offload: exact
 
 
+def test_bench_dit_reports_compile_counters() -> None:
+    """A compiled variant's row says how many graphs its warm-up compiled and how the compile
+    caches answered (here two shapes through AOTAutograd: two graphs, the third call a
+    guard hit)."""
+    import torch
+
+    from scripts.bench.bench_dit import compile_counters
+
+    torch._dynamo.reset()
+    before = compile_counters().get("graphs", 0)
+    f = torch.compile(lambda x: x.sin() + 1, backend="aot_eager", dynamic=False)
+    f(torch.randn(4))
+    f(torch.randn(4, 3))
+    f(torch.randn(4, 3))  # a guard hit: no new graph
+    got = compile_counters()
+    assert got["graphs"] - before == 2
+    assert all(v > 0 for v in got.values())  # zeros are left out
+
+
 def test_fp8_storage_hook_cost_bench_on_cpu(tmp_path: Path) -> None:
     """``bench_dit hooks``: the published Wan2.1-1.3B DiT on meta tensors, FP8 storage placed
     by the stage's own code: every hooked module is one of the blocks' linear layers (weight

@@ -150,7 +150,10 @@ def run_variant(args: argparse.Namespace) -> int:
     adapter.warm_up([SHAPES[args.arch]], steps=2 if args.arch.startswith("qwen") else 1)
     row["warmup_s"] = round(time.perf_counter() - t0, 2)
     row["ready_s"] = round(row["load_s"] + row["warmup_s"], 2)
-    log(f"{args.variant} [{args.phase}]: load {row['load_s']} s, warm-up {row['warmup_s']} s")
+    if spec.get("compile"):
+        row["compile"] = compile_counters()
+    log(f"{args.variant} [{args.phase}]: load {row['load_s']} s, warm-up {row['warmup_s']} s"
+        + (f", compile {row['compile']}" if "compile" in row else ""))
     if args.phase == "cold":
         _write(args, row)
         return 0
@@ -186,6 +189,28 @@ def run_variant(args: argparse.Namespace) -> int:
     _write(args, row)
     log(f"{args.variant}: {row}")
     return 0
+
+
+_COMPILE_COUNTERS = {
+    ("stats", "unique_graphs"): "graphs",
+    ("inductor", "fxgraph_cache_hit"): "fx_hit",
+    ("inductor", "fxgraph_cache_miss"): "fx_miss",
+    ("inductor", "fxgraph_cache_bypass"): "fx_bypass",
+    ("aot_autograd", "autograd_cache_hit"): "aot_hit",
+    ("aot_autograd", "autograd_cache_miss"): "aot_miss",
+    ("aot_autograd", "autograd_cache_bypass"): "aot_bypass",
+}
+"""Dynamo's counters a warm-up's row reports: how many graphs it compiled and whether
+Inductor's FX graph cache and AOTAutograd's cache answered (a second start that misses
+them compiles again)."""
+
+
+def compile_counters() -> dict[str, int]:
+    """This process's compile counters so far (:data:`_COMPILE_COUNTERS`), zeros left out."""
+    from torch._dynamo.utils import counters
+
+    return {name: counters[group][key] for (group, key), name in _COMPILE_COUNTERS.items()
+            if counters[group][key]}
 
 
 def _latent_shape(adapter: Any, req: Any) -> tuple[int, ...]:
