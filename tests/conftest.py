@@ -37,17 +37,24 @@ workers. A loaded CI run once had a controller answer another worker's health ch
 had been given the same port."""
 
 
+def ephemeral_start() -> int | None:
+    """The first port of the kernel's ephemeral range (None: not Linux)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        return None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)  # set in a pytest-xdist worker
     if workerinput is None and getattr(config.option, "numprocesses", None):
         return  # xdist's controller: its workers (which inherit its environment) split it
     spec = os.environ.get(PORT_RANGE_ENV)
     if spec is None:
-        try:
-            eph = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        except OSError:
+        eph = ephemeral_start()
+        if eph is None:
             return  # not Linux: the kernel's choice
-        if int(eph[0]) <= parse_port_range(TEST_PORTS)[1]:
+        if eph <= parse_port_range(TEST_PORTS)[1]:
             return  # this host's kernel hands out these ports itself: leave it the choice
         spec = TEST_PORTS
     lo, hi = parse_port_range(spec)

@@ -12,6 +12,7 @@ import pytest
 from contracts.errors import ConfigError
 from controller import group
 from controller.group import PORT_RANGE_ENV, free_ports
+from tests.conftest import TEST_PORTS, ephemeral_start
 
 
 @pytest.fixture
@@ -28,13 +29,15 @@ def test_the_suite_runs_each_worker_in_a_range_of_its_own() -> None:
     """conftest's pytest_configure set it (on a Linux host whose ephemeral range starts
     above it): the check that the other tests here run under it."""
     spec = os.environ.get(PORT_RANGE_ENV)
-    eph_lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    if eph_lo <= 31999:
+    suite_lo, suite_hi = group.parse_port_range(TEST_PORTS)
+    eph_lo = ephemeral_start()
+    if eph_lo is None or eph_lo <= suite_hi:
         pytest.skip(f"this host's kernel hands out ports from {eph_lo}")
     assert spec is not None
     lo, hi = group.parse_port_range(spec)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    assert 20000 <= lo <= hi <= 31999 and hi - lo + 1 == 12000 // workers, (spec, workers)
+    assert suite_lo <= lo <= hi <= suite_hi, (spec, TEST_PORTS)
+    assert hi - lo + 1 == (suite_hi - suite_lo + 1) // workers, (spec, workers)
 
 
 def test_ports_come_from_the_range_and_are_not_handed_out_twice(
