@@ -19,6 +19,11 @@ import msgpack
 
 from contracts.errors import StageInputError
 
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+"""The picture formats an input image may have (Pillow's names): the front door refuses any
+other and the encoder stage reads exactly these. Pillow opens many more; some of them run
+external programs (EPS runs Ghostscript) or are rarely fuzzed, so these only."""
+
 PACK_MAGIC = b"diffring-images\x00"
 """First bytes of a pack (version 1 of the layout: a msgpack array of ``bin`` after it)."""
 

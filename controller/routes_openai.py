@@ -124,7 +124,10 @@ async def _form(request: Request, file_fields: tuple[str, ...]
             nested.append((key, value))
         else:
             fields[name] = value
-    return forms.nest(fields, nested), files
+    try:
+        return forms.nest(fields, nested), files
+    except forms.FormError as exc:
+        raise OpenAIError(400, str(exc), exc.param) from None
 
 
 @router.post("/v1/images/generations")

@@ -15,15 +15,16 @@ from typing import Any
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from contracts.input_images import IMAGE_FORMATS
+
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 MAX_IMAGE_BYTES = 32 << 20
 MAX_IMAGE_PIXELS = 40_000_000
-# Formats an input image may have. Pillow opens many more; some of them run external
-# programs (EPS runs Ghostscript) or are rarely fuzzed, so the front door takes these only.
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 MAX_PATH_BYTES = 1024
 MAX_NAME_BYTES = 255  # one path component, as most file systems allow
+# What a value that is not base64 must look like for the refusal to call it a file path.
+_PATH_LIKE = re.compile(r"^(/|\./|\.\./|~)|\.(png|jpe?g|webp|bmp|gif|tiff?)$", re.IGNORECASE)
 
 
 class TaskRequest(BaseModel):
@@ -182,17 +183,20 @@ def decode_image(
             422,
             f"image_path scheme {scheme!r} is not allowed; send the image as base64 or a data: URL",
         )
-    elif value.startswith("/") or value.startswith("."):
-        raise http_error(
-            422,
-            "image_path looks like a file path; the controller does not read local "
-            "files — send the image as base64 or a data: URL",
-        )
-    if len(value) > (max_bytes + 2) // 3 * 4 + 4:  # refuse before decoding, too
+    # Base64 first, whatever the value starts with: the base64 of every JPEG starts with
+    # "/9j/", so a leading "/" says nothing. Line breaks (base64 -w 76) are dropped.
+    compact = "".join(value.split())
+    if len(compact) > (max_bytes + 2) // 3 * 4 + 4:  # refuse before decoding, too
         raise http_error(413, f"input image exceeds {max_bytes} bytes")
     try:
-        data = base64.b64decode(value, validate=True)
+        data = base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
+        if _PATH_LIKE.search(value):
+            raise http_error(
+                422,
+                "image_path is not base64 and looks like a file path; the controller does "
+                "not read local files: send the image as base64 or a data: URL",
+            ) from None
         raise http_error(422, "image_path is not valid base64") from None
     if len(data) > max_bytes:
         raise http_error(413, f"input image of {len(data)} bytes exceeds {max_bytes} bytes")

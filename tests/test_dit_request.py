@@ -1,7 +1,7 @@
 """The request-level DiT options at the edge, in-process: the ``loras`` / ``cache`` request
 fields and their refusals, the transformer options that cannot combine, the cache
-parameters against diffusers' config classes, and the multipart form the ``openai``
-package sends for ``extra_body``."""
+parameters against diffusers' config classes (the multipart form the ``openai`` package
+sends for ``extra_body``: tests/test_forms.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from contracts.dit_request import CACHE_KINDS
 from contracts.errors import ConfigError, InvalidRequestError
 from contracts.request import GenerationRequest
 from contracts.stage_options import StageOptions
-from controller.forms import nest
 
 _WORKER_SIDE = {"current_timestep_callback", "attention_weight_callback",
                 "low_frequency_weight_callback", "high_frequency_weight_callback",
@@ -81,16 +80,3 @@ def test_stage_options_refuse_what_cannot_work() -> None:
     with pytest.raises(ConfigError, match="cannot be combined with compile"):
         ServiceConfig.from_dict({"compile": True, "warmup_shapes": ["32x32x5"],
                                  "transformer": {"cache": {"kind": "first_block_cache"}}})
-
-
-def test_multipart_extra_body_folds_back() -> None:
-    """What the ``openai`` package sends for ``extra_body`` in a multipart request comes
-    back as the JSON body's structure."""
-    from openai._qs import Querystring
-
-    body = {"prompt": "x", "loras": [{"name": "123", "strength": 0.5}, {"name": "b"}],
-            "cache": {"kind": "mag_cache", "mag_ratios": [1.0, 2], "calibrate": False}}
-    items = Querystring().stringify_items(body, array_format="brackets")
-    nested = [(k, v) for k, v in items if "[" in k]
-    assert nest({"prompt": "x"}, nested) == body
-    assert nest({"loras": '[{"name": "a"}]'}, []) == {"loras": [{"name": "a"}]}

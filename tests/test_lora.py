@@ -278,6 +278,43 @@ def test_bad_adapter_files_fail_the_request_only(tiny_models: Path, lora_dirs: d
             small_request(task, loras=refs([("style", 1.0)])), cond)
 
 
+def _replace(folder: Path, name: str, source: Path) -> None:
+    """Put ``source``'s bytes at ``folder/name.safetensors`` as an operator should: a new
+    file renamed over the old one."""
+    import os
+
+    tmp = folder / f".{name}.new"
+    tmp.write_bytes(source.read_bytes())
+    os.replace(tmp, folder / f"{name}.safetensors")
+
+
+def test_an_adapter_file_replaced_while_loaded_is_read_again(
+        tiny_models: Path, lora_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The eager worker keeps adapters loaded between requests; a file replaced meanwhile
+    is read again at its next use (main served the old weights until eviction)."""
+    task = "qwen_t2i"
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    _replace(folder, "swap", lora_dirs[task] / "style.safetensors")
+    dit = TransformerAdapter.for_task(tiny_models / task, task,
+                                      options=StageOptions(lora_dir=str(folder)))
+    dit.load()
+    reference = lora_dit(tiny_models, task, lora_dirs[task])
+    req = small_request(task, infer_steps=2)
+    cond = wire(stage("encoder", tiny_models, task).encode(req))
+
+    def latents(d: TransformerAdapter, name: str) -> torch.Tensor:
+        out: torch.Tensor = d.denoise(req.replace(loras=refs([(name, 0.8)])), cond)["latents"]
+        return out
+
+    style, detail = latents(reference, "style"), latents(reference, "detail")
+    assert torch.equal(latents(dit, "swap"), style)
+    _replace(folder, "swap", lora_dirs[task] / "detail.safetensors")
+    assert torch.equal(latents(dit, "swap"), detail)
+    assert torch.equal(latents(dit, "swap"), detail)  # read once: the file is unchanged
+    assert set(dit.transformer.peft_config) == {"swap"}
+
+
 def test_most_recently_used_adapters_stay_loaded(tiny_models: Path,
                                                  lora_dirs: dict[str, Path]) -> None:
     from workers.models.lora import LoraLibrary
@@ -356,6 +393,15 @@ def test_compiled_adapter_switches_do_not_recompile(
         rel = float((got - want).norm() / want.norm())
         assert rel < 1e-5, (loras, rel)
     assert torch.equal(outputs[3], outputs[6])  # no adapter: the same, whatever came before
+    # A file replaced while its slot holds it is swapped in again, still without compiling.
+    _replace(folder, "swap", folder / "style.safetensors")
+    dit.denoise(req.replace(loras=refs([("swap", 0.7)])), cond)
+    _replace(folder, "swap", folder / "detail.safetensors")
+    got = dit.denoise(req.replace(loras=refs([("swap", 0.7)])), cond)["latents"]
+    want = eager.denoise(req.replace(loras=refs([("detail", 0.7)])), cond)["latents"]
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert snapshot() == before, (before, snapshot())
+    (folder / "swap.safetensors").unlink()
     torch._dynamo.reset()
 
 

@@ -21,6 +21,12 @@ then ``load_lora_adapter``), all active. A request's adapters are hot-swapped in
 into the slots' scaling tensors in place; unused slots get strength 0. Neither changes what
 the compiled code guards on, so switching never recompiles.
 
+An adapter file replaced while loaded is noticed at its next use (its size, modification
+time or inode differ from when it was read: :func:`signature`, one ``stat`` per adapter per
+request) and read again, so a request gets the file that is there when it starts. Replace a
+file by writing a new one beside it and renaming it over the old (``mv``), never by writing
+into it: a request that starts while a file is half written reads half a file.
+
 A file that cannot be read, is not a LoRA checkpoint, or whose keys match nothing in the DiT
 fails the request that named it (:class:`~contracts.errors.AdapterError`, naming the file);
 the worker serves the next request as if it had never been asked.
@@ -81,6 +87,19 @@ def read_adapter(loader: Any, transformer: Any, name: str, path: Path
     return state, metadata
 
 
+Signature = tuple[int, int, int]
+
+
+def signature(path: Path) -> Signature:
+    """What tells that a file changed without reading it: its size, its modification time
+    (ns) and its inode (a file renamed over it has another)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise AdapterError(f"adapter file {path} cannot be read: {exc}") from None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
 def file_rank(path: Path) -> int:
     """The largest LoRA rank in an adapter file, from its header (no tensor is read)."""
     from safetensors import safe_open
@@ -112,6 +131,8 @@ class _Library:
         self.loader = loader_for(family)
         self.folder = folder
         self.task = task
+        self.read_as: dict[str, Signature] = {}
+        """Per loaded adapter (by its name in the DiT), the file's signature when read."""
 
     def names(self) -> list[str]:
         """The adapters requests may name (the folder's contents now)."""
@@ -128,6 +149,8 @@ class _Library:
 
     def load(self, name: str, path: Path, adapter_name: str, hotswap: bool = False) -> None:
         """Read ``path`` and load it into the DiT as ``adapter_name`` (or into that slot)."""
+        seen = signature(path)  # before reading: a change meanwhile shows at the next use
+        self.read_as.pop(adapter_name, None)
         state, metadata = read_adapter(self.loader, self.transformer, name, path)
         from diffusers.loaders.lora_pipeline import _LOW_CPU_MEM_USAGE_DEFAULT_LORA
 
@@ -143,6 +166,14 @@ class _Library:
         if adapter_name not in getattr(self.transformer, "peft_config", {}):
             raise AdapterError(f"adapter {name!r} ({path}): none of its keys match a layer "
                                f"of the {self.task} DiT (is it for another model?)")
+        self.read_as[adapter_name] = seen
+
+    def changed(self, adapter_name: str, path: Path) -> bool:
+        """Whether ``path`` is no longer the file loaded as ``adapter_name``."""
+        if self.read_as.get(adapter_name) == signature(path):
+            return False
+        log.info("adapter file %s changed since it was read; reading it again", path)
+        return True
 
     def disable(self) -> None:
         if getattr(self.transformer, "peft_config", None):
@@ -180,8 +211,11 @@ class LoraLibrary(_Library):
 
     def _ensure(self, name: str, path: Path, keep: set[str]) -> None:
         if name in self.loaded:
-            self.loaded.move_to_end(name)
-            return
+            if not self.changed(name, path):
+                self.loaded.move_to_end(name)
+                return
+            self.transformer.delete_adapters(name)
+            del self.loaded[name]
         self._evict(keep, room_for=1)
         self.load(name, path, name)
         size = sum(p.numel() * p.element_size() for n, p in self.transformer.named_parameters()
@@ -254,9 +288,8 @@ class HotswapSlots(_Library):
                     scaling.fill_(strengths.get(i, 0.0) * base)
 
     def _slot_for(self, name: str, path: Path, busy: set[int]) -> int:
-        if name in self.held:
-            i = self.held.index(name)
-        else:
+        i = self.held.index(name) if name in self.held else None
+        if i is None or self.changed(self.slots[i], path):
             try:
                 rank = file_rank(path)
             except Exception as exc:  # not a safetensors file: say so as a load would
@@ -265,7 +298,8 @@ class HotswapSlots(_Library):
                 raise AdapterError(
                     f"adapter {name!r} ({path}) has rank {rank}, the compiled slots hold "
                     f"{self.rank}; raise transformer.lora_max_rank and restart the worker")
-            i = next(s for s in self._order if s not in busy)
+            if i is None:
+                i = next(s for s in self._order if s not in busy)
             self.held[i] = None  # a failed swap leaves the slot's weights undefined
             self.load(name, path, self.slots[i], hotswap=True)
             self.held[i] = name

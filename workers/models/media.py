@@ -1,6 +1,7 @@
 """Image input decoding and result encoding (PNG / MP4).
 
-The input image of I2V / I2I requests arrives as the bytes of a PNG or JPEG file; results
+The input image of I2V / I2I requests arrives as the bytes of a picture file in one of the
+formats the front door accepts (``contracts.input_images.IMAGE_FORMATS``); results
 leave as PNG (images) or H.264 MP4 (videos). MP4s are written in memory with PyAV (``av``),
 whose wheels bundle FFmpeg with libx264: no ffmpeg binary or subprocess. libx264 runs
 multi-threaded (``VideoSettings.threads``); ``h264_nvenc`` is used when asked for and it
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from contracts.errors import StageError, StageInputError
-from contracts.input_images import is_pack, unpack_images
+from contracts.input_images import IMAGE_FORMATS, is_pack, unpack_images
 from contracts.pipelines import VIDEO_CODECS, X264_PRESETS
 
 if TYPE_CHECKING:
@@ -41,20 +42,17 @@ def decode_image(data: bytes | bytearray | memoryview | None, task: str) -> Imag
     from PIL import Image, UnidentifiedImageError
 
     if data is None or len(data) == 0:
-        raise StageInputError(f"{task} needs an input image (PNG or JPEG bytes); none was given")
+        raise StageInputError(f"{task} needs an input image ({', '.join(IMAGE_FORMATS)} "
+                              "bytes); none was given")
     if is_pack(data):  # several images packed together (contracts.input_images)
         n = len(unpack_images(data, task))
         raise StageInputError(f"{task} takes one input image, got {n}")
     try:
-        with Image.open(io.BytesIO(bytes(data))) as img:
+        with Image.open(io.BytesIO(bytes(data)), formats=IMAGE_FORMATS) as img:
             if img.width * img.height > _MAX_INPUT_PIXELS:
                 raise StageInputError(
                     f"{task} input image is {img.width}x{img.height}, larger than the "
                     f"{_MAX_INPUT_PIXELS} pixel limit"
-                )
-            if img.format not in ("PNG", "JPEG", "WEBP"):
-                raise StageInputError(
-                    f"{task} input image must be PNG, JPEG or WebP, got {img.format or 'unknown'}"
                 )
             rgb = img.convert("RGB")
             rgb.load()
