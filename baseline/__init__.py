@@ -37,11 +37,11 @@ from controller.app import (
     start_metrics,
 )
 from controller.config import CoordinatorConfig
-from controller.coordinator import Coordinator
-from controller.frontdoor import FrontDoor
+from controller.http.frontdoor import FrontDoor
+from controller.http.webapp import build_app
 from controller.main import run_async
-from controller.registry import WorkerInfo
-from controller.webapp import build_app
+from controller.ownership.coordinator import Coordinator
+from controller.ownership.registry import WorkerInfo
 from workers.metrics import WorkerMetrics
 from workers.models import LocalPipeline
 from workers.roles import _size, video_settings

@@ -22,13 +22,13 @@ from contracts.config import ServiceConfig
 from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.pipelines import task_spec
 from controller.config import CoordinatorConfig
-from controller.coordinator import Coordinator
-from controller.frontdoor import FrontDoor
+from controller.http.frontdoor import FrontDoor
+from controller.http.webapp import build_app
 from controller.metrics import ControllerMetrics
-from controller.store import prune_interval
-from controller.table import TaskTable, open_table
-from controller.tasks import Task
-from controller.webapp import build_app
+from controller.ownership.coordinator import Coordinator
+from controller.tasks.store import prune_interval
+from controller.tasks.table import TaskTable, open_table
+from controller.tasks.tasks import Task
 from rings.inspect import snapshot
 from rings.payload import encode_body
 from rings.ports import bind_socket
@@ -188,7 +188,7 @@ async def run_controller_async(
 ) -> None:
     from controller.control import ControlServer
     from controller.doorbell import Doorbell
-    from controller.reconcile import census
+    from controller.ownership.reconcile import census
     from controller.rings_host import ControllerRings
 
     d = cfg.disagg_config
@@ -291,7 +291,7 @@ def open_checkpoints(cfg: ServiceConfig, engine: Any, output_dir: Path) -> Any:
     of that size, files beside the task store."""
     if not cfg.checkpoint_store_mb:
         return None
-    from controller.checkpoints import CheckpointStore
+    from controller.tasks.checkpoints import CheckpointStore
     from tensorplane.pool import StagingPool
 
     pool = StagingPool(cfg.checkpoint_store_mb << 20, device="cpu")

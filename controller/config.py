@@ -15,7 +15,7 @@ from contracts.errors import ConfigError
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    """What :class:`controller.coordinator.Coordinator` needs to know."""
+    """What :class:`controller.ownership.coordinator.Coordinator` needs to know."""
 
     pipeline: str
     """The one pipeline this controller serves; workers of another are refused."""

@@ -18,12 +18,12 @@ from typing import Any
 
 from contracts.errors import ResultWriteBlocked
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
-from controller.coordinator import Coordinator
 from controller.doorbell import Doorbell
 from controller.errors import ControlError
+from controller.ownership.coordinator import Coordinator
+from controller.ownership.priorities import DEFERRED
+from controller.ownership.registry import WorkerInfo
 from controller.preflight import connect_back
-from controller.priorities import DEFERRED
-from controller.registry import WorkerInfo
 from rings import wire
 from rings.ports import bind_error
 

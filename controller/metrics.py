@@ -12,8 +12,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contracts.metrics import DURATION_BUCKETS, CallbackCollector, Sample
 from contracts.roles import Role
-from controller.coordinator import Coordinator
-from controller.tasks import TERMINAL, Stage, Task
+from controller.ownership.coordinator import Coordinator
+from controller.tasks.tasks import TERMINAL, Stage, Task
 
 STEP_SECONDS_SMOOTHING = 0.2
 """Weight of the newest step time in the moving average: follows a change of workload (other

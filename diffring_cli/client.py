@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-MAX_IMAGE_BYTES = 32 << 20  # the front door's limit (controller/schemas.py)
+MAX_IMAGE_BYTES = 32 << 20  # the front door's limit (controller/http/schemas.py)
 TERMINAL = ("completed", "failed", "cancelled")
 RECONNECT_S = 0.5
 

@@ -26,8 +26,8 @@ from controller.group import PORT_RANGE_ENV, free_ports, parse_port_range  # noq
 from rings.soak import stop_process as stop  # noqa: E402
 
 if TYPE_CHECKING:
-    from controller.coordinator import Coordinator
-    from controller.registry import WorkerInfo
+    from controller.ownership.coordinator import Coordinator
+    from controller.ownership.registry import WorkerInfo
 
 TEST_PORTS = "20000-31999"
 """The ports the suite's groups take (``DIFFRING_PORT_RANGE``, unless the caller set its own):
@@ -136,8 +136,8 @@ def make_coordinator(output_dir: Path | None, ring: Any, *, pipeline: str = "qwe
     """An in-process coordinator over ``ring`` with its task store in
     ``<output_dir>/.journal`` (none without ``output_dir``), closed after the test."""
     from controller.config import CoordinatorConfig
-    from controller.coordinator import Coordinator
-    from controller.table import open_table
+    from controller.ownership.coordinator import Coordinator
+    from controller.tasks.table import open_table
 
     co = Coordinator(
         CoordinatorConfig(pipeline=pipeline, output_dir=output_dir or Path("/nonexistent"),

@@ -1,4 +1,4 @@
-"""Window 8 of the ownership argument (controller.coordinator), in this process: denoising
+"""Window 8 of the ownership argument (controller.ownership.coordinator), in this process: denoising
 checkpoints kept by the controller from the lease holder only, the route of a task that has
 one (resume item, or kept final latents for the decoder), zombies, yields, restarts, the
 bound. A real Mooncake engine (TCP on loopback) moves the tensors between a "DiT" pool and
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from contracts.messages import Fault
-from controller.checkpoints import CheckpointStore
 from controller.config import CoordinatorConfig
-from controller.coordinator import Coordinator
-from controller.reconcile import census
-from controller.registry import WorkerInfo
-from controller.table import open_table
-from controller.tasks import Stage, Task
+from controller.ownership.coordinator import Coordinator
+from controller.ownership.reconcile import census
+from controller.ownership.registry import WorkerInfo
+from controller.tasks.checkpoints import CheckpointStore
+from controller.tasks.table import open_table
+from controller.tasks.tasks import Stage, Task
 from tensorplane.descriptor import TensorDescriptor
 from tensorplane.engine import MooncakeSettings, TransferEngine
 from tensorplane.handoff import pull_tensors, stage_tensors

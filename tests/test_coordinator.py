@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from controller.app import LocalQueue
-from controller.coordinator import Coordinator
 from controller.errors import QueueFull
-from controller.registry import WorkerInfo
-from controller.tasks import Stage, Task
+from controller.ownership.coordinator import Coordinator
+from controller.ownership.registry import WorkerInfo
+from controller.tasks.tasks import Stage, Task
 from tests.conftest import Clock, complete, make_coordinator
 
 REQ = {"task": "qwen_t2i", "prompt": "x"}

@@ -1,4 +1,4 @@
-"""Nested multipart fields (``controller/forms.py``) as real clients send them: requests are
+"""Nested multipart fields (``controller/http/forms.py``) as real clients send them: requests are
 built by the ``openai`` package itself (its own multipart serialiser, which groups list items
 by key) and by plain httpx in the alternating and indexed orders, and read back by the front
 door's own form reader in-process."""
@@ -15,9 +15,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from controller import routes_openai
-from controller.forms import FormError, nest
-from controller.openai_api import OpenAIError
+from controller.http import routes_openai
+from controller.http.forms import FormError, nest
+from controller.http.openai_api import OpenAIError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # openai's Sora notice
 PNG = b"\x89PNG\r\n\x1a\n fake"  # the reader does not decode pictures

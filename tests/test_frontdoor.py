@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 
 from contracts.config import ServerConfig
 from controller.app import LocalQueue
-from controller.frontdoor import FrontDoor
-from controller.webapp import build_app
+from controller.http.frontdoor import FrontDoor
+from controller.http.webapp import build_app
 from tests.conftest import make_coordinator
 
 pytestmark = pytest.mark.integration  # starts processes or servers
@@ -279,7 +279,7 @@ def test_one_image_pipeline_refuses_a_second(client: TestClient) -> None:
 
 def test_openai_edit_takes_several_image_parts(plus: TestClient, monkeypatch: Any) -> None:
     from contracts.input_images import pack_images
-    from controller.openai_api import OpenAIDoor
+    from controller.http.openai_api import OpenAIDoor
 
     door: OpenAIDoor = plus.app.state.openai  # type: ignore[attr-defined]
 
@@ -303,7 +303,7 @@ def test_lightx2v_comma_separated_images(plus: TestClient) -> None:
     """LightX2V's image_path takes several images separated by commas; a data: URL keeps
     its own comma."""
     from contracts.input_images import pack_images
-    from controller.schemas import split_images
+    from controller.http.schemas import split_images
 
     front: FrontDoor = plus.front  # type: ignore[attr-defined]
     a, b = png(16, 16), png(24, 16)

@@ -22,8 +22,8 @@ from fastapi.testclient import TestClient
 from contracts.config import ServerConfig
 from contracts.input_images import IMAGE_FORMATS
 from controller.app import LocalQueue
-from controller.frontdoor import FrontDoor
-from controller.webapp import build_app
+from controller.http.frontdoor import FrontDoor
+from controller.http.webapp import build_app
 from tests.conftest import make_coordinator
 from workers.models.media import decode_image
 

@@ -20,15 +20,15 @@ import httpx
 import pytest
 
 from contracts.config import ServerConfig
-from controller import decoding as decoding_mod
-from controller import results as results_mod
 from controller.app import LocalQueue
-from controller.coordinator import Coordinator
-from controller.decoding import ImageDecoder
-from controller.frontdoor import FrontDoor
-from controller.store_check import completions
-from controller.tasks import Stage, Task
-from controller.webapp import build_app
+from controller.http import decoding as decoding_mod
+from controller.http.decoding import ImageDecoder
+from controller.http.frontdoor import FrontDoor
+from controller.http.webapp import build_app
+from controller.ownership import results as results_mod
+from controller.ownership.coordinator import Coordinator
+from controller.tasks.store_check import completions
+from controller.tasks.tasks import Stage, Task
 from tests.conftest import make_coordinator
 
 pytestmark = pytest.mark.integration  # starts processes or servers

@@ -1,4 +1,4 @@
-"""Priorities, in this process (controller.requeue, controller.priorities): queued work is
+"""Priorities, in this process (controller.ownership.requeue, .priorities): queued work is
 released highest class first and the rings stay shallow; a DiT's claim of a lower task is
 deferred while a higher one waits encoded in the same ring; a task waiting too long behind
 lower-priority work gets one DiT to yield at its next step boundary, uncharged, at most
@@ -14,11 +14,11 @@ from contracts.config import ServiceConfig
 from contracts.errors import ConfigError, InvalidRequestError
 from contracts.messages import Fault
 from contracts.priority import check_priority
-from controller.coordinator import Coordinator
-from controller.priorities import DEFERRED, MAX_DEFERRALS
-from controller.reconcile import census
-from controller.registry import WorkerInfo
-from controller.tasks import Stage, Task
+from controller.ownership.coordinator import Coordinator
+from controller.ownership.priorities import DEFERRED, MAX_DEFERRALS
+from controller.ownership.reconcile import census
+from controller.ownership.registry import WorkerInfo
+from controller.tasks.tasks import Stage, Task
 from tests.conftest import Clock, make_coordinator
 from tests.test_recovery import Rings
 

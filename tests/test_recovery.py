@@ -1,6 +1,6 @@
 """Ownership without gaps and the retry budget, in-process: reconciliation against a real ring,
-dropped items, late results, which lost attempts count (controller.coordinator,
-controller.recovery, controller.budget, controller.reconcile).
+dropped items, late results, which lost attempts count (controller.ownership.coordinator,
+controller.ownership.recovery, controller.ownership.budget, controller.ownership.reconcile).
 
 Time is the test's: every coordinator here runs on a :class:`~tests.conftest.Clock` that the
 test moves on, so a lease or a grace period expires exactly when the test says, never by
@@ -14,10 +14,10 @@ import pytest
 
 from contracts.errors import PayloadCorrupt
 from contracts.messages import Fault
-from controller.coordinator import Coordinator
-from controller.reconcile import census, ring_items
-from controller.registry import WorkerInfo
-from controller.tasks import Stage, Task
+from controller.ownership.coordinator import Coordinator
+from controller.ownership.reconcile import census, ring_items
+from controller.ownership.registry import WorkerInfo
+from controller.tasks.tasks import Stage, Task
 from rings.layout import HOLDER_LOCAL, RingLayout
 from rings.ring import Ring
 from rings.verbs import LocalVerbs, Region

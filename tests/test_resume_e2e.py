@@ -1,5 +1,5 @@
-"""A lost worker costs one stage, not the request (window 8 of controller.coordinator), with
-real processes on loopback: a DiT killed at a fault point resumes on another DiT from its
+"""A lost worker costs one stage, not the request (window 8 of controller.ownership.coordinator),
+with real processes on loopback: a DiT killed at a fault point resumes on another DiT from its
 last checkpoint -- the encoder does not run again -- and gives the bytes of an uninterrupted
 run; a decoder killed after the handoff re-runs only the decoder from the kept final
 latents. Every process is started and stopped here by pid."""

@@ -392,7 +392,7 @@ def test_fp8_storage_hook_cost_bench_on_cpu(tmp_path: Path) -> None:
 
 def test_reported_stats_are_sanitised_before_the_status_page() -> None:
     from controller.control import _stats
-    from controller.registry import WorkerInfo
+    from controller.ownership.registry import WorkerInfo
 
     got = _stats({"resident_bytes": 3, "peak": 2.5, "bad": "x", "flag": True, 7: 1,
                   **{f"k{i}": i for i in range(40)}})

@@ -1,4 +1,4 @@
-"""The task store (controller/store.py) and the task table over it: order, paging,
+"""The task store (controller/tasks/store.py) and the task table over it: order, paging,
 retention, memory bound, durability across a hard kill, the read-only check."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from controller.history import RECENT_FINISHED
-from controller.store import StoreConflict, StoreError, StoreLocked, TaskStore
-from controller.store_check import check
-from controller.table import TaskTable, open_table
-from controller.tasks import Stage, Task
+from controller.tasks.history import RECENT_FINISHED
+from controller.tasks.store import StoreConflict, StoreError, StoreLocked, TaskStore
+from controller.tasks.store_check import check
+from controller.tasks.table import TaskTable, open_table
+from controller.tasks.tasks import Stage, Task
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -154,8 +154,8 @@ def test_accepted_task_survives_a_hard_kill_right_after_it_is_durable(tmp_path: 
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
-from controller.table import open_table
-from controller.tasks import Task
+from controller.tasks.table import open_table
+from controller.tasks.tasks import Task
 table = open_table(Path({str(tmp_path)!r}))
 for i in range(50):
     t = Task(task_id=f"k{{i}}", kind="image", pipeline="qwen_i2i", request={{"prompt": "x"}},
@@ -215,7 +215,8 @@ def test_check_finds_double_completions_and_expired_rows(tmp_path: Path) -> None
     assert report.duplicated == ["b"] and report.expired == 1
     assert report.by_status["completed"] == 2
     # The command line: exit status 1 and a one-line verdict, while the store is open.
-    cli = subprocess.run([sys.executable, "-m", "controller.store_check", "--check", str(tmp_path)],
+    cli = subprocess.run([sys.executable, "-m", "controller.tasks.store_check", "--check",
+                          str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert cli.returncode == 1 and cli.stdout.startswith("store: FAILED"), cli.stdout
     assert "completed more than once" in cli.stdout
@@ -226,7 +227,8 @@ def test_check_finds_double_completions_and_expired_rows(tmp_path: Path) -> None
     table.add(t)
     finish(table, t)
     table.close()
-    cli = subprocess.run([sys.executable, "-m", "controller.store_check", "--check", str(good),
+    cli = subprocess.run([sys.executable, "-m", "controller.tasks.store_check", "--check",
+                          str(good),
                           "--json", "--max-bytes", str(10 << 20)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert cli.returncode == 0, cli.stdout + cli.stderr

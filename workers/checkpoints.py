@@ -1,7 +1,7 @@
 """A DiT worker's denoising checkpoints: when to take one, sending it to the controller off
 the loop's path, yielding at a step boundary, and fetching the one a resumed attempt starts
-from (the controller's side: :mod:`controller.checkpoints`, window 8 of
-:mod:`controller.coordinator`).
+from (the controller's side: :mod:`controller.tasks.checkpoints`, window 8 of
+:mod:`controller.ownership.coordinator`).
 
 At a step boundary the loop (:mod:`workers.models.loop_state`) calls :meth:`JobHooks.
 boundary`. A checkpoint due there (``checkpoint_every_steps`` steps or ``checkpoint_every_s``

@@ -3,7 +3,8 @@
 :func:`check_item` says why a ring item is not this worker's to run (the worker then reports
 it to the controller as ``dropped``); :func:`describe_failure` says whose fault a failed
 attempt was (:class:`~contracts.messages.Fault`), from which the controller decides whether
-the attempt counts against the task (:mod:`controller.budget` on the other side of the wire).
+the attempt counts against the task (:mod:`controller.ownership.budget` on the other side of
+the wire).
 """
 
 from __future__ import annotations

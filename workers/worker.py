@@ -347,8 +347,8 @@ class StageWorker(StageHost):
             Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
         )
         if reply.get("defer"):
-            # A more urgent task waits behind it (controller.priorities): the item goes back
-            # to the ring's tail, its inputs untouched; should the ring be full, the
+            # A more urgent task waits behind it (controller.ownership.priorities): the item goes
+            # back to the ring's tail, its inputs untouched; should the ring be full, the
             # controller puts the task back in play instead (window 3).
             if in_ring.try_push(item) is not None:
                 self.link.report_drop(ring, None, "deferred and the ring is full", item)

@@ -5,8 +5,8 @@ memory over a long run.
     python -m scripts.bench.bench_store submit [--tasks 3000] [--concurrency 64] [--image-kb 0]
     python -m scripts.bench.bench_store run [--tasks 100000] [--retention 20] [--concurrency 32]
 
-Both drive the controller's :class:`~controller.coordinator.Coordinator` in-process, on one
-asyncio loop, with a bounded in-memory queue standing in for the request ring
+Both drive the controller's :class:`~controller.ownership.coordinator.Coordinator` in-process,
+on one asyncio loop, with a bounded in-memory queue standing in for the request ring
 (:class:`~controller.app.LocalQueue`) and fake workers calling the control-channel handlers.
 
 ``submit``: ``--concurrency`` clients submit ``--tasks`` tasks, each answered once durable
@@ -37,17 +37,17 @@ from typing import Any
 from contracts.roles import Role
 from controller.app import LocalQueue
 from controller.config import CoordinatorConfig
-from controller.coordinator import Coordinator
-from controller.journal import TaskJournal
-from controller.store_check import check
-from controller.table import TaskTable, open_table
-from controller.tasks import TERMINAL, Task, task_record
+from controller.ownership.coordinator import Coordinator
+from controller.tasks.journal import TaskJournal
+from controller.tasks.store_check import check
+from controller.tasks.table import TaskTable, open_table
+from controller.tasks.tasks import TERMINAL, Task, task_record
 
 PIPELINE = "qwen_i2i"
 
 
 class JsonLinesJournal(TaskJournal):
-    """The journal the store replaced (controller/tasks.py before it), kept as the baseline:
+    """The journal the store replaced (controller/tasks/tasks.py before it), kept as the baseline:
     an accepted or finished task is appended to ``tasks.jsonl`` and fsync'd, on the caller's
     thread (the event loop), the input image written beside it."""
 

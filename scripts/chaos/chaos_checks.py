@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from controller.store_check import check, completions
+from controller.tasks.store_check import check, completions
 
 
 @dataclass
@@ -56,7 +56,7 @@ STORE_BYTES_PER_TASK = 4096
 
 def store_completions(output_dir: Path, tasks: int) -> tuple[Counter[str], list[str], str]:
     """(completions recorded per task, the store check's problems, a summary) of the
-    controller's task store, read-only (``python -m controller.store_check --check``)."""
+    controller's task store, read-only (``python -m controller.tasks.store_check --check``)."""
     folder = output_dir / ".journal"
     done: Counter[str] = Counter({tid: n for tid, (_s, n) in completions(folder).items()})
     report = check(folder, max_bytes=STORE_BYTES_BASE + STORE_BYTES_PER_TASK * tasks)

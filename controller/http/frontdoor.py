@@ -1,0 +1,309 @@
+"""The HTTP front door (FastAPI): LightX2V's task API, served by the controller.
+
+Field names and response shapes follow LightX2V's server so existing client scripts work;
+diffring adds ``height`` / ``width`` / ``guidance_scale`` / ``true_cfg_scale`` and a finer
+``stage`` in the status. Every error body is JSON ``{"detail": "<what to do>"}``.
+
+:class:`FrontDoor` holds what the routes do; the routes themselves are plain handlers in
+:mod:`controller.http.routes` (and the other ``routes_*`` modules), which import this module and
+nothing imports back; :mod:`controller.http.webapp` assembles them into the application. The
+bodies are in :mod:`controller.http.schemas`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import HTTPException
+
+from contracts.config import ServerConfig
+from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
+from contracts.input_images import pack_images
+from contracts.pipelines import TaskSpec, task_spec
+from contracts.priority import check_priority
+from contracts.request import GenerationRequest
+from controller.errors import QueueFull
+from controller.http.decoding import ImageDecoder
+from controller.http.dit_offers import check_offers, lora_fields
+from controller.http.events import EventHub
+from controller.http.schemas import (
+    TASK_ID_RE,
+    ImageTaskRequest,
+    TaskRequest,
+    VideoTaskRequest,
+    http_error,
+    safe_relative_path,
+    size_for_aspect,
+)
+from controller.ownership.coordinator import Coordinator
+from controller.tasks.store import StoreConflict, StoreError
+from controller.tasks.tasks import DuplicateTask, Stage, Task
+
+log = logging.getLogger("diffring.frontdoor")
+
+
+class FrontDoor:
+    """What the routes do, around a coordinator (disaggregated or baseline); the FastAPI
+    application serving it is :func:`controller.http.webapp.build_app`'s."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        status_extra: Callable[[], dict[str, Any]],
+        service: str,
+        server: ServerConfig | None = None,
+        decoder: ImageDecoder | None = None,
+    ) -> None:
+        self.co = coordinator
+        self.pipeline = coordinator.config.pipeline
+        self.status_extra = status_extra
+        self.service = service
+        self.server = server or ServerConfig()
+        self.decoder = decoder or ImageDecoder()
+        """Input images are decoded in worker processes (:mod:`controller.http.decoding`)."""
+        # Staging and store look-ups run here, off the event loop.
+        self.blocking = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="frontdoor")
+        self.events = EventHub(coordinator)
+
+    def close(self) -> None:
+        """The server is stopping: end the event streams and the waits on them."""
+        self.events.close()
+        self.blocking.shutdown(wait=True)
+
+    # -- request building -----------------------------------------------------------------
+    def _generation_request(self, body: TaskRequest, kind: str) -> dict[str, Any]:
+        for name in ("last_frame_path", "resize_mode", "i2i_denoise_strength"):
+            if getattr(body, name, None) not in (None, ""):
+                raise http_error(422, f"{name} is not supported by diffring; leave it unset")
+        spec = task_spec(self.pipeline)
+        fields: dict[str, Any] = {"task": self.pipeline, "prompt": body.prompt}
+        fields.update(lora_fields(body))
+        for name in (
+            "negative_prompt",
+            "seed",
+            "infer_steps",
+            "guidance_scale",
+            "true_cfg_scale",
+            "height",
+            "width",
+        ):
+            value = getattr(body, name)
+            if value is not None:
+                fields[name] = value
+        if body.target_shape is not None:
+            if len(body.target_shape) != 2:
+                raise http_error(422, "target_shape must be [height, width]")
+            fields["height"], fields["width"] = body.target_shape
+        if isinstance(body, VideoTaskRequest):
+            if body.target_video_length is not None:
+                fields["num_frames"] = body.target_video_length
+            if body.target_fps is not None:
+                fields["fps"] = body.target_fps
+        if isinstance(body, ImageTaskRequest) and body.aspect_ratio:
+            if "height" in fields or "width" in fields:
+                raise http_error(422, "give aspect_ratio or an explicit size, not both")
+            h = spec.defaults.get("height") or 1328
+            w = spec.defaults.get("width") or 1328
+            fields["height"], fields["width"] = size_for_aspect(
+                body.aspect_ratio, int(h) * int(w), spec.size_multiple
+            )
+        try:
+            req = GenerationRequest.from_dict(fields)
+        except (InvalidRequestError, TypeError) as exc:
+            raise http_error(422, str(exc)) from None
+        check_offers(req, self.co.registry.dit_offers())
+        return req.to_dict()
+
+    async def create_task(self, body: TaskRequest, kind: str) -> Task:
+        """Validate, decode and stage the input image (off the loop), queue the task, and
+        return once it is durable in the task store."""
+        refusal = self.co.result_writes.refusal()
+        if refusal is not None:  # accepted tasks wait for the storage: take no more
+            raise http_error(503, refusal, {"Retry-After": "30"})
+        spec = task_spec(self.pipeline)
+        served = spec.output
+        if kind != served:
+            raise http_error(
+                400,
+                f"this controller serves {self.pipeline} ({served} results); "
+                f"POST to /v1/tasks/{served}/ instead",
+            )
+        request = self._generation_request(body, kind)
+        try:
+            priority = check_priority(body.priority)
+        except InvalidRequestError as exc:
+            raise http_error(422, str(exc)) from None
+        task_id = body.task_id or uuid.uuid4().hex
+        if not TASK_ID_RE.match(task_id):
+            raise http_error(
+                422, "task_id must be 1-128 characters of letters, digits, '_', '.', '-'"
+            )
+        values = body.image_values()
+        self._check_image_count(spec, values)
+        save = safe_relative_path(body.save_result_path) if body.save_result_path else ""
+        if self.co.table.get(task_id) is not None or (
+            body.task_id and await self._off_loop(self.co.table.lookup, task_id) is not None
+        ):
+            raise http_error(409, f"task {task_id} exists already; choose another task_id")
+        image = await self._decode_images(values) if values else None
+        task = Task(
+            task_id=task_id,
+            kind=kind,
+            pipeline=self.pipeline,
+            request=request,
+            save_result_path=save,
+            priority=priority,
+        )
+        if image is not None:
+            task.image_bytes = image
+        try:
+            if image is not None and self.co.stage_image is not None:
+                task.image = await self._off_loop(self.co.stage_image, image)
+            self.co.submit(task)
+        except PayloadTooLarge as exc:
+            self._unstage(task)
+            raise http_error(413, f"request too large for a request-ring slot: {exc}") from None
+        except QueueFull as exc:
+            self._unstage(task)
+            retry = max(1, math.ceil(exc.retry_after_s))
+            raise http_error(
+                429, f"{exc}; retry in about {retry} s", {"Retry-After": str(retry)}
+            ) from None
+        except TransferError as exc:  # the controller's staging pool is full (or gone)
+            self._unstage(task)
+            raise http_error(
+                503, f"cannot stage the input image now ({exc}); retry shortly",
+                {"Retry-After": "5"},
+            ) from None
+        except DuplicateTask:
+            self._unstage(task)
+            raise http_error(409, f"task {task_id} exists already") from None
+        except Exception:
+            self._unstage(task)
+            raise
+        await self._durable(task)
+        return task
+
+    def _check_image_count(self, spec: TaskSpec, values: list[str]) -> None:
+        """Refuse a wrong number of input images before anything is decoded: none where one
+        is needed, any for a text task (422), several for a one-image pipeline (422), more
+        than ``server.max_input_images`` (413)."""
+        if spec.needs_image and not values:
+            raise http_error(422, f"{self.pipeline} needs an input image: set image_path")
+        if not spec.needs_image and values:
+            raise http_error(422, f"{self.pipeline} takes no input image; leave image_path unset")
+        if len(values) > 1 and not spec.multi_image:
+            raise http_error(
+                422, f"{self.pipeline} takes one input image, got {len(values)} in image_path "
+                "(Qwen-Image-Edit-2509 / 2511 folders take several, served as qwen_i2i_plus)")
+        limit = self.server.max_input_images
+        if len(values) > limit:
+            raise http_error(413, f"{len(values)} input images in image_path exceed the limit "
+                                  f"of {limit} (server.max_input_images); send fewer")
+        if any(not isinstance(v, str) or not v for v in values):
+            raise http_error(422, "image_path holds an empty image; give each as base64 or a "
+                                  "data: URL")
+
+    async def _decode_images(self, values: list[str]) -> bytes:
+        """Each image checked and decoded off the loop (413 / 422 naming which one, when
+        there are several), then the one buffer they travel in (contracts.input_images)."""
+        out = []
+        for index, value in enumerate(values):
+            try:
+                out.append(await self.decoder.decode(
+                    value, self.server.max_image_bytes, self.server.max_image_pixels))
+            except HTTPException as exc:
+                if len(values) == 1:
+                    raise
+                where = f"image_path[{index}] (Picture {index + 1})"
+                detail = str(exc.detail).replace("image_path", where)
+                if "input image" in detail and where not in detail:
+                    detail = f"{where}: {detail}"
+                raise http_error(exc.status_code, detail) from None
+        return pack_images(out)
+
+    async def _durable(self, task: Task) -> None:
+        """Answer only once the accepted task is in the store (a restart keeps it)."""
+        fut = self.co.table.journal.durable(task.task_id)
+        if fut is None:
+            return
+        try:
+            await asyncio.wrap_future(fut)
+        except StoreConflict:
+            self.co.cancel(task)
+            raise http_error(409, f"task {task.task_id} exists already") from None
+        except StoreError as exc:
+            self.co.cancel(task)
+            raise http_error(
+                503, f"{exc}; the task was not accepted, retry later", {"Retry-After": "5"}
+            ) from None
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.blocking, fn, *args)
+
+    def _unstage(self, task: Task) -> None:
+        if task.image is not None and self.co.release_image is not None:
+            self.co.release_image(task)
+            task.image = None
+
+    def created(self, task: Task) -> dict[str, Any]:
+        return {
+            "task_id": task.task_id,
+            "task_status": task.status,
+            "save_result_path": task.save_result_path or "",
+        }
+
+    def status(self, task: Task) -> dict[str, Any]:
+        out = task.public()
+        out["queue_position"] = self.co.table.queue_position(task)
+        if task.stage == Stage.DENOISING and task.steps:
+            out["progress"] = f"denoising step {task.step}/{task.steps}"
+        store = self.co.checkpoints
+        ckpt = store.get(task.task_id) if store is not None else None
+        out["checkpoint"] = ckpt.public() if ckpt is not None else None
+        if task.result_path:
+            out["save_result_path"] = str(
+                Path(task.result_path).relative_to(self.co.config.output_dir))
+        return out
+
+    async def get(self, task_id: str) -> Task:
+        """A task in memory or, once it has left memory, in the store; 404 otherwise."""
+        task = self.co.table.get(task_id)
+        if task is None and self.co.table.journal.store is not None:
+            await self._caught_up()
+            task = await self._read(self.co.table.lookup, task_id)
+        if task is None:
+            raise http_error(404, f"no task {task_id}")
+        return task
+
+    async def list_tasks(self, status: str | None, offset: int, limit: int) -> dict[str, Any]:
+        """One page of every stored task, in acceptance order (the store's, when it has one:
+        it sees every task still within its retention window)."""
+        await self._caught_up()
+        total, page = await self._read(self.co.table.page, status, offset, limit)
+        return {
+            "total": total,
+            "offset": offset,
+            "limit": limit,
+            "tasks": [self.status(t) for t in page],
+        }
+
+    async def _caught_up(self) -> None:
+        """Wait until the store holds every change made so far (read your own writes)."""
+        flushed = self.co.table.journal.flush(durable=False)
+        if flushed is not None:
+            await asyncio.wrap_future(flushed)
+
+    async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        store = self.co.table.journal.store
+        if store is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(store.reads, fn, *args)
