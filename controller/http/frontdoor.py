@@ -30,6 +30,7 @@ from contracts.pipelines import TaskSpec, task_spec
 from contracts.priority import check_priority
 from contracts.request import GenerationRequest
 from controller.errors import QueueFull
+from controller.http import dit_offers, views
 from controller.http.decoding import ImageDecoder
 from controller.http.dit_offers import check_offers, lora_fields
 from controller.http.events import EventHub
@@ -42,9 +43,10 @@ from controller.http.schemas import (
     safe_relative_path,
     size_for_aspect,
 )
+from controller.http.thumbs import make_thumbnail, thumbnail_file
 from controller.ownership.coordinator import Coordinator
 from controller.tasks.store import StoreConflict, StoreError
-from controller.tasks.tasks import DuplicateTask, Stage, Task
+from controller.tasks.tasks import TERMINAL, DuplicateTask, Stage, Task
 
 log = logging.getLogger("diffring.frontdoor")
 
@@ -295,6 +297,55 @@ class FrontDoor:
             "limit": limit,
             "tasks": [self.status(t) for t in page],
         }
+
+    # -- what the routes report and do beyond one task's creation ------------------------------
+    @property
+    def output_dir(self) -> Path:
+        return self.co.config.output_dir
+
+    def queue(self) -> dict[str, Any]:
+        return {**views.queue(self.co), **self.status_extra()}
+
+    def service_status(self) -> dict[str, Any]:
+        return {"service": self.service, "pipeline": self.pipeline, **views.service(self.co),
+                **self.status_extra()}
+
+    def loras(self) -> dict[str, Any]:
+        return dit_offers.listing(self.co.registry)
+
+    def page_state(self, now: float) -> dict[str, Any]:
+        return {"service": self.service, "pipeline": self.pipeline,
+                **views.page_state(self.co, self.events, self.status, self.status_extra(), now)}
+
+    def cancel_task(self, task: Task) -> str:
+        """Cancel ``task`` (``success`` or ``do_nothing``): queued, it never starts; running,
+        it stops at the next step boundary."""
+        return self.co.cancel(task)
+
+    async def cancel(self, task_id: str) -> dict[str, Any]:
+        """``DELETE /v1/tasks/{id}``, LightX2V's answer: ``{stop_status, reason}``."""
+        task = self.co.table.get(task_id)
+        if task is None:  # finished and out of memory (do_nothing), or unknown
+            try:
+                task = await self.get(task_id)
+            except HTTPException:
+                return {"stop_status": "error", "reason": f"no task {task_id}"}
+        outcome = self.cancel_task(task)
+        if outcome == "do_nothing":
+            reason = f"task already {task.stage.value}"
+        elif task.stage in TERMINAL:
+            reason = f"cancelled ({task.stage.value})"
+        else:
+            reason = "cancel requested; stops at the next step boundary"
+        return {"stop_status": outcome, "reason": reason}
+
+    async def thumbnail(self, task: Task) -> Path:
+        """A small PNG of a completed task's result (made once, then kept)."""
+        assert task.result_path is not None
+        out = thumbnail_file(self.output_dir, task.task_id)
+        path: Path = await asyncio.to_thread(make_thumbnail, Path(task.result_path),
+                                             task.media_type, out)
+        return path
 
     async def _caught_up(self) -> None:
         """Wait until the store holds every change made so far (read your own writes)."""

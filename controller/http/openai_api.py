@@ -243,7 +243,7 @@ class OpenAIDoor:
                 tasks.append(await self._create(body, "image", "image"))
         except BaseException:
             for task in tasks:  # all or nothing
-                self.front.co.cancel(task)
+                self.front.cancel_task(task)
             raise
         return tasks
 
@@ -340,9 +340,9 @@ class OpenAIDoor:
 
     def delete_video(self, task: Task) -> dict[str, Any]:
         if task.stage not in TERMINAL:
-            self.front.co.cancel(task)
+            self.front.cancel_task(task)
         self.deleted.add(task.task_id)
         if task.result_path:
             Path(task.result_path).unlink(missing_ok=True)
-        remove_thumbnail(self.front.co.config.output_dir, task.task_id)
+        remove_thumbnail(self.front.output_dir, task.task_id)
         return {"id": task.task_id, "object": "video.deleted", "deleted": True}

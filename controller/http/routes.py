@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, Response
 
-from controller.http import dit_offers
 from controller.http.bodies import OffLoopJSONRoute
 from controller.http.frontdoor import FrontDoor
 from controller.http.schemas import (
@@ -92,21 +91,7 @@ async def list_tasks(
 
 @router.get("/v1/tasks/queue/status")
 async def queue_status(front: Front) -> dict[str, Any]:
-    table = front.co.table
-    queued = [t.task_id for t in table if t.stage in (Stage.ACCEPTED, Stage.QUEUED)]
-    running = [
-        t.task_id
-        for t in table
-        if t.stage not in TERMINAL and t.stage not in (Stage.ACCEPTED, Stage.QUEUED)
-    ]
-    return {
-        "pending": len(queued),
-        "processing": len(running),
-        "queue": queued,
-        "running": running,
-        "max_pending": front.co.config.max_pending,
-        **front.status_extra(),
-    }
+    return front.queue()
 
 
 @router.get("/v1/tasks/{task_id}/status")
@@ -131,42 +116,18 @@ async def task_result(task_id: str, front: Front) -> Response:
 
 @router.delete("/v1/tasks/{task_id}")
 async def cancel(task_id: str, front: Front) -> dict[str, Any]:
-    task = front.co.table.get(task_id)
-    if task is None:  # finished and out of memory (do_nothing), or unknown
-        try:
-            task = await front.get(task_id)
-        except HTTPException:
-            return {"stop_status": "error", "reason": f"no task {task_id}"}
-    outcome = front.co.cancel(task)
-    if outcome == "do_nothing":
-        reason = f"task already {task.stage.value}"
-    elif task.stage in TERMINAL:
-        reason = f"cancelled ({task.stage.value})"
-    else:
-        reason = "cancel requested; stops at the next step boundary"
-    return {"stop_status": outcome, "reason": reason}
+    return await front.cancel(task_id)
 
 
 @router.get("/v1/service/status")
 async def service_status(front: Front) -> dict[str, Any]:
-    counts = front.co.table.counts()
-    busy = counts["pending"] + counts["processing"] > 0
-    return {
-        "service_status": "busy" if busy else "idle",
-        "service": front.service,
-        "pipeline": front.pipeline,
-        "counts": counts,
-        "workers": front.co.registry.by_role(),
-        "result_writes": front.co.result_writes.public(),
-        **dit_offers.listing(front.co.registry),
-        **front.status_extra(),
-    }
+    return front.service_status()
 
 
 @router.get("/v1/loras")
 async def list_loras(front: Front) -> dict[str, Any]:
     """The LoRA adapters the transformer workers serve (and their step-cache kinds)."""
-    return dit_offers.listing(front.co.registry)
+    return front.loras()
 
 
 @open_router.get("/health")

@@ -9,7 +9,6 @@ front door's errors, validation errors and unexpected ones at the boundary.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
@@ -32,7 +31,6 @@ from controller.http.openai_api import (
     parse_params,
 )
 from controller.http.schemas import MAX_IMAGE_BYTES
-from controller.http.thumbs import make_thumbnail, thumbnail_file
 from controller.tasks.tasks import Stage
 
 log = logging.getLogger("diffring.openai")
@@ -223,9 +221,6 @@ async def video_content(
         raise OpenAIError(400, "variant 'spritesheet' is not supported; use 'video' or "
                                "'thumbnail'", "variant")
     if variant == "thumbnail":
-        out = thumbnail_file(door.front.co.config.output_dir, video_id)
-        path = await asyncio.to_thread(make_thumbnail, Path(task.result_path), task.media_type,
-                                       out)
-        return FileResponse(path, media_type="image/png")
+        return FileResponse(await door.front.thumbnail(task), media_type="image/png")
     return FileResponse(task.result_path, media_type=task.media_type or "video/mp4",
                         filename=Path(task.result_path).name)
