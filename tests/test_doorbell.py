@@ -19,7 +19,7 @@ import pytest
 
 from contracts.errors import ControlRefused
 from controller.doorbell import Doorbell, published
-from controller.group import LocalGroup, group_config
+from launcher import LocalGroup, group_config
 from rings.layout import HOLDER_LOCAL, RingLayout
 from rings.ring import Ring
 from rings.verbs import LocalVerbs, Region

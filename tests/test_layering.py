@@ -42,8 +42,8 @@ def test_one_layers_contract_states_the_whole_order() -> None:
     layers = [c for c in CONFIG["contracts"] if c["type"] == "layers"]
     assert len(layers) == 1 and "allow_indirect_imports" not in layers[0]
     assert layers[0]["layers"] == [
-        "diffring_cli", "run_service", "baseline | doctor | modelkit", "controller | workers",
-        "tensorplane", "contracts", "rings",
+        "diffring_cli", "run_service", "baseline | doctor | modelkit | launcher",
+        "controller | workers", "tensorplane", "contracts", "rings",
     ]
     assert {"run_service", "diffring_cli"} <= set(PACKAGES)  # scanned, not only imported
 
@@ -67,7 +67,7 @@ def test_one_layers_contract_states_the_whole_order() -> None:
         ("contracts/_probe.py", "def f():\n    import torch\n", "contracts import no model"),
         ("controller/_probe.py", "def f():\n    import diffusers\n", "knows no model library"),
         ("tensorplane/_probe.py", "from rings import layout\n", "tensor plane"),
-        ("diffring_cli/_probe.py", "def f():\n    import controller.group\n", "talks HTTP"),
+        ("diffring_cli/_probe.py", "def f():\n    import controller.app\n", "talks HTTP"),
         # A cycle inside the controller (appended to a route module: webapp imports it).
         ("controller/routes.py", "\n\ndef _probe():\n    import controller.webapp\n",
          "one way"),

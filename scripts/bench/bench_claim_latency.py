@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.pipelines import task_spec
-from controller.group import free_ports
+from launcher import free_ports
 from rings.soak import stop_process
 from scripts import ROOT
 
