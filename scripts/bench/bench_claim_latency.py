@@ -90,7 +90,7 @@ def _prober(repo: str, port: int, stop: Any, ready: Any, out: Any, nice: int) ->
     _import_rings_from(Path(repo))
     from rings.layout import RingLayout
     from rings.ring import Ring
-    from rings.verbs import connect
+    from rings.transports import connect
 
     due_q: queue.SimpleQueue[float | None] = queue.SimpleQueue()
     samples: list[tuple[float, float]] = []
