@@ -35,6 +35,15 @@ def workers(co: Coordinator) -> tuple[WorkerInfo, WorkerInfo, WorkerInfo]:
             co.on_register("decoder", "d", 3, "qwen_t2i", "s3"))
 
 
+def watch(co: Coordinator) -> tuple[list[str], CollectorRegistry]:
+    """The events ``co`` fires from now on, and the registry of its metrics."""
+    registry = CollectorRegistry()
+    ControllerMetrics(co, registry)
+    events: list[str] = []
+    co.listeners.append(lambda event, _t: events.append(event))
+    return events, registry
+
+
 def test_full_lifecycle_and_idempotent_completion(tmp_path: Path) -> None:
     co = make(tmp_path)
     enc, dit, dec = workers(co)
@@ -92,10 +101,7 @@ def test_a_cancelled_task_fires_cancelled_once(tmp_path: Path) -> None:
     leftover ring item is refused, and says nothing more: one "cancelled" event, counted
     once in ``diffring_task_events_total``."""
     co = make(tmp_path)
-    registry = CollectorRegistry()
-    ControllerMetrics(co, registry)
-    events: list[str] = []
-    co.listeners.append(lambda event, _t: events.append(event))
+    events, registry = watch(co)
     enc, _, _ = workers(co)
     enc2 = co.on_register("encoder", "e2", 4, "qwen_t2i", "s4")
     t = task("q")
@@ -112,8 +118,7 @@ def test_a_task_cancelled_between_stages_fires_cancelled_at_the_refused_claim(
     """Cancelled while encoding (a worker held it), it ends when the next stage claims it:
     that refused claim fires "cancelled", and only that one."""
     co = make(tmp_path)
-    events: list[str] = []
-    co.listeners.append(lambda event, _t: events.append(event))
+    events, registry = watch(co)
     enc, dit, _ = workers(co)
     dit2 = co.on_register("transformer", "t2", 5, "qwen_t2i", "s5")
     t = task("h")
@@ -125,6 +130,7 @@ def test_a_task_cancelled_between_stages_fires_cancelled_at_the_refused_claim(
     assert t.stage == Stage.CANCELLED
     assert co.on_claim(dit2, "h", 1) == (False, "task is cancelled")
     assert events == ["queued", "claimed", "handoff", "cancelled"]
+    assert registry.get_sample_value("diffring_task_events_total", {"event": "cancelled"}) == 1
 
 
 def test_running_task_cancel_reaches_the_worker(tmp_path: Path) -> None:
