@@ -43,15 +43,6 @@ def is_wildcard(host: str) -> bool:
     return host in WILDCARDS
 
 
-def split_host(hostport: str) -> str:
-    """The host part of ``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address."""
-    if hostport.startswith("["):
-        return hostport[1 : hostport.index("]")]
-    if hostport.count(":") == 1:
-        return hostport.split(":", 1)[0]
-    return hostport
-
-
 def resolve(host: str) -> list[str]:
     """The addresses ``host`` resolves to here, or a ConfigError saying it does not resolve."""
     ip = _ip(host)

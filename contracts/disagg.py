@@ -113,7 +113,7 @@ class DisaggConfig:
         return from_mapping(cls, data, "disagg_config", ignored=_LIGHTX2V_IGNORED)
 
     def rdma_options(self) -> dict[str, Any]:
-        """Options the rdma transport takes, for ``rings.verbs.connect``."""
+        """Options the rdma transport takes, for ``rings.transports.connect``."""
         return {
             "device_name": self.rdma_device_name,
             "ib_port": self.rdma_ib_port,

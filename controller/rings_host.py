@@ -6,7 +6,7 @@ import logging
 
 from contracts.disagg import DisaggConfig
 from rings.errors import ConfigError
-from rings.host import RdmaJoin, RingHost
+from rings.host import RdmaJoinHook, RingHost
 from rings.layout import RING_NAMES
 from rings.ring import Ring
 
@@ -19,7 +19,7 @@ class ControllerRings:
     def __init__(self, disagg: DisaggConfig, token: str) -> None:
         self.disagg = disagg
         self.hosts: dict[str, RingHost] = {}
-        rdma_join: RdmaJoin | None = None
+        rdma_join: RdmaJoinHook | None = None
         if disagg.ring_transport != "tcp":
             from rings.rdma import make_rdma_join
 

@@ -16,7 +16,8 @@ from rings.errors import (
 from rings.host import RingHost
 from rings.layout import RingLayout, SlotState
 from rings.ring import Ring
-from rings.verbs import LocalVerbs, Region, Verbs, connect
+from rings.transports import connect
+from rings.verbs import LocalVerbs, Region, Verbs
 
 __all__ = [
     "DiffringError",

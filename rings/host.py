@@ -23,11 +23,12 @@ from rings.ports import bind_error
 from rings.repair import PeerInfo, RepairCounts, RingRepair, log
 from rings.verbs import Region, Verbs
 
-__all__ = ["PeerInfo", "RdmaJoin", "RepairCounts", "RingHost"]
+__all__ = ["PeerInfo", "RdmaJoinHook", "RepairCounts", "RingHost"]
 
 
-class RdmaJoin(Protocol):
-    """What the rdma transport plugs into a host (``rings.rdma.make_rdma_join``)."""
+class RdmaJoinHook(Protocol):
+    """What the rdma transport plugs into a host: :class:`rings.rdma.RdmaJoin`, from
+    ``rings.rdma.make_rdma_join``."""
 
     def __call__(self, host: RingHost, peer: PeerInfo, join: dict[str, Any]) -> dict[str, Any]:
         """Take over a JOIN asking for transport "rdma": the extra WELCOME fields (it sets
@@ -52,7 +53,7 @@ class RingHost(RingRepair):
         token: str,
         claim_timeout_s: float = 30.0,
         scan_interval_s: float = 0.2,
-        rdma_join: RdmaJoin | None = None,
+        rdma_join: RdmaJoinHook | None = None,
     ) -> None:
         super().__init__(layout, claim_timeout_s)
         self.host = host

@@ -42,7 +42,8 @@ from rings.layout import (
     SlotState,
     unpack_stamp,
 )
-from rings.verbs import READ, Verbs, connect
+from rings.transports import connect
+from rings.verbs import READ, Verbs
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORTS = {"request": 5566, "phase1": 5567, "phase2": 5568}

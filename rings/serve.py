@@ -16,11 +16,11 @@ import signal
 import sys
 
 from rings.errors import TransportUnavailable
-from rings.host import RdmaJoin, RingHost
+from rings.host import RdmaJoinHook, RingHost
 from rings.layout import RingLayout
 
 
-def _rdma_join() -> RdmaJoin:
+def _rdma_join() -> RdmaJoinHook:
     from rings.rdma import make_rdma_join
 
     join = make_rdma_join()

@@ -23,7 +23,7 @@ from typing import Any
 
 from rings.layout import RingLayout
 from rings.ring import Ring
-from rings.verbs import connect
+from rings.transports import connect
 
 RING = "soak"
 SOAK_TOKEN = "diffring-ring-soak"

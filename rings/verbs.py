@@ -5,15 +5,14 @@ pair offers: READ, WRITE, 8-byte compare-and-swap and 8-byte fetch-and-add. ``ba
 several *independent* verbs together and returns when all completed, in one round trip, as
 RDMA posts a list of work requests; verbs of one batch take effect in the order given.
 
-Backends are registered here by name and imported lazily, so that ``import rings`` never
-pulls in pyverbs (or anything heavy).
+Every backend implements :class:`Verbs` in a module of its own (in-process :class:`LocalVerbs`
+here, :mod:`rings.tcp`, :mod:`rings.rdma`) and takes its options as the helpers at the end of
+this module say; :mod:`rings.transports` picks one by name. Nothing here imports a backend.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import logging
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -22,15 +21,11 @@ from typing import Any
 
 from rings.errors import (
     ConfigError,
-    HandshakeError,
-    TransportUnavailable,
     VerbAlignmentError,
     VerbRangeError,
     VerbsError,
 )
 from rings.layout import RingLayout
-
-log = logging.getLogger("diffring.rings.verbs")
 
 READ = 1
 WRITE = 2
@@ -47,22 +42,6 @@ Op = tuple[Any, ...]
 
 U64 = (1 << 64) - 1
 _Q = struct.Struct("<Q")
-
-
-def op_read(offset: int, nbytes: int) -> Op:
-    return (READ, offset, nbytes)
-
-
-def op_write(offset: int, data: bytes) -> Op:
-    return (WRITE, offset, data)
-
-
-def op_cas(offset: int, expected: int, new: int) -> Op:
-    return (CAS, offset, expected, new)
-
-
-def op_faa(offset: int, delta: int) -> Op:
-    return (FAA, offset, delta)
 
 
 def check_op(op: Op, size: int, writable_from: int = 0) -> None:
@@ -209,13 +188,6 @@ class LocalVerbs(Verbs):
         self._closed = True
 
 
-# name -> "module:factory". Factories take (host, port, *, layout, ring, token, **options)
-# and refuse options they do not know (refuse_unknown_options).
-TRANSPORTS: dict[str, str] = {
-    "tcp": "rings.tcp:connect",
-    "rdma": "rings.rdma:connect",
-}
-
 RDMA_ONLY_OPTIONS = ("device_name", "ib_port", "gid_index", "self_test")
 """Options only the rdma transport uses. Callers pass them to whichever transport they get
 (a service's ``disagg_config`` names them; ``auto`` falls back to tcp with the same options), so the
@@ -249,47 +221,3 @@ def refuse_unknown_options(
         f"{', '.join(map(repr, unknown))}: check the spelling; the {transport} transport "
         f"accepts {', '.join(accepted)}{also}"
     )
-
-
-def connect(
-    transport: str,
-    host: str,
-    port: int,
-    *,
-    layout: RingLayout | None,
-    ring: str,
-    token: str,
-    **options: Any,
-) -> Verbs:
-    """Open a peer connection to a ring served at host:port over ``transport``.
-
-    ``transport`` is ``tcp``, ``rdma`` or ``auto`` (rdma where a device exists, else tcp).
-    ``layout`` is what the caller expects; None (inspection only) accepts the server's.
-    ``options`` go to the backend's ``connect`` as they are; an option it does not take is
-    a ConfigError naming it (tcp takes and ignores :data:`RDMA_ONLY_OPTIONS`).
-    """
-    if transport == "auto":
-        from rings.rdma import rdma_available
-
-        if not rdma_available():
-            transport = "tcp"
-        else:
-            try:
-                return connect("rdma", host, port, layout=layout, ring=ring, token=token, **options)
-            except (TransportUnavailable, HandshakeError) as exc:
-                # A device that cannot be used, or a host that serves no rdma: tcp still
-                # works (a refusal that is not about rdma is repeated by tcp).
-                log.warning("ring %s at %s:%d: rdma unusable, using tcp: %s", ring, host, port, exc)
-                transport = "tcp"
-    target = TRANSPORTS.get(transport)
-    if target is None:
-        raise ConfigError(
-            f"unknown ring transport {transport!r}; choose one of "
-            f"{', '.join([*TRANSPORTS, 'auto'])}"
-        )
-    module_name, func = target.split(":")
-    module = importlib.import_module(module_name)
-    verbs: Verbs = getattr(module, func)(
-        host, port, layout=layout, ring=ring, token=token, **options
-    )
-    return verbs

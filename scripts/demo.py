@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.pipelines import task_spec
-from controller.group import LocalGroup, group_config, submit
+from launcher import LocalGroup, group_config, submit
 from scripts import ROOT
 
 # One small request per pipeline; whether it is a video and takes an input image is the

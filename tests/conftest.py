@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 
 TOKEN = "test-cluster-token"
 
-from controller.group import PORT_RANGE_ENV, free_ports, parse_port_range  # noqa: E402
+from launcher import PORT_RANGE_ENV, free_ports, parse_port_range  # noqa: E402
 from rings.soak import stop_process as stop  # noqa: E402
 
 if TYPE_CHECKING:

@@ -27,7 +27,8 @@ from rings import payload as pl
 from rings.layout import OFF_HEAD, OFF_TAIL, POS_SHIFT, RingLayout, SlotState, unpack_stamp
 from rings.ring import Ring
 from rings.soak import RING
-from rings.verbs import CAS, FAA, READ, Op, Verbs, connect
+from rings.transports import connect
+from rings.verbs import CAS, FAA, READ, Op, Verbs
 
 
 def _stall() -> None:

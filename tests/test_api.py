@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.group import LocalGroup, free_ports, group_config, wait_task
+from launcher import LocalGroup, free_ports, group_config, wait_task
 from tests.conftest import run_controller_to_exit, wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers

@@ -25,7 +25,7 @@ import pytest
 
 from contracts.errors import ControlRefused, PreflightFailed
 from contracts.messages import Op
-from controller.group import MULTI_HOST, LocalGroup, group_config, submit
+from launcher import MULTI_HOST, LocalGroup, group_config, submit
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

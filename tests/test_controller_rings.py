@@ -13,7 +13,7 @@ import pytest
 
 from rings.layout import RingLayout
 from rings.ring import Ring
-from rings.verbs import connect
+from rings.transports import connect
 from tests.conftest import (
     ROOT,
     TOKEN,

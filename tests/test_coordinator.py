@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from controller.app import LocalQueue
 from controller.errors import QueueFull
+from controller.metrics import ControllerMetrics
 from controller.ownership.coordinator import Coordinator
 from controller.ownership.registry import WorkerInfo
 from controller.tasks.tasks import Stage, Task
@@ -31,6 +33,15 @@ def workers(co: Coordinator) -> tuple[WorkerInfo, WorkerInfo, WorkerInfo]:
     return (co.on_register("encoder", "e", 1, "qwen_t2i", "s1"),
             co.on_register("transformer", "t", 2, "qwen_t2i", "s2"),
             co.on_register("decoder", "d", 3, "qwen_t2i", "s3"))
+
+
+def watch(co: Coordinator) -> tuple[list[str], CollectorRegistry]:
+    """The events ``co`` fires from now on, and the registry of its metrics."""
+    registry = CollectorRegistry()
+    ControllerMetrics(co, registry)
+    events: list[str] = []
+    co.listeners.append(lambda event, _t: events.append(event))
+    return events, registry
 
 
 def test_full_lifecycle_and_idempotent_completion(tmp_path: Path) -> None:
@@ -83,6 +94,43 @@ def test_stale_and_cancelled_claims_are_refused(tmp_path: Path) -> None:
     ok, why = co.on_claim(enc2, "s", 2)
     assert not ok and "cancelled" in why
     assert co.on_claim(enc2, "nope", 1) == (False, "unknown task")
+
+
+def test_a_cancelled_task_fires_cancelled_once(tmp_path: Path) -> None:
+    """A queued task cancelled by the client is over at once; each later claim of its
+    leftover ring item is refused, and says nothing more: one "cancelled" event, counted
+    once in ``diffring_task_events_total``."""
+    co = make(tmp_path)
+    events, registry = watch(co)
+    enc, _, _ = workers(co)
+    enc2 = co.on_register("encoder", "e2", 4, "qwen_t2i", "s4")
+    t = task("q")
+    co.submit(t)
+    assert co.cancel(t) == "success" and t.stage == Stage.CANCELLED
+    for worker in (enc, enc2, enc):  # the item, put back or claimed again
+        assert co.on_claim(worker, "q", 1) == (False, "task is cancelled")
+    assert events == ["queued", "cancelled"]
+    assert registry.get_sample_value("diffring_task_events_total", {"event": "cancelled"}) == 1
+
+
+def test_a_task_cancelled_between_stages_fires_cancelled_at_the_refused_claim(
+        tmp_path: Path) -> None:
+    """Cancelled while encoding (a worker held it), it ends when the next stage claims it:
+    that refused claim fires "cancelled", and only that one."""
+    co = make(tmp_path)
+    events, registry = watch(co)
+    enc, dit, _ = workers(co)
+    dit2 = co.on_register("transformer", "t2", 5, "qwen_t2i", "s5")
+    t = task("h")
+    co.submit(t)
+    co.on_claim(enc, "h", 1)
+    assert co.cancel(t) == "success" and t.stage == Stage.ENCODING
+    co.on_handoff(enc, "h", 1)
+    assert co.on_claim(dit, "h", 1) == (False, "task was cancelled")
+    assert t.stage == Stage.CANCELLED
+    assert co.on_claim(dit2, "h", 1) == (False, "task is cancelled")
+    assert events == ["queued", "claimed", "handoff", "cancelled"]
+    assert registry.get_sample_value("diffring_task_events_total", {"event": "cancelled"}) == 1
 
 
 def test_running_task_cancel_reaches_the_worker(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import yaml
 from contracts.config import ServiceConfig
 from contracts.metrics import LIVE_PATH, READY_PATH
 from contracts.pipelines import check_device
-from controller.group import MULTI_HOST, LocalGroup, free_ports, group_config, submit, wait_task
+from launcher import MULTI_HOST, LocalGroup, free_ports, group_config, submit, wait_task
 from tests.conftest import wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from contracts.config import DEFAULT_TOKEN, ServiceConfig
-from controller.group import free_ports
 from doctor import Check, format_report, run_checks
+from launcher import free_ports
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

@@ -19,7 +19,7 @@ import pytest
 
 from contracts.errors import ControlRefused
 from controller.doorbell import Doorbell, published
-from controller.group import LocalGroup, group_config
+from launcher import LocalGroup, group_config
 from rings.layout import HOLDER_LOCAL, RingLayout
 from rings.ring import Ring
 from rings.verbs import LocalVerbs, Region
@@ -141,7 +141,7 @@ def test_a_wait_that_crosses_its_wake_up_is_served() -> None:
     from contracts.messages import Op
     from controller.control import ControlServer
     from rings import wire
-    from rings.tcp import recv_frame
+    from rings.handshake import recv_frame
     from tests.conftest import make_coordinator
 
     rings = {n: local_ring(n) for n in ("request", "phase1", "phase2")}
@@ -283,7 +283,7 @@ def test_drain_ends_a_doorbell_wait_at_once(monkeypatch: pytest.MonkeyPatch) -> 
     from contracts.config import ServiceConfig
     from contracts.roles import Role
     from rings import wire
-    from rings.tcp import recv_frame
+    from rings.handshake import recv_frame
     from workers.worker import StageWorker, State
 
     class Idle(StageWorker):
@@ -316,7 +316,7 @@ def test_a_slow_controller_is_waited_for_not_dropped(monkeypatch: pytest.MonkeyP
 
     import workers.control as control
     from rings import wire
-    from rings.tcp import recv_frame
+    from rings.handshake import recv_frame
 
     monkeypatch.setattr(control, "REPLY_SLACK_S", 0.1)
     bell = DoorbellClient("127.0.0.1", 9, TOKEN)

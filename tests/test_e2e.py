@@ -1,6 +1,6 @@
 """End to end: HTTP in, separate encoder / transformer / decoder processes, files out.
 
-Every group is started and stopped here by pid (controller.group.LocalGroup).
+Every group is started and stopped here by pid (launcher.LocalGroup).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from controller.group import LocalGroup, group_config, submit
+from launcher import LocalGroup, group_config, submit
 from tests.conftest import wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from controller.group import submit, wait_task
+from launcher import submit, wait_task
 from tests.test_e2e import fetch, pixels, start_group
 
 pytestmark = pytest.mark.integration  # starts processes or servers

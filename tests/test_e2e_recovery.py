@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.group import submit, wait_task
+from launcher import submit, wait_task
 from tests.conftest import wait_log
 from tests.test_e2e import body, fetch, start_group
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.group import LocalGroup, group_config
+from launcher import LocalGroup, group_config
 from rings import wire
 from workers.models.synthetic import write_config
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.group import LocalGroup, Service, free_ports, group_config, wait_task
+from launcher import LocalGroup, Service, free_ports, group_config, wait_task
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

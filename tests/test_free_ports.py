@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from contracts.errors import ConfigError
-from controller import group
-from controller.group import PORT_RANGE_ENV, free_ports
+from launcher import PORT_RANGE_ENV, free_ports
+from launcher import ports as launcher_ports
 from tests.conftest import TEST_PORTS, ephemeral_start
 
 
@@ -21,7 +21,7 @@ def port_range(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, int]]:
     TEST_PORTS) and the kernel's ephemeral range, so no other test's server is on them."""
     lo = 32000 + 16 * (os.getpid() % 48)
     monkeypatch.setenv(PORT_RANGE_ENV, f"{lo}-{lo + 15}")
-    monkeypatch.setattr(group, "_handed_out", set())
+    monkeypatch.setattr(launcher_ports, "_handed_out", set())
     yield lo, lo + 15
 
 
@@ -29,12 +29,12 @@ def test_the_suite_runs_each_worker_in_a_range_of_its_own() -> None:
     """conftest's pytest_configure set it (on a Linux host whose ephemeral range starts
     above it): the check that the other tests here run under it."""
     spec = os.environ.get(PORT_RANGE_ENV)
-    suite_lo, suite_hi = group.parse_port_range(TEST_PORTS)
+    suite_lo, suite_hi = launcher_ports.parse_port_range(TEST_PORTS)
     eph_lo = ephemeral_start()
     if eph_lo is None or eph_lo <= suite_hi:
         pytest.skip(f"this host's kernel hands out ports from {eph_lo}")
     assert spec is not None
-    lo, hi = group.parse_port_range(spec)
+    lo, hi = launcher_ports.parse_port_range(spec)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     assert suite_lo <= lo <= hi <= suite_hi, (spec, TEST_PORTS)
     assert hi - lo + 1 == (suite_hi - suite_lo + 1) // workers, (spec, workers)

@@ -201,7 +201,7 @@ def test_api_key_from_the_environment_of_a_real_controller(tmp_path: Path) -> No
     """DIFFRING_API_KEY, read once by run_service.py, guards a controller process."""
     import httpx
 
-    from controller.group import LocalGroup, group_config
+    from launcher import LocalGroup, group_config
 
     group = LocalGroup(group_config("qwen_t2i", str(tmp_path), tmp_path), tmp_path,
                        env={"DIFFRING_API_KEY": KEY})

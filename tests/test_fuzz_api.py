@@ -20,7 +20,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from controller.group import LocalGroup, group_config
+from launcher import LocalGroup, group_config
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 import pytest
 
-from controller.group import LocalGroup, Service, group_config, wait_task
+from launcher import LocalGroup, Service, group_config, wait_task
 from tests.test_group_faults import awaiting_a_dit, gone, rank_pids, start_group, wait_exit
 
 pytestmark = pytest.mark.integration  # starts processes

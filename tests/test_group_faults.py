@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 import pytest
 
-from controller.group import LocalGroup, Service, group_config, wait_task
+from launcher import LocalGroup, Service, group_config, wait_task
 
 pytestmark = pytest.mark.integration  # starts processes
 PIPELINE = "qwen_t2i"

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from controller.group import LocalGroup, group_config, submit
+from launcher import LocalGroup, group_config, submit
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

@@ -28,7 +28,7 @@ from httpx_sse import connect_sse
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.group import LocalGroup, free_ports, group_config, wait_task
+from launcher import LocalGroup, free_ports, group_config, wait_task
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")

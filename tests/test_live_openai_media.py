@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from controller.group import LocalGroup, wait_task
+from launcher import LocalGroup, wait_task
 from tests.test_live_api import SMALL, client, png, start_group
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")

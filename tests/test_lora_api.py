@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from contracts.request import GenerationRequest
-from controller.group import LocalGroup, group_config, wait_task
+from launcher import LocalGroup, group_config, wait_task
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")
 pytestmark = pytest.mark.integration  # a live group, the tiny models

@@ -39,15 +39,16 @@ from rings.errors import (
     VerbRangeError,
     VerbsError,
 )
+from rings.handshake import handshake, open_socket
 from rings.host import RingHost
 from rings.layout import OFF_TAIL, STAMPS_OFFSET, RingLayout, SlotState, stamp
 from rings.rdma import _pyverbs, device, qp, selftest
 from rings.ring import Ring
 from rings.soak import start_ring_host, stop_process
-from rings.tcp import TcpVerbs, handshake, open_socket
+from rings.tcp import TcpVerbs
 from rings.tcp import connect as tcp_connect
+from rings.transports import connect as transports_connect
 from rings.verbs import CAS, FAA, RDMA_ONLY_OPTIONS, READ, WRITE, transport_options
-from rings.verbs import connect as verbs_connect
 from tests.conftest import TOKEN
 
 pytestmark = pytest.mark.integration  # starts processes or servers
@@ -83,14 +84,14 @@ def test_rdma_available_is_false_here() -> None:
 
 
 @no_device_only
-@pytest.mark.parametrize("via", ["rdma.connect", "verbs.connect"])
+@pytest.mark.parametrize("via", ["rdma.connect", "transports.connect"])
 def test_connect_refuses_without_device_and_names_tcp(via: str) -> None:
     layout = RingLayout(RING, SLOTS, 512)
     with pytest.raises(TransportUnavailable) as info:
         if via == "rdma.connect":
             rdma.connect("127.0.0.1", 1, layout=layout, ring=RING, token=TOKEN)
         else:
-            verbs_connect("rdma", "127.0.0.1", 1, layout=layout, ring=RING, token=TOKEN)
+            transports_connect("rdma", "127.0.0.1", 1, layout=layout, ring=RING, token=TOKEN)
     msg = str(info.value)
     assert "ring_transport to 'tcp'" in msg
     assert "no RDMA device" in msg or "pyverbs" in msg
@@ -109,7 +110,7 @@ def test_missing_pyverbs_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rdma.make_rdma_join() is None
 
 
-@pytest.mark.parametrize("via", ["rdma.connect", "verbs.connect"])
+@pytest.mark.parametrize("via", ["rdma.connect", "transports.connect"])
 def test_misspelt_option_refused_before_looking_for_a_device(
     via: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -121,7 +122,8 @@ def test_misspelt_option_refused_before_looking_for_a_device(
         if via == "rdma.connect":
             rdma.connect("127.0.0.1", 1, layout=None, ring=RING, token=TOKEN, gid_idx=1)
         else:
-            verbs_connect("rdma", "127.0.0.1", 1, layout=None, ring=RING, token=TOKEN, gid_idx=1)
+            transports_connect("rdma", "127.0.0.1", 1, layout=None, ring=RING, token=TOKEN,
+                               gid_idx=1)
     msg = str(info.value)
     assert "unknown rdma transport option 'gid_idx'" in msg
     for name in transport_options(rdma.connect):
@@ -140,7 +142,7 @@ def test_make_rdma_join_is_none_here() -> None:
 
 @no_device_only
 def test_auto_picks_tcp(tcp_ring_host: int) -> None:
-    verbs = verbs_connect(
+    verbs = transports_connect(
         "auto",
         "127.0.0.1",
         tcp_ring_host,

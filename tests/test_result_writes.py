@@ -27,9 +27,9 @@ from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ResultWriteBlocked, storage_fault
 from contracts.messages import Fault, Op
-from controller.group import LocalGroup, free_ports, group_config, wait_task
 from controller.ownership.result_writes import ResultWrites
 from controller.tasks.tasks import Stage
+from launcher import LocalGroup, free_ports, group_config, wait_task
 from tests.conftest import complete
 from tests.test_coordinator import make, task, workers
 from workers.held import RETRY_FIRST_S, RETRY_MAX_S, Held, HeldResults

@@ -20,7 +20,7 @@ import pytest
 from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.group import LocalGroup, Service, free_ports, group_config, wait_task
+from launcher import LocalGroup, Service, free_ports, group_config, wait_task
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

@@ -38,7 +38,8 @@ from rings.layout import (
 )
 from rings.ring import Ring
 from rings.soak import RING, start_ring_host, stop_process
-from rings.verbs import CAS, FAA, WRITE, LocalVerbs, Verbs, connect
+from rings.transports import connect
+from rings.verbs import CAS, FAA, WRITE, LocalVerbs, Verbs
 from tests.conftest import TOKEN
 
 pytestmark = pytest.mark.integration  # starts processes or servers

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from contracts.config import ServiceConfig
-from controller import group_files as group_tool
+from launcher import port_busy, role_files
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -71,7 +71,7 @@ def test_every_config_file_loads_and_groups_share_no_port() -> None:
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_each_group_is_consistent(group: str, tmp_path: Path) -> None:
     """Same pipeline, rings and results folder in all four files; no port used twice."""
-    prep = group_tool.prepare(group, CONFIG_DIR / GROUPS[group], tmp_path)
+    prep = role_files.prepare(group, CONFIG_DIR / GROUPS[group], tmp_path)
     assert prep.configs == {r: CONFIG_DIR / GROUPS[group] / f"{group}_{r}.json" for r in ROLES}
     ports = [port for _what, _host, port in prep.ports()]
     assert len(ports) == 9 and len(set(ports)) == 9  # front, control, 3 rings, 4 metrics
@@ -100,8 +100,8 @@ def test_ports_follow_lightx2v_table() -> None:
 
 
 def test_port_offset_shifts_every_port(tmp_path: Path) -> None:
-    base = group_tool.prepare("wan_i2v", CONFIG_DIR / "wan", tmp_path / "a")
-    shifted = group_tool.prepare(
+    base = role_files.prepare("wan_i2v", CONFIG_DIR / "wan", tmp_path / "a")
+    shifted = role_files.prepare(
         "wan_i2v", CONFIG_DIR / "wan", tmp_path / "b", port_offset=1000, output_dir="res"
     )
     assert [p + 1000 for *_, p in base.ports()] == [p for *_, p in shifted.ports()]
@@ -119,8 +119,8 @@ def test_inconsistent_group_is_refused(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     data["disagg_config"]["rdma_buffer_slots"] = 64
     path.write_text(json.dumps(data))
-    with pytest.raises(group_tool.GroupError, match="disagg_config differs"):
-        group_tool.prepare("qwen_i2i", tmp_path, tmp_path / "logs")
+    with pytest.raises(role_files.GroupError, match="disagg_config differs"):
+        role_files.prepare("qwen_i2i", tmp_path, tmp_path / "logs")
 
 
 def test_mooncake_config_file() -> None:
@@ -179,7 +179,7 @@ def free_offset(group: str, subdir: str) -> int:
     below Linux's ephemeral range (32768+), so other tests' free_ports() cannot race us, and
     out of the range Mooncake picks its own ports from (MOONCAKE_PORTS), so the engines of
     tests running beside this one cannot take one between this check and the bind."""
-    prep = group_tool.prepare(group, CONFIG_DIR / subdir, Path("/nonexistent"))
+    prep = role_files.prepare(group, CONFIG_DIR / subdir, Path("/nonexistent"))
     ports = [(host, port) for _what, host, port in prep.ports()]
     top = 32767 - max(port for _host, port in ports)
     rng = random.Random()
@@ -187,7 +187,7 @@ def free_offset(group: str, subdir: str) -> int:
         offset = rng.randrange(1000, top)
         if any(port + offset in MOONCAKE_PORTS for _host, port in ports):
             continue
-        if not any(group_tool.port_busy(host, port + offset) for host, port in ports):
+        if not any(port_busy(host, port + offset) for host, port in ports):
             return offset
     raise RuntimeError("no free port offset found")
 

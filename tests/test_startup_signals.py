@@ -21,7 +21,7 @@ import pytest
 from contracts import faults
 from contracts.errors import ConfigError
 from contracts.pipelines import TASK_SPECS
-from controller.group import LocalGroup, Service, group_config
+from launcher import LocalGroup, Service, group_config
 from tests.conftest import wait_log
 from workers.startup import StartupAborted, StopSignal
 

@@ -1,6 +1,6 @@
 """The synthetic pipeline: its config file, deterministic outputs, and a whole group over HTTP.
 
-Groups are started and stopped here by pid (controller.group.LocalGroup).
+Groups are started and stopped here by pid (launcher.LocalGroup).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from contracts.errors import ModelLoadError, StageInputError
 from contracts.request import GenerationRequest
-from controller.group import LocalGroup, group_config, submit
+from launcher import LocalGroup, group_config, submit
 from workers.models import LocalPipeline
 from workers.models.synthetic import CONFIG_NAME, SyntheticConfig, write_config
 

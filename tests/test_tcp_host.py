@@ -20,6 +20,7 @@ import pytest
 from contracts.disagg import DisaggConfig
 from rings import wire
 from rings.errors import ConfigError, ConnectionLost, HandshakeError, VerbRangeError, VerbsError
+from rings.handshake import handshake, open_socket
 from rings.inspect import snapshot
 from rings.layout import OFF_HEAD, OFF_TAIL, RingLayout, SlotState, stamp
 from rings.ring import Ring
@@ -33,8 +34,8 @@ from rings.soak import (
     start_ring_host,
     stop_process,
 )
-from rings.tcp import handshake, open_socket
-from rings.verbs import FAA, RDMA_ONLY_OPTIONS, READ, WRITE, connect
+from rings.transports import connect
+from rings.verbs import FAA, RDMA_ONLY_OPTIONS, READ, WRITE
 from tests.conftest import ROOT, TOKEN
 
 pytestmark = pytest.mark.integration  # starts processes or servers

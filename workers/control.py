@@ -18,7 +18,7 @@ from contracts import faults
 from contracts.errors import ConnectionLost, ControlRefused
 from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
 from rings import wire
-from rings.tcp import handshake, open_socket, recv_frame
+from rings.handshake import handshake, open_socket, recv_frame
 
 log = logging.getLogger("diffring.worker.control")
 

@@ -26,7 +26,7 @@ from contracts.errors import ConnectionLost, ControlRefused, DiffringError, Hand
 from contracts.messages import Fault, Op
 from contracts.roles import ROLE_RINGS, Role
 from rings.ring import Ring
-from rings.verbs import connect
+from rings.transports import connect
 from tensorplane.engine import TransferEngine
 from workers import preflight
 from workers.control import ControlClient, DoorbellClient

@@ -28,9 +28,9 @@ Lifecycle: STOPPED -> RUNNING (:meth:`StageWorker.start`) -> DRAINING (SIGTERM/S
 the claimed task -- a DiT that checkpoints hands it back at the next step boundary instead
 (:mod:`workers.checkpoints`) --, claim nothing new) -> STOPPED. A fatal error (lost ring or control
 connection, model failure at start) propagates out of :meth:`~StageWorker.start` or
-:meth:`~StageWorker.run`; the process entry point (:func:`workers.main.run_worker`) reports
-it to the controller once (:meth:`~StageWorker.report_fatal`), so the worker's leases are
-revoked at once, and then closes the worker.
+:meth:`~StageWorker.run`; the worker's lifecycle (:func:`workers.lifecycle.run_stage_worker`)
+reports it to the controller once (:meth:`~StageWorker.report_fatal`), so the worker's leases
+are revoked at once, and then closes the worker.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from fastapi import HTTPException
 
 from controller.http.schemas import decode_image, http_error
 
-log = logging.getLogger("diffring.controller.http.decoding")
+log = logging.getLogger("diffring.controller.decoding")
 
 WORKERS = 2
 """Decoding processes; also bounds how many decoded images are in memory at once."""

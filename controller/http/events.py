@@ -193,9 +193,6 @@ class EventHub:
             if not subs:
                 del self._subs[sub.task_id]
 
-    def subscribers(self) -> int:
-        return sum(len(s) for s in self._subs.values())
-
     async def wait_terminal(self, task: Task) -> Task:
         """Wait (without polling) until ``task`` is completed, failed or cancelled; raises
         :class:`ShuttingDown` when the hub closes first."""

@@ -81,7 +81,7 @@ class FrontDoor:
         self.blocking.shutdown(wait=True)
 
     # -- request building -----------------------------------------------------------------
-    def _generation_request(self, body: TaskRequest, kind: str) -> dict[str, Any]:
+    def _generation_request(self, body: TaskRequest) -> dict[str, Any]:
         for name in ("last_frame_path", "resize_mode", "i2i_denoise_strength"):
             if getattr(body, name, None) not in (None, ""):
                 raise http_error(422, f"{name} is not supported by diffring; leave it unset")
@@ -138,7 +138,7 @@ class FrontDoor:
                 f"this controller serves {self.pipeline} ({served} results); "
                 f"POST to /v1/tasks/{served}/ instead",
             )
-        request = self._generation_request(body, kind)
+        request = self._generation_request(body)
         try:
             priority = check_priority(body.priority)
         except InvalidRequestError as exc:

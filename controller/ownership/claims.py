@@ -24,7 +24,7 @@ from controller.ownership.priorities import Priorities
 from controller.ownership.registry import WorkerInfo
 from controller.ownership.requeue import Requeue
 from controller.tasks.table import TaskTable
-from controller.tasks.tasks import Stage, Task
+from controller.tasks.tasks import TERMINAL, Stage, Task
 
 log = logging.getLogger("diffring.controller")
 
@@ -51,9 +51,10 @@ class Claims:
         deferred = self.priorities.defer(worker, task_id, attempt)
         if deferred is not None:
             return False, deferred
+        task = self.table.get(task_id)
+        was_over = task is not None and task.stage in TERMINAL
         ok, reason = self.table.claim(task_id, attempt, worker.role, worker.name,
                                       worker.worker_id, self.leases.until(self.clock()))
-        task = self.table.get(task_id)
         if ok and task is not None:
             if worker.role == Role.TRANSFORMER:
                 self.requeue.drain()  # one fewer ahead of the DiTs
@@ -61,7 +62,9 @@ class Claims:
             log.info("task %s stage=%s worker=%s attempt=%d", task_id, task.stage.value,
                      worker.name, attempt)
             self.emit("claimed", task)
-        elif task is not None and task.stage == Stage.CANCELLED:
+        elif task is not None and task.stage == Stage.CANCELLED and not was_over:
+            # This refusal ended it (cancelled while a worker held it). A task cancelled
+            # before was announced then: its leftover items' refusals say nothing more.
             self.emit("cancelled", task)
         else:
             log.info("task %s claim by %s refused: %s", task_id, worker.name, reason)

@@ -45,7 +45,7 @@ from tensorplane.engine import TransferEngine
 from tensorplane.keep import Kept, free_kept, keep_bytes, keep_pulled, kept_bytes
 from tensorplane.pool import StagingPool
 
-log = logging.getLogger("diffring.controller.tasks.checkpoints")
+log = logging.getLogger("diffring.controller.checkpoints")
 
 MAGIC = b"DRCKPT01"
 _HEADER_LEN = struct.Struct("<I")

@@ -17,7 +17,7 @@ from typing import Any
 from controller.tasks.journal import TaskJournal
 from controller.tasks.tasks import TERMINAL, Stage, task_from_record
 
-log = logging.getLogger("diffring.controller.tasks.tasks")
+log = logging.getLogger("diffring.controller.tasks")
 
 
 def import_jsonl(journal: TaskJournal, folder: Path) -> int:

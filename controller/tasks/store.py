@@ -64,10 +64,10 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import ConfigError, DiffringError
-from controller.tasks import store_sql
 from controller.tasks.store_sql import DB_NAME, Op
+from controller.tasks import store_sql
 
-log = logging.getLogger("diffring.controller.tasks.store")
+log = logging.getLogger("diffring.controller.store")
 
 __all__ = ["DB_NAME", "Restored", "StoreConflict", "StoreError", "StoreLocked", "TaskStore"]
 

@@ -37,7 +37,7 @@ from controller.tasks.tasks import (
     task_from_record,
 )
 
-log = logging.getLogger("diffring.controller.tasks.tasks")
+log = logging.getLogger("diffring.controller.tasks")
 
 _PAST_THE_CONSUMER = {Role.ENCODER: (Stage.PHASE2, Stage.DECODING), Role.TRANSFORMER: ()}
 """Stages in which a producer's staged outputs have been pulled already (or never will be)."""

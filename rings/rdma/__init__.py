@@ -1,6 +1,6 @@
 """The ``rdma`` verbs transport: a pyverbs RC queue pair onto the ring host's region.
 
-A peer (:func:`connect`) runs the ordinary ring handshake (:func:`rings.tcp.handshake`) on
+A peer (:func:`connect`) runs the ordinary ring handshake (:func:`rings.handshake.handshake`) on
 the ring's port with ``transport="rdma"``. Its JOIN carries its queue pair's details, the
 WELCOME the host's (:class:`RdmaJoin`):
 

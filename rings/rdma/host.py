@@ -1,4 +1,5 @@
-"""The host side: :class:`RdmaJoin`, the ``rdma_join`` hook of :class:`rings.host.RingHost`.
+"""The host side: :class:`RdmaJoin`, the ``rdma_join`` hook (:class:`rings.host.RdmaJoinHook`)
+of :class:`rings.host.RingHost`.
 
 :func:`make_rdma_join` returns None when pyverbs or a device is missing, so the host refuses
 rdma joins with its own message that names tcp. Otherwise the :class:`RdmaJoin` it returns

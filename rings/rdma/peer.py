@@ -3,7 +3,7 @@
 The peer opens its device (context, protection domain, one completion queue, one RC queue
 pair, one small registered local buffer), runs the byte-order self-test of
 :mod:`rings.rdma.selftest` once per device and port, then runs the ordinary ring handshake
-(:func:`rings.tcp.handshake`) on the ring's port with ``transport="rdma"``; the queue-pair
+(:func:`rings.handshake.handshake`) on the ring's port with ``transport="rdma"``; the queue-pair
 details it exchanges are listed in :mod:`rings.rdma`. Both queue pairs then go
 INIT -> RTR -> RTS. The TCP connection stays open and idle: it is the peer's liveness.
 
@@ -32,13 +32,13 @@ from rings.errors import (
     VerbRangeError,
     VerbsError,
 )
+from rings.handshake import join
 from rings.layout import WRITABLE_FROM, RingLayout
 from rings.rdma import _pyverbs
 from rings.rdma._pyverbs import TCP_HINT
 from rings.rdma.device import Device, Endpoint
 from rings.rdma.qp import VERB_NAMES, QpPeer, Target
 from rings.rdma.selftest import check_atomics
-from rings.tcp import join
 from rings.verbs import READ, WRITE, Op, Verbs, check_op, refuse_unknown_options, transport_options
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from controller.group import LocalGroup, Service, free_ports, group_config
+from launcher import LocalGroup, Service, free_ports, group_config
 from scripts import ROOT
 from scripts.bench.bench_serving import log
 from workers.models.synthetic import write_config

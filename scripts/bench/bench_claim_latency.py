@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.pipelines import task_spec
-from controller.group import free_ports
+from launcher import free_ports
 from rings.soak import stop_process
 from scripts import ROOT
 
@@ -90,7 +90,7 @@ def _prober(repo: str, port: int, stop: Any, ready: Any, out: Any, nice: int) ->
     _import_rings_from(Path(repo))
     from rings.layout import RingLayout
     from rings.ring import Ring
-    from rings.verbs import connect
+    from rings.transports import connect
 
     due_q: queue.SimpleQueue[float | None] = queue.SimpleQueue()
     samples: list[tuple[float, float]] = []

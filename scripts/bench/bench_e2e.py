@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.pipelines import task_spec
-from controller.group import LocalGroup, group_config, submit
+from launcher import LocalGroup, group_config, submit
 from scripts import ROOT
 
 SIZES: dict[str, dict[str, Any]] = {

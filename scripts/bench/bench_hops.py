@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controller.group import group_config
+from launcher import group_config
 from scripts import ROOT
 from scripts.bench.bench_serving import log, post, running
 from workers.models.synthetic import write_config

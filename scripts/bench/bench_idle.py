@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from contracts.roles import Role
-from controller.group import LocalGroup, group_config
+from launcher import LocalGroup, group_config
 from workers.models.synthetic import write_config
 
 ROLES = tuple(role.value for role in Role)  # the worker roles, in pipeline order

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from controller.group import LocalGroup, group_config
+from launcher import LocalGroup, group_config
 from workers.models.synthetic import write_config
 
 COLUMNS = ("K", "tasks", "QPS", "ideal K/t", "efficiency", "DiT s/task", "added ms/task")

@@ -24,7 +24,7 @@
         --set 'baseline@24g:transformer.offload="block"' --steps 2 --concurrency 1 --out $OUT
 
 For each mode (``baseline``: ``run_service.py --service all``; ``disagg``: a controller plus
-its workers, all on this machine, started by ``controller.group.LocalGroup``) it sends warm-up
+its workers, all on this machine, started by ``launcher.LocalGroup``) it sends warm-up
 requests, then for each N in ``--concurrency`` keeps N requests in flight (closed loop: a
 client posts its next request when its last one completed) until ``--requests`` requests of
 that level completed. ``--modes`` may hold tagged modes with service settings of their own
@@ -79,7 +79,7 @@ from typing import Any
 import httpx
 
 from contracts.pipelines import TASK_SPECS
-from controller.group import LocalGroup, free_ports, group_config
+from launcher import LocalGroup, free_ports, group_config
 from scripts import ROOT
 from scripts.bench import bench_serving_layout as layout
 from scripts.bench import bench_serving_modes as modes_

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from controller.group import group_config, merged
+from launcher import group_config, merged
 from scripts.bench.bench_models import arch_folder
 
 KINDS = ("baseline", "disagg")

@@ -17,7 +17,7 @@ What it does, per scenario:
   and requests 480x832, 81 frames, ``--real-steps`` steps with CFG.
 
 Then it starts a controller plus one encoder, one transformer and one decoder process
-(``controller.group.LocalGroup``, each worker with a metrics port) with every stage on
+(``launcher.LocalGroup``, each worker with a metrics port) with every stage on
 ``--device`` in ``--dtype``, rings and Mooncake over tcp, posts ``--requests`` (default 2)
 ``POST /v1/tasks/video/`` requests one after the other (the first is cold, later ones warm),
 waits for each, fetches the first MP4 and checks its frames.
@@ -205,7 +205,7 @@ def check_video(data: bytes, frames: int, height: int, width: int) -> dict[str, 
 
 def one_request(url: str, metrics: dict[str, str], events: EventLog, body: dict[str, Any],
                 timeout: float) -> dict[str, Any]:
-    from controller.group import submit
+    from launcher import submit
 
     before = {role: scrape(u) for role, u in metrics.items()}
     t0 = time.perf_counter()
@@ -230,7 +230,7 @@ def one_request(url: str, metrics: dict[str, str], events: EventLog, body: dict[
 
 def run_scenario(name: str, model_path: Path, request: dict[str, Any],
                  args: argparse.Namespace, out_dir: Path, work: Path) -> dict[str, Any]:
-    from controller.group import LocalGroup, free_ports, group_config
+    from launcher import LocalGroup, free_ports, group_config
 
     wd = work / f"group-{name}"
     shutil.rmtree(wd, ignore_errors=True)  # logs of an earlier run in the same folder

@@ -15,7 +15,7 @@ from contracts.config import DisaggConfig
 from rings import payload as pl
 from rings.layout import STAMPS_OFFSET, SlotState, unpack_stamp
 from rings.ring import Ring
-from rings.verbs import connect
+from rings.transports import connect
 
 
 def freeze_a_busy_worker(url: str, seconds: float, stopped: Callable[[int | None], None]

@@ -53,7 +53,7 @@ import httpx
 from contracts.config import DisaggConfig
 from contracts.pipelines import TASK_SPECS
 from contracts.roles import Role
-from controller.group import LocalGroup, Service, free_ports, group_config
+from launcher import LocalGroup, Service, free_ports, group_config
 from scripts import ROOT
 from scripts.chaos.chaos_attacks import corrupt_ring, freeze_a_busy_worker
 from scripts.chaos.chaos_checks import (

@@ -1,7 +1,7 @@
 """Worker processes for the chaos soak, started from a fork server.
 
 The soak replaces a killed worker every couple of seconds. Started with ``exec`` (as
-``controller.group.LocalGroup`` does), each replacement spends a few CPU-seconds importing
+``launcher.LocalGroup`` does), each replacement spends a few CPU-seconds importing
 torch, Mooncake and the model stack before it can register, which on a 2-core machine is most
 of the machine at that kill rate. So the soak starts workers from the standard library's
 fork server with those modules preloaded: each worker is still a process of its own, running

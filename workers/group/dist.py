@@ -27,7 +27,7 @@ import torch
 from contracts.errors import ConnectionLost
 from contracts.parallel import ParallelLayout
 from rings import wire
-from rings.tcp import recv_frame
+from rings.handshake import recv_frame
 from workers.models.loop_state import LoopState, from_wire, to_wire
 from workers.models.parallel import GroupMesh
 

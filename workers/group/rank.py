@@ -107,7 +107,7 @@ def _lead(cfg: ServiceConfig, args: argparse.Namespace, env: dict[str, str]) -> 
     from workers.group.dist import Channel, init_group, serve_store
     from workers.group.leader import GroupLeader
     from workers.group.steps import GroupBroken
-    from workers.main import run_worker
+    from workers.lifecycle import run_stage_worker
 
     layout, timeout = cfg.transformer.layout, cfg.transformer.group_timeout_s
     peers = []
@@ -120,8 +120,8 @@ def _lead(cfg: ServiceConfig, args: argparse.Namespace, env: dict[str, str]) -> 
     group = init_group(0, layout, torch.device(cfg.device), None, timeout, leader_store=store)
     token = cfg.disagg_config.resolve_token(env)
     try:
-        return run_worker(Role.TRANSFORMER, cfg, token, env,
-                          make=lambda c, t, e: GroupLeader(c, t, e, group, peers))
+        return run_stage_worker(Role.TRANSFORMER, cfg, token, env,
+                                make=lambda c, t, e: GroupLeader(c, t, e, group, peers))
     except GroupBroken as exc:
         log.error("%s", exc)
         return EXIT_BROKEN

@@ -16,10 +16,11 @@ from .base import (
     Artifact,
     DecoderAdapter,
     EncoderAdapter,
+    ModelFamily,
     StageAdapter,
     TransformerAdapter,
+    get_family,
 )
-from .family import ModelFamily, get_family
 from .pipeline import LocalPipeline, run_pipeline
 
 __all__ = [

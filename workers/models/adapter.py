@@ -28,6 +28,7 @@ from .components import (
     resolve_device,
     resolve_dtype,
 )
+from .family import adapter_class
 from .model_folder import ModelFolder, check_model_folder
 
 T = TypeVar("T")
@@ -61,9 +62,7 @@ class StageAdapter(ABC):
         checked first, so a bad one is refused before the family (and torch) is imported.
         """
         check_stage_settings(task, device, dtype)
-        from .family import get_family
-
-        impl = getattr(get_family(task), cls.role.value)
+        impl = adapter_class(task, cls.role)
         assert issubclass(impl, cls)
         adapter: Self = impl(model_dir, task, device, dtype, **options)
         return adapter

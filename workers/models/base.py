@@ -1,4 +1,5 @@
-"""The stage adapters' interfaces and the decoded artifact (the family registry:
+"""The stage adapters' interfaces, the decoded artifact, and a task's family (one adapter of
+each role, :func:`get_family`; the table of which module serves a task:
 :mod:`workers.models.family`; what the three share, :class:`StageAdapter`:
 :mod:`workers.models.adapter`).
 
@@ -28,12 +29,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from contracts.errors import ModelLoadError, StageCancelled, StageInputError
+from contracts.pipelines import task_spec
 from contracts.request import GenerationRequest
 from contracts.roles import Role
 from contracts.stage_options import StageOptions
 
 from .adapter import StageAdapter
 from .components import check_backend_name, check_request_task, warmup_geometry
+from .family import adapter_class
 from .media import VideoSettings
 from .prompt_cache import PromptCache, PromptKey, image_digest
 
@@ -361,3 +364,27 @@ class DecoderAdapter(StageAdapter):
     def decode(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]) -> Artifact:
         """Decode and encode the result as PNG (image) or MP4 (video)."""
         return self.encode_media(req, self.decode_pixels(req, tensors))
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """The adapters that serve one task."""
+
+    task: str
+    encoder: type[EncoderAdapter]
+    transformer: type[TransformerAdapter]
+    decoder: type[DecoderAdapter]
+    pipeline_class: str | None
+    """Name of diffusers' one-process pipeline for this task (the reference in tests); None
+    for the synthetic family, which has no model."""
+
+
+def get_family(task: str) -> ModelFamily:
+    """The adapters serving ``task``. Imports the family module, and with it torch."""
+    encoder = adapter_class(task, Role.ENCODER)
+    transformer = adapter_class(task, Role.TRANSFORMER)
+    decoder = adapter_class(task, Role.DECODER)
+    assert issubclass(encoder, EncoderAdapter) and issubclass(decoder, DecoderAdapter)
+    assert issubclass(transformer, TransformerAdapter)
+    return ModelFamily(task=task, encoder=encoder, transformer=transformer, decoder=decoder,
+                       pipeline_class=task_spec(task).pipeline_class)

@@ -1,30 +1,17 @@
-"""The family registry: which adapters serve a task (imported on first use, so that importing
-this package imports neither torch nor diffusers)."""
+"""The family registry: which module's adapters serve a task, imported on first use, so that
+importing this package imports neither torch nor diffusers.
+
+It names the adapters (module and class names) and imports nothing of the adapters itself:
+:meth:`StageAdapter.for_task <workers.models.adapter.StageAdapter.for_task>` and
+:func:`workers.models.base.get_family` look them up here.
+"""
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from contracts.pipelines import TASKS, task_spec
-
-if TYPE_CHECKING:
-    from .base import DecoderAdapter, EncoderAdapter, TransformerAdapter
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """The adapters that serve one task."""
-
-    task: str
-    encoder: type[EncoderAdapter]
-    transformer: type[TransformerAdapter]
-    decoder: type[DecoderAdapter]
-    pipeline_class: str | None
-    """Name of diffusers' one-process pipeline for this task (the reference in tests); None
-    for the synthetic family, which has no model."""
-
+from contracts.roles import Role
 
 # task -> (module, encoder, transformer, decoder). Families are imported on first use, so that
 # importing this package does not import torch or diffusers. The diffusers pipeline each row
@@ -39,17 +26,13 @@ _FAMILIES: dict[str, tuple[str, str, str, str]] = {
     "synthetic": ("synthetic", "SyntheticEncoder", "SyntheticTransformer", "SyntheticDecoder"),
 }
 assert set(_FAMILIES) == set(TASKS)
+_COLUMN = {Role.ENCODER: 1, Role.TRANSFORMER: 2, Role.DECODER: 3}
 
 
-def get_family(task: str) -> ModelFamily:
-    """The adapters serving ``task``. Imports the family module, and with it torch."""
-    spec = task_spec(task)
-    module_name, enc, dit, dec = _FAMILIES[spec.name]
-    module = importlib.import_module(f"{__package__}.{module_name}")
-    return ModelFamily(
-        task=task,
-        encoder=getattr(module, enc),
-        transformer=getattr(module, dit),
-        decoder=getattr(module, dec),
-        pipeline_class=spec.pipeline_class,
-    )
+def adapter_class(task: str, role: Role) -> type:
+    """The class of ``role``'s adapter serving ``task``. Imports the family module, and with
+    it torch; the caller checks what it got (``issubclass``)."""
+    row = _FAMILIES[task_spec(task).name]
+    module = importlib.import_module(f"{__package__}.{row[0]}")
+    cls: type = getattr(module, row[_COLUMN[role]])
+    return cls

@@ -5,7 +5,7 @@
 # e.g.                    diffring_run_group wan_t2v wan WAN_T2V_MODEL_PATH
 #
 # It turns the environment below into the options of the one launcher,
-# `python -m controller.launch` (controller/launch.py), and execs it: it starts the
+# `python -m launcher` (launcher/launch.py), and execs it: it starts the
 # controller, waits for its /health, starts one encoder, one transformer and one decoder,
 # waits until each is registered with the controller and each metrics port answers, prints
 # the URLs and stays in the foreground. Ctrl+C (SIGINT), SIGTERM or SIGHUP stops the group by
@@ -73,5 +73,5 @@ diffring_run_group() {
     [[ -z "${MOONCAKE_CONFIG_PATH:-}" ]] || args+=(--mooncake-config "$MOONCAKE_CONFIG_PATH")
     # The launcher imports the repository's packages: found from here even when the script is
     # started elsewhere and the project is not installed into $py.
-    PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m controller.launch "${args[@]}"
+    PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m launcher "${args[@]}"
 }

@@ -1,13 +1,13 @@
 """Run one group on this machine from its role files, in the foreground, until a signal.
 
-    python -m controller.launch --group wan_t2v --model-path DIR [--config-dir DIR]
+    python -m launcher --group wan_t2v --model-path DIR [--config-dir DIR]
         [--encoder-device N|cuda:N|cpu] [--transformer-device ...] [--decoder-device ...]
         [--port-offset N] [--log-dir DIR] [--output-dir DIR] [--mooncake-config FILE]
         [--ready-timeout S] [--metrics-timeout S] [--metrics-required] [--stop-timeout S]
 
 What the start scripts (``scripts/server/disagg/``) run; their environment variables map onto
 these options (``scripts/server/disagg/common.sh`` lists them). It loads and checks the four
-role files (:mod:`controller.group_files`), refuses ports already in use, starts the
+role files (:mod:`launcher.role_files`), refuses ports already in use, starts the
 controller and waits for its ``/health``, starts one encoder, one transformer and one decoder
 (each ``--model_path`` and ``--device``), waits until each has registered with the controller
 and each metrics port answers, prints the URLs and stays in the foreground. SIGINT, SIGTERM
@@ -38,8 +38,9 @@ from types import FrameType
 
 from contracts.pipelines import TASK_SPECS
 from contracts.roles import Role
-from controller.group import ROOT, LocalGroup, Service
-from controller.group_files import GroupError, Prepared, port_busy, prepare, probe_host
+from launcher.local import ROOT, LocalGroup, Service
+from launcher.ports import port_busy
+from launcher.role_files import GroupError, Prepared, prepare, probe_host
 
 WORKERS = tuple(role.value for role in Role)
 SIGNALS = {signal.SIGINT: ("INT", 130), signal.SIGTERM: ("TERM", 143),

@@ -5,14 +5,12 @@
 anything starts), checks that the four describe one group (same pipeline, same rings, no port
 used twice), and applies the launcher's overrides (a port offset, a results folder) into
 copies under ``LOG_DIR/config/``; :meth:`Prepared.ports` lists every port the group binds,
-for :func:`port_busy`. Used by :mod:`controller.launch`.
+for :func:`launcher.ports.port_busy`. Used by :mod:`launcher.launch`.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,20 +65,6 @@ def shift_ports(data: dict[str, Any], offset: int, is_controller: bool) -> None:
 def probe_host(host: str) -> str:
     """The address to reach a service bound to ``host`` at (a wildcard: loopback)."""
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-
-
-def port_busy(host: str, port: int) -> bool:
-    """True when something already listens on host:port (an address we cannot bind is
-    someone else's machine: not ours to check)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # Servers set SO_REUSEADDR too, so a port in TIME_WAIT is not reported as busy.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
 
 
 @dataclass(frozen=True)
