@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 
 from controller.errors import QueueFull
+from controller.ownership.outbox import Outbox
 from controller.ownership.rates import CompletionRate
 from controller.ownership.requeue import Requeue
 from controller.tasks.table import TaskTable
@@ -30,12 +31,12 @@ class Admission:
     estimates when a refused client should try again; ``emit`` reports ``queued``."""
 
     def __init__(self, table: TaskTable, requeue: Requeue, rates: CompletionRate,
-                 emit: Callable[[str, Task], None], clock: Callable[[], float], *,
+                 out: Outbox, clock: Callable[[], float], *,
                  max_pending: int, release_ahead: int | None) -> None:
         self.table = table
         self.requeue = requeue
         self.rates = rates
-        self.emit = emit
+        self.out = out
         self.clock = clock
         self.max_pending = max_pending
         self.release_ahead = release_ahead
@@ -66,4 +67,4 @@ class Admission:
             self.table.forget(task)
             raise QueueFull("the request ring is full", self.retry_after())
         log.info("task %s stage=queued pipeline=%s", task.task_id, task.pipeline)
-        self.emit("queued", task)
+        self.out.emit("queued", task)

@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 from contracts.roles import ROLE_RINGS, Role
 from controller.ownership.leases import Leases
+from controller.ownership.outbox import Outbox
 from controller.ownership.priorities import Priorities
 from controller.ownership.registry import WorkerInfo
 from controller.ownership.requeue import Requeue
 from controller.tasks.table import TaskTable
-from controller.tasks.tasks import TERMINAL, Stage, Task
+from controller.tasks.tasks import TERMINAL, Stage
 
 log = logging.getLogger("diffring.controller")
 
@@ -35,14 +36,12 @@ class Claims:
     task's event and ``announce`` rings a ring's doorbell."""
 
     def __init__(self, table: TaskTable, leases: Leases, priorities: Priorities,
-                 requeue: Requeue, emit: Callable[[str, Task], None],
-                 announce: Callable[[str | None], None], clock: Callable[[], float]) -> None:
+                 requeue: Requeue, out: Outbox, clock: Callable[[], float]) -> None:
         self.table = table
         self.leases = leases
         self.priorities = priorities
         self.requeue = requeue
-        self.emit = emit
-        self.announce = announce
+        self.out = out
         self.clock = clock
 
     def claim(self, worker: WorkerInfo, task_id: str, attempt: int) -> tuple[bool, str]:
@@ -61,11 +60,11 @@ class Claims:
             worker.tasks.add(task_id)
             log.info("task %s stage=%s worker=%s attempt=%d", task_id, task.stage.value,
                      worker.name, attempt)
-            self.emit("claimed", task)
+            self.out.emit("claimed", task)
         elif task is not None and task.stage == Stage.CANCELLED and not was_over:
             # This refusal ended it (cancelled while a worker held it). A task cancelled
             # before was announced then: its leftover items' refusals say nothing more.
-            self.emit("cancelled", task)
+            self.out.emit("cancelled", task)
         else:
             log.info("task %s claim by %s refused: %s", task_id, worker.name, reason)
         return ok, reason
@@ -78,17 +77,17 @@ class Claims:
         if task is None:
             return True
         self.table.progress(task, step, steps)
-        self.emit("progress", task)
+        self.out.emit("progress", task)
         return task.cancel_requested
 
     def handoff(self, worker: WorkerInfo, task_id: str, attempt: int) -> None:
         """The holder published to its output ring, then said so (window 5)."""
         # Wake a consumer even for a task the worker no longer holds: the item is there.
-        self.announce(ROLE_RINGS[worker.role][1])
+        self.out.announce(ROLE_RINGS[worker.role][1])
         worker.tasks.discard(task_id)
         task = self.table.held(task_id, attempt, worker.worker_id)
         if task is None:
             return
         self.table.handoff(task, worker.role)
         log.info("task %s stage=%s from worker=%s", task_id, task.stage.value, worker.name)
-        self.emit("handoff", task)
+        self.out.emit("handoff", task)

@@ -18,12 +18,13 @@ import logging
 from collections.abc import Callable
 
 from contracts.errors import ResultWriteBlocked
+from controller.ownership.outbox import Outbox
 from controller.ownership.rates import CompletionRate
 from controller.ownership.registry import WorkerInfo
 from controller.ownership.results import Results
 from controller.tasks.store import StoreError
 from controller.tasks.table import TaskTable
-from controller.tasks.tasks import TERMINAL, Task
+from controller.tasks.tasks import TERMINAL
 
 log = logging.getLogger("diffring.controller")
 
@@ -33,11 +34,11 @@ class Completions:
     ``rates`` (on ``clock``) and reported with ``emit``."""
 
     def __init__(self, table: TaskTable, results: Results, rates: CompletionRate,
-                 emit: Callable[[str, Task], None], clock: Callable[[], float]) -> None:
+                 out: Outbox, clock: Callable[[], float]) -> None:
         self.table = table
         self.results = results
         self.rates = rates
-        self.emit = emit
+        self.out = out
         self.clock = clock
 
     async def complete(self, worker: WorkerInfo, task_id: str, attempt: int, extension: str,
@@ -68,7 +69,7 @@ class Completions:
             self.rates.completed(self.clock())
             log.info("task %s stage=completed worker=%s attempt=%d result=%s (%d bytes)",
                      task_id, worker.name, attempt, path, len(data))
-            self.emit("completed", task)
+            self.out.emit("completed", task)
             durable = self.table.journal.flush()
             if durable is not None:
                 try:

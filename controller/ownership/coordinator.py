@@ -178,7 +178,7 @@ from controller.ownership.results import Results
 from controller.ownership.resumes import Resumes
 from controller.tasks.checkpoints import CheckpointStore
 from controller.tasks.table import TaskTable
-from controller.tasks.tasks import TERMINAL, Stage, Task
+from controller.tasks.tasks import TERMINAL, Task
 from rings.ring import Ring
 
 log = logging.getLogger("diffring.controller")
@@ -225,19 +225,20 @@ class Coordinator:
         self.budget = RetryBudget(config.max_task_failures, config.poison_worker_deaths)
         self.rates = CompletionRate()
         self.checkpoints = checkpoints  # window 8
-        self.resumes = Resumes(checkpoints, table, self._emit)
+        # Each part reports through this coordinator as its Outbox (emit, announce): one
+        # narrow interface, not a callback per report.
+        self.resumes = Resumes(checkpoints, table, self)
         self.requeue = Requeue(  # pushed by the controller: from the start, or resumed (8)
-            request_ring, table, self._announce,
-            lambda t: self._emit("queued" if t.stage == Stage.QUEUED else "resumed", t),
+            request_ring, table, self,
             rings=rings, route=self.resumes.route, limit=self._release_limit, clock=clock)
-        self.priorities = Priorities(table, self.registry, self._emit, config.preempt_after_s,
+        self.priorities = Priorities(table, self.registry, self, config.preempt_after_s,
                                      config.max_preemptions)
-        self.recovery = Recovery(table, self.budget, self.requeue, self._emit, self._stage,
+        self.recovery = Recovery(table, self.budget, self.requeue, self, self._stage,
                                  config.lease_timeout_s, clock())
-        self.claims = Claims(table, self.leases, self.priorities, self.requeue, self._emit,
-                             self._announce, clock)  # windows 4, 5
-        self.completions = Completions(table, self.results, self.rates, self._emit, clock)
-        self.admission = Admission(table, self.requeue, self.rates, self._emit, clock,
+        self.claims = Claims(table, self.leases, self.priorities, self.requeue, self,
+                             clock)  # windows 4, 5
+        self.completions = Completions(table, self.results, self.rates, self, clock)
+        self.admission = Admission(table, self.requeue, self.rates, self, clock,
                                    max_pending=config.max_pending,
                                    release_ahead=config.release_ahead)  # window 1
         self.listeners: list[Callable[[str, Task], None]] = []
@@ -246,7 +247,9 @@ class Coordinator:
         by a producer that reported the handoff): the doorbell that wakes idle workers."""
 
     # -- helpers ---------------------------------------------------------------------------
-    def _emit(self, event: str, task: Task) -> None:
+    def emit(self, event: str, task: Task) -> None:
+        """Tell the listeners; at a terminal event, free what was kept for the task (its
+        staged input image, its checkpoint). One half of the parts' :class:`Outbox`."""
         for fn in self.listeners:
             fn(event, task)
         if task.stage in TERMINAL:
@@ -274,8 +277,9 @@ class Coordinator:
         return self.config.release_ahead + sum(
             w.role in (Role.ENCODER, Role.TRANSFORMER) for w in self.registry)
 
-    def _announce(self, ring: str | None) -> None:
-        """Ring the doorbell of ``ring`` (work was pushed to it)."""
+    def announce(self, ring: str | None) -> None:
+        """Ring the doorbell of ``ring`` (work was pushed to it): the other half of the
+        parts' :class:`Outbox`."""
         if ring is not None and self.on_work is not None:
             self.on_work(ring)
 
@@ -310,7 +314,7 @@ class Coordinator:
             # Nobody works on it: it waits in a ring (or for a requeue). Whoever claims it
             # next is told to drop it, and releases the buffers its descriptor names.
             self.table.cancelled(task, f"cancelled by the client while {task.stage.value}")
-            self._emit("cancelled", task)
+            self.emit("cancelled", task)
         log.info("task %s cancel requested (stage=%s)", task.task_id, task.stage.value)
         return "success"
 

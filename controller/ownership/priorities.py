@@ -22,10 +22,10 @@ Two moves, both at a step boundary or a claim, never in the middle of work:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from contracts.priority import rank
 from contracts.roles import Role
+from controller.ownership.outbox import Outbox
 from controller.ownership.registry import WorkerInfo, WorkerRegistry
 from controller.tasks.table import TaskTable
 from controller.tasks.tasks import Stage, Task
@@ -43,11 +43,11 @@ class Priorities:
     reports a ``preempting`` event."""
 
     def __init__(self, table: TaskTable, registry: WorkerRegistry,
-                 emit: Callable[[str, Task], None], preempt_after_s: float | None,
+                 out: Outbox, preempt_after_s: float | None,
                  max_preemptions: int) -> None:
         self.table = table
         self.registry = registry
-        self.emit = emit
+        self.out = out
         self.preempt_after_s = preempt_after_s
         self.max_preemptions = max_preemptions
         self.counts = {"deferred": 0, "preemptions": 0}
@@ -112,5 +112,5 @@ class Priorities:
         log.info("task %s (%s, step %d/%d on %s) asked to yield for %s task %s", victim.task_id,
                  victim.priority, victim.step, victim.steps, victim.worker,
                  urgent[outstanding].priority, urgent[outstanding].task_id)
-        self.emit("preempting", victim)
+        self.out.emit("preempting", victim)
         return victim

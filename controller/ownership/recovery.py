@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from contracts.messages import Fault
 from controller.ownership.budget import Cause, RetryBudget
+from controller.ownership.outbox import Outbox
 from controller.ownership.reconcile import Census, MissingTracker
 from controller.ownership.registry import WorkerInfo
 from controller.ownership.requeue import Requeue
@@ -34,12 +35,12 @@ class Recovery:
     stages a retried task's kept input image for its new attempt."""
 
     def __init__(self, table: TaskTable, budget: RetryBudget, requeue: Requeue,
-                 emit: Callable[[str, Task], None], restage: Callable[[Task], None],
+                 out: Outbox, restage: Callable[[Task], None],
                  grace_s: float, now: float) -> None:
         self.table = table
         self.budget = budget
         self.requeue = requeue
-        self.emit = emit
+        self.out = out
         self.restage = restage
         self.grace_s = grace_s
         self.counts: dict[str, int] = dict.fromkeys(PATHS, 0)
@@ -59,12 +60,12 @@ class Recovery:
             self.counts["poisoned"] += exhausted == "poison"
             log.error("task %s failed: %s", task.task_id, task.error)
             self.table.failed(task, task.error or reason, exhausted)
-            self.emit("failed", task)
+            self.out.emit("failed", task)
         elif self.table.retry(task, reason):
             self.restage(task)
             self.requeue.later(task)
         else:
-            self.emit("failed" if task.stage == Stage.FAILED else "cancelled", task)
+            self.out.emit("failed" if task.stage == Stage.FAILED else "cancelled", task)
 
     def failed(self, task: Task, reason: str, error: str, error_type: str, fault: str, *,
                alive: Callable[[int], bool], drop: Callable[[Task], None],
@@ -75,12 +76,12 @@ class Recovery:
         checkpoint; ``preempted(task)``: was a yield a preemption (counts it)."""
         if fault == Fault.CANCELLED or error_type == "cancelled" or task.cancel_requested:
             self.table.cancelled(task, "cancelled by the client while running")
-            self.emit("cancelled", task)
+            self.out.emit("cancelled", task)
         elif fault == Fault.INPUT:
             self.table.failed(task, error, error_type)
-            self.emit("failed", task)
+            self.out.emit("failed", task)
         elif fault == Fault.YIELDED:  # window 8: drained or preempted, its state kept
-            self.emit("preempted" if preempted(task) else "yielded", task)
+            self.out.emit("preempted" if preempted(task) else "yielded", task)
             self.retry(task, reason, Cause.SYSTEM)
         elif error_type == "CheckpointError" or (
                 fault == Fault.TRANSFER and task.resumed_from is not None

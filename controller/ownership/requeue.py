@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts.priority import PRIORITIES, rank
+from controller.ownership.outbox import Outbox
 from controller.tasks.table import TaskTable
 from controller.tasks.tasks import Stage, Task
 from rings.ring import Ring
@@ -45,18 +46,18 @@ class Route:
 
 class Requeue:
     """Pushes to ``ring`` (the request ring) and, for resumes, to ``rings`` (phase1 /
-    phase2) for ``table``; ``queued`` is called for each task once it is in; ``route(task)``
-    says where a task resumes (None: from the start)."""
+    phase2) for ``table``; each task once in is reported to ``out`` (``queued``, or
+    ``resumed`` from a checkpoint); ``route(task)`` says where a task resumes (None: from the
+    start)."""
 
-    def __init__(self, ring: Ring, table: TaskTable, announce: Callable[[str], None],
-                 queued: Callable[[Task], None], *, rings: Mapping[str, Ring] | None = None,
+    def __init__(self, ring: Ring, table: TaskTable, out: Outbox, *,
+                 rings: Mapping[str, Ring] | None = None,
                  route: Callable[[Task], Route | None] | None = None,
                  limit: Callable[[], int | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ring = ring
         self.table = table
-        self.announce = announce
-        self.queued = queued
+        self.out = out
         self.rings: dict[str, Any] = {"request": ring, **(rings or {})}
         self.route = route
         self.limit = limit
@@ -87,7 +88,7 @@ class Requeue:
             self.table.queued(task)
         else:
             self.table.resumed(task, route.stage, route.step)
-        self.announce(route.ring)
+        self.out.announce(route.ring)
         return True
 
     def later(self, task: Task) -> None:
@@ -136,7 +137,7 @@ class Requeue:
             if counted:
                 for r in range(mine + 1):
                     ahead[r] += 1
-            self.queued(task)
+            self.out.emit("queued" if task.stage == Stage.QUEUED else "resumed", task)
 
     def __len__(self) -> int:
         return len(self._waiting)

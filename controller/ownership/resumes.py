@@ -6,11 +6,12 @@ one starts its next attempt, and what a resuming DiT fetches. The tensors themse
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from contracts.errors import DiffringError
 from controller.errors import ControlError
+from controller.ownership.outbox import Outbox
 from controller.ownership.registry import WorkerInfo
 from controller.ownership.requeue import Route
 from controller.tasks.checkpoints import Checkpoint, CheckpointStore
@@ -26,10 +27,10 @@ class Resumes:
     reports a task's ``checkpoint`` event."""
 
     def __init__(self, store: CheckpointStore | None, table: TaskTable,
-                 emit: Callable[[str, Task], None]) -> None:
+                 out: Outbox) -> None:
         self.store = store
         self.table = table
-        self.emit = emit
+        self.out = out
 
     def may_keep(self, worker: WorkerInfo, task_id: str, attempt: int, final: bool
                  ) -> Task | None:
@@ -76,7 +77,7 @@ class Resumes:
         log.info("task %s: %s of step %d/%d kept from %s (%d bytes)", tid,
                  "final latents" if final else "checkpoint", step, steps, worker.name,
                  ckpt.nbytes)
-        self.emit("checkpoint", task)
+        self.out.emit("checkpoint", task)
         return {"accepted": True}
 
     def fetch(self, worker: WorkerInfo, task_id: str, attempt: int) -> dict[str, Any]:
