@@ -286,6 +286,24 @@ class TransformerAdapter(StageAdapter):
         if should_stop is not None and should_stop():
             raise StageCancelled(f"denoising cancelled after {done} of {total} steps", done, total)
 
+    def _branches(self, cfg: bool, forward: Callable[..., torch.Tensor],
+                  cond: Sequence[Any], uncond: Sequence[Any],
+                  both: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                  both_args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step's predictions: the conditional one (``forward(*cond)``) and, with
+        ``cfg``, the unconditional one (``forward(*uncond)``), however this worker runs the
+        two branches -- one on each rank of a CFG-2 group (``cfg_split``), as one batch of
+        two (``cfg_batch``: ``both(*both_args)``), or one after the other, conditional
+        first, as diffusers does. How the two combine is the family's."""
+        if not cfg:
+            return forward(*cond), None
+        if self.cfg_split is not None:
+            pair: tuple[torch.Tensor, torch.Tensor] = self.cfg_split.both(forward, cond, uncond)
+            return pair
+        if self.cfg_batch:
+            return both(*both_args)
+        return forward(*cond), forward(*uncond)
+
 
 class DecoderAdapter(StageAdapter):
     """Stage 3: VAE decode of the final latents and media encoding.

@@ -158,30 +158,15 @@ class QwenTransformer(TransformerAdapter):
                     model_input = torch.cat([latents, inp.image_latents], dim=1)
                 timestep = t.expand(latents.shape[0]).to(latents.dtype)
                 n_tokens = latents.size(1)
-                if cfg and self.cfg_split is not None:  # a CFG-2 group: one branch each
-                    noise_pred, neg_pred = self.cfg_split.both(
-                        self._predict,
-                        (model_input, timestep, inp.prompt, inp.prompt_mask, "cond", guidance,
-                         inp.img_shapes, n_tokens),
-                        (model_input, timestep, inp.negative, inp.negative_mask, "uncond",
-                         guidance, inp.img_shapes, n_tokens),
-                    )
-                elif cfg and self.cfg_batch:
-                    noise_pred, neg_pred = self._predict_both(
-                        model_input, timestep, inp, guidance, n_tokens
-                    )
-                else:
-                    noise_pred = self._predict(
-                        model_input, timestep, inp.prompt, inp.prompt_mask, "cond", guidance,
-                        inp.img_shapes, n_tokens,
-                    )
-                if cfg:
-                    if not self.cfg_batch and self.cfg_split is None:
-                        assert inp.negative is not None
-                        neg_pred = self._predict(
-                            model_input, timestep, inp.negative, inp.negative_mask, "uncond",
-                            guidance, inp.img_shapes, n_tokens,
-                        )
+
+                noise_pred, neg_pred = self._branches(
+                    cfg, self._predict,
+                    (model_input, timestep, inp.prompt, inp.prompt_mask, "cond", guidance,
+                     inp.img_shapes, n_tokens),
+                    (model_input, timestep, inp.negative, inp.negative_mask, "uncond", guidance,
+                     inp.img_shapes, n_tokens),
+                    self._predict_both, (model_input, timestep, inp, guidance, n_tokens))
+                if neg_pred is not None:
                     combined = neg_pred + true_cfg * (noise_pred - neg_pred)
                     # Rescale the guided prediction back to the conditional one's norm.
                     cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)

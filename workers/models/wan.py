@@ -294,37 +294,15 @@ class WanTransformer(TransformerAdapter):
                         "num_inference_steps": total,
                     }
                 extra = {"encoder_hidden_states_image": image_embeds} if i2v else {}
-                if cfg and self.cfg_split is not None:  # a CFG-2 group: one branch each
-                    noise_pred, noise_uncond = self.cfg_split.both(
-                        self._forward,
-                        (model_input, t.expand(1), prompt_embeds, extra, "cond", cache_kwargs),
-                        (model_input, t.expand(1), negative_embeds, extra, "uncond",
-                         cache_kwargs),
-                    )
+                timestep = t.expand(latents.shape[0])
+                noise_pred, noise_uncond = self._branches(
+                    cfg, self._forward,
+                    (model_input, timestep, prompt_embeds, extra, "cond", cache_kwargs),
+                    (model_input, timestep, negative_embeds, extra, "uncond", cache_kwargs),
+                    self._forward_both,
+                    (model_input, t, prompt_embeds, negative_embeds, extra, cache_kwargs))
+                if noise_uncond is not None:
                     noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
-                elif cfg and self.cfg_batch:
-                    assert negative_embeds is not None
-                    noise_pred, noise_uncond = self._forward(
-                        torch.cat([model_input, model_input]),
-                        t.expand(2),
-                        torch.cat([prompt_embeds, negative_embeds]),
-                        {k: torch.cat([v, v]) for k, v in extra.items() if v is not None},
-                        "cond",
-                        cache_kwargs,
-                    ).chunk(2)
-                    noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
-                else:
-                    timestep = t.expand(latents.shape[0])
-                    noise_pred = self._forward(
-                        model_input, timestep, prompt_embeds, extra, "cond", cache_kwargs
-                    )
-                    if cfg:
-                        assert negative_embeds is not None
-                        noise_uncond = self._forward(
-                            model_input, timestep, negative_embeds, extra, "uncond",
-                            cache_kwargs,
-                        )
-                        noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
                 latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
                 if on_step is not None:
                     on_step(i + 1, total)
@@ -354,6 +332,26 @@ class WanTransformer(TransformerAdapter):
                 **extra,
             )[0]
         return out
+
+    def _forward_both(
+        self,
+        model_input: torch.Tensor,
+        t: torch.Tensor,
+        text: torch.Tensor,
+        negative: torch.Tensor,
+        extra: Mapping[str, torch.Tensor | None],
+        cache_kwargs: Mapping[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both CFG branches as one batch-2 forward (``cfg_batch``)."""
+        cond, uncond = self._forward(
+            torch.cat([model_input, model_input]),
+            t.expand(2),
+            torch.cat([text, negative]),
+            {k: torch.cat([v, v]) for k, v in extra.items() if v is not None},
+            "cond",
+            cache_kwargs,
+        ).chunk(2)
+        return cond, uncond
 
     def warmup_inputs(self, req: GenerationRequest, variant: int) -> dict[str, torch.Tensor]:
         """Random conditioning of the shapes the encoder produces for ``req``."""
