@@ -56,6 +56,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8_attention": {"attention": "fp8_cudnn"},
     "fp8_linear_compiled": {"compile": True, "stage": {"linear": "fp8"}},
     "fp8_compiled": {"compile": True, "attention": "fp8_cudnn", "stage": {"linear": "fp8"}},
+    "sage2_attention": {"attention": "sage2"},
+    "sage2_compiled": {"compile": True, "attention": "sage2", "stage": {"linear": "fp8"}},
+    "fa3_attention": {"attention": "fa3_fp8"},
     "fp8_storage": {"stage": {"weight_storage": "fp8"}},
     "offload_block": {"stage": {"offload": "block"}},
     "fp8_storage_offload": {"stage": {"weight_storage": "fp8", "offload": "block"}},
@@ -321,7 +324,7 @@ def report(args: argparse.Namespace) -> int:
 ATTN_SHAPES = {
     "Wan2.1-14B 480p (1, 40, 32760, 128)": (1, 32760, 40, 128),
     "Wan2.1-1.3B 480p (1, 12, 32760, 128)": (1, 32760, 12, 128),
-    "Wan2.1-14B 720p (1, 40, 75600, 128)": (1, 75600, 40, 128),
+    "Wan2.1-14B / Wan2.2-A14B 720p (1, 40, 75600, 128)": (1, 75600, 40, 128),
     "Qwen-Image 1024 (1, 24, 4096+256, 128)": (1, 4352, 24, 128),
     "Qwen-Image 1328 (1, 24, 6889+256, 128)": (1, 7145, 24, 128),
 }
