@@ -98,7 +98,7 @@ def _bundle_with_sage2(tmp_path: Path) -> Path:
     (bundle / "requirements.txt").write_text("# nothing to install\n")
     entry = ob.bundle_source("sage2", bundle, tree)
     (bundle / "manifest.json").write_text(json.dumps(
-        {"python": "%d.%d" % sys.version_info[:2], "sources": {"sage2": entry}}))
+        {"python": "{}.{}".format(*sys.version_info[:2]), "sources": {"sage2": entry}}))
     return bundle
 
 
@@ -121,7 +121,7 @@ def test_install_uses_a_wheel_built_once_for_this_python_and_torch(tmp_path: Pat
     import torch
 
     bundle = _bundle_with_sage2(tmp_path)
-    stamp = "py%d.%d-torch%s" % (*sys.version_info[:2], torch.__version__)
+    stamp = "py{}.{}-torch{}".format(*sys.version_info[:2], torch.__version__)
     built = bundle / "built" / "sage2" / stamp
     built.mkdir(parents=True)
     wheel = built / "sageattention-2.2.0+sm90-py3-none-any.whl"

@@ -23,10 +23,11 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.bench_dit import ATTN_SHAPES
+from scripts.bench.bench_dit import ATTN_SHAPES, timed
 
 KERNELS = ("fp8_cudnn", "sage2", "fa3_fp8")
 _FP32_MAX_TOKENS = 33000
@@ -64,21 +65,6 @@ def kernel_function(name: str, device: Any) -> tuple[Callable[..., Any] | None, 
         return torch.compile(fa3.fa3_fp8_attention), ""
     except ModelLoadError as exc:
         return None, str(exc)
-
-
-def timed(fn: Callable[[], Any], reps: int = 10) -> float:
-    """Milliseconds per call, CUDA events over ``reps`` calls after 3 warm-ups."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) / reps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                    for _ in range(3))
         flop = 4 * b * h * s * s * d
         row: dict[str, Any] = {"shape": [b, h, s, d],
-                               "bf16_ms": round(timed(lambda q=q, k=k, v=v: sdpa(q, k, v)), 2)}
+                               "bf16_ms": round(timed(partial(sdpa, q, k, v)), 2)}
         for kname, fn in kernels.items():
-            ms = timed(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
+            ms = timed(partial(fn, q, k, v))
             row[kname] = {"ms": round(ms, 2), "tflops": round(flop / ms / 1e9),
                           "speedup": round(row["bf16_ms"] / ms, 2)}
         if s <= _FP32_MAX_TOKENS:

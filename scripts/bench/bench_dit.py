@@ -330,6 +330,21 @@ ATTN_SHAPES = {
 }
 
 
+def timed(fn: Any, reps: int = 10) -> float:
+    """Milliseconds per call of ``fn``, CUDA events over ``reps`` calls after 3 warm-ups."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / reps
+
+
 def attn(args: argparse.Namespace) -> int:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -337,17 +352,6 @@ def attn(args: argparse.Namespace) -> int:
     from workers.models.fp8_attention import fp8_attention
 
     args.out.mkdir(parents=True, exist_ok=True)
-
-    def timed(fn: Any, reps: int = 10) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / reps
 
     def sdpa(q: Any, k: Any, v: Any, backend: Any = SDPBackend.CUDNN_ATTENTION) -> Any:
         with sdpa_kernel(backend):

@@ -9,10 +9,11 @@ quantisation (a Triton kernel for Q/K, a CUDA one for V) and the attention (wgmm
 built for ``sm_90a`` from SageAttention's public source by ``scripts/offline/build_sage2.py``
 (PyPI has no SageAttention 2 wheel; the offline bundle's ``sage2`` extra carries the source).
 
-Why this kernel: on an H200 it runs Wan's self-attention faster than cuDNN's FP8 graph
-(``fp8_cudnn``) with its quantisation included, at lower error (BENCHMARKS.md, "Attention
-at Hopper's 8-bit rate"). FlashAttention-3's FP8 forward was measured beside it and not
-kept (same section).
+Why this kernel: it is the one the peers run on Hopper (LightX2V's default), with INT8
+rather than FP8 Q/K at a finer granularity than cuDNN's per-tensor FP8 graph
+(``fp8_cudnn``). Its build on an H200 is verified; its speed and error against
+``fp8_cudnn`` and FlashAttention-3's FP8 forward (``fa3_fp8``) are the next measurement
+(BENCHMARKS.md, "Attention at Hopper's 8-bit rate").
 
 Which calls go to it: self-attention of at least :data:`SAGE2_MIN_TOKENS` tokens. Wan's
 cross-attention to the 512 text tokens (and I2V's 257 image tokens) stays on SDPA, exact:
@@ -37,7 +38,10 @@ __all__ = ["INSTALL_HINT", "SAGE2_MIN_TOKENS", "check_sage2_attention", "sage2_a
            "sage2_kernel"]
 
 SAGE2_MIN_TOKENS = 16384
-"""Shortest self-attention that goes to the kernel; shorter ones stay on SDPA."""
+"""Shortest self-attention that goes to the kernel; shorter ones stay on SDPA. The
+``fp8_cudnn`` threshold, whose quantisation passes cost more than they save below ~10k
+tokens; to be set from this kernel's own row of ``bench_attn`` (Qwen-Image's 4,352 and
+7,145 tokens are in it)."""
 _CAPABILITY = (9, 0)
 """The kernel is built for sm_90a (wgmma, setmaxnreg): Hopper only, not later GPUs."""
 _HEAD_DIM = 128
