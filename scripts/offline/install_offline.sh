@@ -14,11 +14,12 @@
 # see what the interpreter has, so the requirements are checked by importing them instead).
 #
 # A bundle made with a source extra (--extras sage2: SageAttention2's Hopper kernel) carries
-# its source and build script: the kernel is built here with the node's nvcc (about
-# three minutes on 16 cores), unless DIR/built/ holds a wheel built once for this Python and torch (copy the
-# bundle folder from a node of the same image after its install). A node that cannot build
-# it (no nvcc, another CUDA major version, no compiler) gets everything else installed and
-# exit status 3, with what is missing named; the DiT stage then refuses that backend at load.
+# its source and build script: the kernel is built here with the node's nvcc (about three
+# minutes on 16 cores), unless DIR/built/ holds a wheel built once for this Python and torch
+# (copy the bundle folder from a node of the same image after its install). A node that
+# cannot build it (no nvcc, another CUDA major version, no compiler) gets everything else
+# installed and exit status 3, with what is missing named; the DiT stage then refuses that
+# backend at load.
 set -euo pipefail
 if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
   sed -n '2,14p' "$0"; exit 2
