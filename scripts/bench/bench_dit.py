@@ -56,6 +56,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8_attention": {"attention": "fp8_cudnn"},
     "fp8_linear_compiled": {"compile": True, "stage": {"linear": "fp8"}},
     "fp8_compiled": {"compile": True, "attention": "fp8_cudnn", "stage": {"linear": "fp8"}},
+    "sage2_attention": {"attention": "sage2"},
+    "sage2_compiled": {"compile": True, "attention": "sage2", "stage": {"linear": "fp8"}},
+    "fa3_attention": {"attention": "fa3_fp8"},
     "fp8_storage": {"stage": {"weight_storage": "fp8"}},
     "offload_block": {"stage": {"offload": "block"}},
     "fp8_storage_offload": {"stage": {"weight_storage": "fp8", "offload": "block"}},
@@ -321,10 +324,25 @@ def report(args: argparse.Namespace) -> int:
 ATTN_SHAPES = {
     "Wan2.1-14B 480p (1, 40, 32760, 128)": (1, 32760, 40, 128),
     "Wan2.1-1.3B 480p (1, 12, 32760, 128)": (1, 32760, 12, 128),
-    "Wan2.1-14B 720p (1, 40, 75600, 128)": (1, 75600, 40, 128),
+    "Wan2.1-14B / Wan2.2-A14B 720p (1, 40, 75600, 128)": (1, 75600, 40, 128),
     "Qwen-Image 1024 (1, 24, 4096+256, 128)": (1, 4352, 24, 128),
     "Qwen-Image 1328 (1, 24, 6889+256, 128)": (1, 7145, 24, 128),
 }
+
+
+def timed(fn: Any, reps: int = 10) -> float:
+    """Milliseconds per call of ``fn``, CUDA events over ``reps`` calls after 3 warm-ups."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / reps
 
 
 def attn(args: argparse.Namespace) -> int:
@@ -334,17 +352,6 @@ def attn(args: argparse.Namespace) -> int:
     from workers.models.fp8_attention import fp8_attention
 
     args.out.mkdir(parents=True, exist_ok=True)
-
-    def timed(fn: Any, reps: int = 10) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / reps
 
     def sdpa(q: Any, k: Any, v: Any, backend: Any = SDPBackend.CUDNN_ATTENTION) -> Any:
         with sdpa_kernel(backend):

@@ -12,6 +12,14 @@
 # system's loader does not know already (ldconfig -p), so system libraries always win.
 # --target installs into SITE_DIR instead of the interpreter's environment (pip then cannot
 # see what the interpreter has, so the requirements are checked by importing them instead).
+#
+# A bundle made with a source extra (--extras sage2: SageAttention2's Hopper kernel) carries
+# its source and build script: the kernel is built here with the node's nvcc (about three
+# minutes on 16 cores), unless DIR/built/ holds a wheel built once for this Python and torch
+# (copy the bundle folder from a node of the same image after its install). A node that
+# cannot build it (no nvcc, another CUDA major version, no compiler) gets everything else
+# installed and exit status 3, with what is missing named; the DiT stage then refuses that
+# backend at load.
 set -euo pipefail
 if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
   sed -n '2,14p' "$0"; exit 2
@@ -49,6 +57,45 @@ else
   "$PY" "${pip_args[@]}" -r "$DIR/requirements.txt"
 fi
 
+# 1b. Source extras: built here, or a wheel built once for this Python and torch.
+source_field() {  # NAME FIELD: one field of the manifest's entry for source extra NAME
+  "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["sources"][sys.argv[2]][sys.argv[3]])' \
+    "$DIR/manifest.json" "$1" "$2"
+}
+install_source() {  # NAME: build (or find) the extra's wheel, then install it
+  local name=$1 builder folder stamp out wheel
+  builder=$(source_field "$name" builder)
+  folder=$(source_field "$name" folder)
+  stamp=$("$PY" -c 'import sys, torch; print("py%d.%d-torch%s" % (sys.version_info[:2] + (torch.__version__,)))' 2>/dev/null || echo no-torch)
+  out="$DIR/built/$name/$stamp"
+  mkdir -p "$out"
+  wheel=$(find "$out" -maxdepth 1 -name '*.whl' | head -n1)
+  if [ -n "$wheel" ]; then
+    echo "$name: installing $wheel, built once for $stamp"
+  else
+    if ! "$PY" "$DIR/$builder" --check; then
+      echo "install_offline.sh: cannot build the $name kernel on this node (above)" >&2
+      return 1
+    fi
+    rm -rf "${DIR:?}/src/$folder"
+    tar -xzf "$DIR/$(source_field "$name" archive)" -C "$DIR/src"
+    echo "$name: building from $(source_field "$name" commit) with this node's nvcc"
+    "$PY" "$DIR/$builder" --src "$DIR/src/$folder" --out "$out" || return 1
+    wheel=$(find "$out" -maxdepth 1 -name '*.whl' | head -n1)
+    [ -n "$wheel" ] || return 1
+  fi
+  if [ -n "$TARGET" ]; then
+    "$PY" "${pip_args[@]}" --no-deps --upgrade --target "$TARGET" "$wheel"
+  else
+    "$PY" "${pip_args[@]}" --no-deps --force-reinstall "$wheel"
+  fi
+}
+SOURCES=$("$PY" -c 'import json,sys; print(" ".join(json.load(open(sys.argv[1])).get("sources", {})))' "$DIR/manifest.json")
+NOT_BUILT=""
+for name in $SOURCES; do
+  install_source "$name" || NOT_BUILT="$NOT_BUILT $name"
+done
+
 # 2. Shared libraries of the Debian packages, for the names the system lacks.
 LIB="$DIR/lib"
 rm -rf "$DIR/debroot" "$LIB"
@@ -83,10 +130,14 @@ fi
 # 4. Check: everything imports, with the environment above.
 # shellcheck disable=SC1091
 source "$DIR/env.sh"
-"$PY" - <<'PYEOF'
+BUILT_MODULES=""
+case " $SOURCES " in *" sage2 "*) case " $NOT_BUILT " in *" sage2 "*) ;;
+  *) BUILT_MODULES="sageattention._qattn_sm90" ;; esac ;; esac
+BUILT_MODULES="$BUILT_MODULES" "$PY" - <<'PYEOF'
 import importlib
+import os
 mods = ["diffusers", "transformers", "fastapi", "uvicorn", "pydantic", "av", "torch",
-        "mooncake.engine"]
+        "mooncake.engine", *os.environ["BUILT_MODULES"].split()]
 bad = []
 for m in mods:
     try:
@@ -97,4 +148,10 @@ for m in mods:
 if bad:
     raise SystemExit("import check failed:\n  " + "\n  ".join(bad))
 PYEOF
+if [ -n "$NOT_BUILT" ]; then
+  echo "installed, except the kernels of:$NOT_BUILT (what they need is named above; the" \
+       "DiT stage refuses those attention backends at load). Install it, then run this" \
+       "script again. Before starting services: source $DIR/env.sh" >&2
+  exit 3
+fi
 echo "installed; before starting services: source $DIR/env.sh"

@@ -17,7 +17,12 @@ explains the two commands. What it does:
 3. Downloads (``apt-get download``, not installed) the Debian packages Mooncake links and
    the image may lack: libibverbs1, ibverbs-providers, librdmacm1, libnl-3-200,
    libnl-route-3-200, libnuma1, libcurl4 and libcurl4's dependencies.
-4. Writes ``requirements.txt`` (the roots; ``install_offline.sh`` installs them with
+4. For a *source extra* (``--extras sage2``: SageAttention2's Hopper kernel, which has no
+   wheel on PyPI), downloads the pinned source archive into ``src/`` and copies its build
+   script beside ``install_offline.sh``, which builds it on the node with the node's nvcc
+   (``scripts/offline/build_sage2.py``). ``--source sage2=PATH`` takes a local archive or
+   source tree instead of the download.
+5. Writes ``requirements.txt`` (the roots; ``install_offline.sh`` installs them with
    ``--no-index``, so pip also checks that the skipped ones are present) and
    ``manifest.json``, and refuses a bundle over ``--max-mb``.
 """
@@ -33,8 +38,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import tomllib
+import urllib.request
 import zipfile
 from base64 import urlsafe_b64encode
 from pathlib import Path
@@ -55,6 +62,22 @@ ESSENTIAL_DEBS = {"libc6", "libgcc-s1", "debconf", "adduser", "libstdc++6", "pas
                   "perl-base", "dpkg", "init-system-helpers", "libselinux1", "libpcre2-8-0",
                   "libssl3", "zlib1g", "libffi8", "libzstd1", "libdb5.3",
                   "libsasl2-modules-db"}
+
+
+SOURCE_EXTRAS: dict[str, dict[str, str]] = {
+    "sage2": {
+        "commit": "d1a57a546c3d395b1ffcbeecc66d81db76f3b4b5",
+        "url": "https://github.com/thu-ml/SageAttention/archive/{commit}.tar.gz",
+        "builder": "build_sage2.py",
+        "replaces": "sageattention",
+        "what": "SageAttention2's Hopper kernel (INT8 QK, FP8 PV), built on the node",
+    },
+}
+"""Extras that are source archives, not wheels: the commit pinned (upstream's main after
+the 2.2.0 release, with its sm90 fixes), where GitHub serves it, the script in
+``scripts/offline/`` that builds it on the node, and the PyPI package it stands in for
+(dropped from the roots: the PyPI 1.x ``sageattention`` of the ``sage`` extra would be
+replaced by the build anyway)."""
 
 
 def log(msg: str) -> None:
@@ -274,7 +297,82 @@ def download_debs(names: list[str], dest: Path, arch: str) -> list[str]:
     return pkgs
 
 
+# ------------------------------------------------------------------------- source extras
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def bundle_source(name: str, out: Path, local: Path | None) -> dict[str, Any]:
+    """Put source extra ``name`` into ``out/src/NAME.tar.gz`` (downloaded at its pinned
+    commit, or from ``local``: an archive, or a source tree that is packed) and its build
+    script beside install_offline.sh; returns its manifest entry."""
+    spec = SOURCE_EXTRAS[name]
+    src = out / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    archive = src / f"{name}.tar.gz"
+    if local is None:
+        url = spec["url"].format(commit=spec["commit"])
+        log(f"{name}: downloading {url}")
+        with urllib.request.urlopen(url, timeout=120) as resp, archive.open("wb") as f:
+            shutil.copyfileobj(resp, f)
+        origin = url
+    elif local.is_dir():
+        with tarfile.open(archive, "w:gz") as tar:
+            tar.add(local, arcname=name)
+        origin = str(local)
+    else:
+        shutil.copy2(local, archive)
+        origin = str(local)
+    with tarfile.open(archive) as tar:
+        top = {m.name.split("/", 1)[0] for m in tar.getmembers()}
+    if len(top) != 1:
+        raise SystemExit(f"{name} source {origin}: expected one top folder, found {sorted(top)}")
+    shutil.copy2(ROOT / "scripts" / "offline" / spec["builder"], out / spec["builder"])
+    return {"archive": f"src/{archive.name}", "folder": top.pop(), "commit": spec["commit"],
+            "from": origin, "sha256": _sha256(archive), "builder": spec["builder"],
+            "what": spec["what"]}
+
+
+def split_extras(extras: list[str]) -> tuple[list[str], list[str]]:
+    """(pyproject extras, source extras) of ``--extras``."""
+    return ([e for e in extras if e not in SOURCE_EXTRAS],
+            [e for e in extras if e in SOURCE_EXTRAS])
+
+
+def parse_sources(items: list[str]) -> dict[str, Path]:
+    """``--source NAME=PATH`` options as a dict, each name a source extra."""
+    found: dict[str, Path] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or name not in SOURCE_EXTRAS:
+            raise SystemExit(f"--source {item!r}: expected NAME=PATH with NAME one of "
+                             f"{', '.join(SOURCE_EXTRAS)}")
+        found[name] = Path(path)
+    return found
+
+
 # ------------------------------------------------------------------------- main
+def bundle_roots(extras: list[str], mooncake: str, extra_reqs: list[str]
+                 ) -> tuple[list[Requirement], list[str]]:
+    """(the requirements to resolve, the source extras) of ``--extras``: the project's own,
+    its pyproject extras, the Mooncake wheel of ``--mooncake`` and ``--with``. Another
+    Mooncake flavour named by an extra (cpu, cuda) gives way to ``--mooncake``; the PyPI
+    package a source extra stands in for is left out (PyPI's sageattention 1.x: the build
+    would replace it)."""
+    assert canonicalize_name(mooncake).startswith("mooncake"), "--mooncake names a Mooncake wheel"
+    wheel_extras, source_extras = split_extras(extras)
+    replaced = {canonicalize_name(SOURCE_EXTRAS[s]["replaces"]) for s in source_extras}
+    roots = [r for r in project_roots(wheel_extras)
+             if not canonicalize_name(r.name).startswith("mooncake")
+             and canonicalize_name(r.name) not in replaced]
+    roots += [Requirement(mooncake), *(Requirement(r) for r in extra_reqs)]
+    return roots, source_extras
+
+
 def project_roots(extras: list[str]) -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = [Requirement(r) for r in project["dependencies"]]
@@ -291,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default="3.12", help="target Python, e.g. 3.12")
     ap.add_argument("--platform", default="manylinux_2_28_x86_64")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--extras", default="sage,fp8", help="pyproject extras to add (comma list)")
+    ap.add_argument("--extras", default="sage,fp8",
+                    help="pyproject extras to add (comma list), and source extras "
+                         f"({', '.join(SOURCE_EXTRAS)}: built on the node)")
+    ap.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
+                    help="a source extra from a local archive or tree, not downloaded")
     ap.add_argument("--mooncake", default="mooncake-transfer-engine-cuda13",
                     help="Mooncake wheel: mooncake-transfer-engine-cuda13 (CUDA 13 torch), "
                          "mooncake-transfer-engine (CUDA 12), "
@@ -315,12 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     wheels.mkdir(parents=True)
     skip = read_skip(args.skip_file, args.skip)
     extras = [e for e in args.extras.split(",") if e]
-    mooncake = canonicalize_name(args.mooncake)
-    # Another Mooncake flavour named by an extra (cpu, cuda) gives way to --mooncake.
-    roots = [r for r in project_roots(extras)
-             if not canonicalize_name(r.name).startswith("mooncake")]
-    roots += [Requirement(args.mooncake), *(Requirement(r) for r in args.extra_reqs)]
-    assert mooncake.startswith("mooncake"), "--mooncake names a Mooncake wheel"
+    local_sources = parse_sources(args.source)
+    roots, source_extras = bundle_roots(extras, args.mooncake, args.extra_reqs)
     have = resolve(roots, skip, wheels, args.python, args.platform)
     slim: dict[str, Any] = {}
     for name, wheel in have.items():
@@ -333,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         if (out / "debs").exists():
             shutil.rmtree(out / "debs")
         debs = download_debs(args.debs.split(","), out / "debs", args.deb_arch)
+    if (out / "src").exists():
+        shutil.rmtree(out / "src")
+    sources = {s: bundle_source(s, out, local_sources.get(s)) for s in source_extras}
     env = target_env(args.python)
     req_lines = [str(r) for r in roots if r.marker is None or r.marker.evaluate(env)]
     (out / "requirements.txt").write_text(
@@ -340,19 +441,21 @@ def main(argv: list[str] | None = None) -> int:
         "# on the target already (pip checks it)\n" + "\n".join(req_lines) + "\n")
     sizes = {p.name: p.stat().st_size for p in sorted(wheels.glob("*.whl"))}
     deb_sizes = {p.name: p.stat().st_size for p in sorted((out / "debs").glob("*.deb"))}
-    total = sum(sizes.values()) + sum(deb_sizes.values())
+    src_sizes = {p.name: p.stat().st_size for p in sorted((out / "src").glob("*.tar.gz"))}
+    total = sum(sizes.values()) + sum(deb_sizes.values()) + sum(src_sizes.values())
     manifest = {
         "python": args.python, "platform": args.platform, "mooncake": args.mooncake,
         "extras": extras, "skip_patterns": skip, "wheels": sizes, "debs": deb_sizes,
-        "deb_packages": debs, "mooncake_slim": slim, "total_bytes": total,
+        "deb_packages": debs, "mooncake_slim": slim, "sources": sources,
+        "total_bytes": total,
         "built_with": {"python": sys.version.split()[0], "host": os.uname().release},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     shutil.copy2(ROOT / "scripts" / "offline" / "install_offline.sh", out / "install_offline.sh")
-    for name, size in {**sizes, **deb_sizes}.items():
+    for name, size in {**sizes, **deb_sizes, **src_sizes}.items():
         print(f"{size / 2**20:8.2f} MiB  {name}")
-    print(f"{total / 2**20:8.2f} MiB  total ({len(sizes)} wheels, {len(deb_sizes)} debs) "
-          f"in {out}")
+    print(f"{total / 2**20:8.2f} MiB  total ({len(sizes)} wheels, {len(deb_sizes)} debs, "
+          f"{len(src_sizes)} sources) in {out}")
     if total > args.max_mb * 2**20:
         raise SystemExit(f"bundle is {total / 2**20:.1f} MiB, over --max-mb {args.max_mb}: "
                          "skip more (--skip NAME) or raise --max-mb")

@@ -1,9 +1,14 @@
 """Attention backends of the DiT stage: ``sdpa`` (default), ``sdpa_cudnn``, ``sdpa_flash``,
-``flash_attn``, ``sage_attn``, ``fp8_cudnn``.
+``flash_attn``, ``sage_attn``, ``fp8_cudnn``, ``sage2``, ``fa3_fp8``.
 
 * ``fp8_cudnn`` (lossy, Hopper and newer): the self-attention through cuDNN's FP8 graph
   (:mod:`workers.models.fp8_attention`) in the kernel processors below; cross-attention
   stays on SDPA.
+* ``sage2`` (lossy, Hopper only): the self-attention through SageAttention2's sm90 kernel
+  (INT8 QK, FP8 PV; :mod:`workers.models.sage2_attention`), built from source on the node by
+  the offline bundle, in the same kernel processors.
+* ``fa3_fp8`` (lossy, Hopper only): FlashAttention-3's FP8 forward
+  (:mod:`workers.models.fa3_attention`), likewise.
 
 * ``sdpa``, ``sdpa_cudnn``, ``sdpa_flash`` and ``flash_attn`` go through diffusers' own
   attention dispatch (``ModelMixin.set_attention_backend``): "native" is torch SDPA with
@@ -110,6 +115,18 @@ def apply_attention_backend(
         if dtype != torch.bfloat16:
             raise ModelLoadError("attention backend 'fp8_cudnn' needs dtype bfloat16")
         install_kernel_processors(model, cudnn_fp8_kernel())
+        return
+    if backend == "sage2":
+        from .sage2_attention import check_sage2_attention, sage2_kernel
+
+        check_sage2_attention(device, dtype, head_dim)
+        install_kernel_processors(model, sage2_kernel())
+        return
+    if backend == "fa3_fp8":
+        from .fa3_attention import check_fa3_attention, fa3_kernel
+
+        check_fa3_attention(device, dtype, head_dim)
+        install_kernel_processors(model, fa3_kernel())
         return
     if backend == "flash_attn":
         _require_package("flash_attn", "flash-attn", backend)
