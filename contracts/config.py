@@ -113,8 +113,7 @@ class ServiceConfig:
     """DiT attention backend: 'sdpa', 'sdpa_cudnn', 'sdpa_flash', 'flash_attn', 'sage_attn',
     'fp8_cudnn' (FP8 self-attention through cuDNN's graph, Hopper and newer; lossy:
     workers/models/fp8_attention.py), 'sage2' (SageAttention2's sm90 kernel, Hopper only;
-    lossy: workers/models/sage2_attention.py) or 'fa3_fp8' (FlashAttention-3's FP8 forward,
-    Hopper only; lossy: workers/models/fa3_attention.py)."""
+    lossy: workers/models/sage2_attention.py)."""
     compile: bool = False
     """Transformer stage: torch.compile the DiT's repeated blocks at start. Needs
     ``warmup_shapes``: the worker compiles them before it registers (ready = compiled)."""

@@ -169,7 +169,6 @@ def served_classes() -> dict[str, TaskSpec]:
 DTYPES: Final[tuple[str, ...]] = ("float32", "bfloat16")
 ATTENTION_BACKENDS: Final[tuple[str, ...]] = (
     "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_attn", "sage_attn", "fp8_cudnn", "sage2",
-    "fa3_fp8",
 )
 # How MP4 results are encoded: "auto" is NVENC when it opens on the machine, else libx264.
 VIDEO_CODECS: Final[tuple[str, ...]] = ("auto", "libx264", "h264_nvenc")

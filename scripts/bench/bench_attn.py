@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """The DiT's quantised self-attention kernels side by side, on one GPU.
 
-    python3 -m scripts.bench.bench_attn --out out/attn [--kernels fp8_cudnn,sage2,fa3_fp8]
+    python3 -m scripts.bench.bench_attn --out out/attn [--kernels fp8_cudnn,sage2]
 
 For each self-attention shape of the served DiTs (``bench_dit.ATTN_SHAPES``: Wan2.1-14B and
 1.3B at 480p, Wan2.1-14B / Wan2.2-A14B at 720p, Qwen-Image at 1024 and 1328), on random
 bf16 (B, S, H, D) inputs: the time of bf16 cuDNN SDPA and of each quantised backend's
-kernel function as the DiT calls it (quantisation included; ``fp8_cudnn`` and ``fa3_fp8``
-compiled, so their quantisation is fused as in a compiled DiT; ``sage2`` quantises in its
-own kernels), and, where a float32 reference is quick (up to 33k tokens), the relative L2
-error of each against float32 SDPA. One more row per kernel: the same error on offset
+kernel function as the DiT calls it (quantisation included; ``fp8_cudnn`` compiled, so its
+quantisation is fused as in a compiled DiT; ``sage2`` quantises in its own kernels), and,
+where a float32 reference is quick (up to 33k tokens), the relative L2 error of each against
+float32 SDPA. One more row per kernel: the same error on offset
 inputs (keys + 3, values + 2, the case smoothing exists for).
 
 A kernel whose package or GPU is missing is reported as skipped, with the refusal the DiT
@@ -29,7 +29,7 @@ from typing import Any
 
 from scripts.bench.bench_dit import ATTN_SHAPES, timed
 
-KERNELS = ("fp8_cudnn", "sage2", "fa3_fp8")
+KERNELS = ("fp8_cudnn", "sage2")
 _FP32_MAX_TOKENS = 33000
 T0 = time.monotonic()
 
@@ -52,17 +52,11 @@ def kernel_function(name: str, device: Any) -> tuple[Callable[..., Any] | None, 
             fp8.check_fp8_attention(device)
             fp8.FP8_MIN_TOKENS = 0
             return torch.compile(fp8.fp8_attention), ""
-        if name == "sage2":
-            from workers.models import sage2_attention as sage2
+        from workers.models import sage2_attention as sage2
 
-            sage2.check_sage2_attention(device, torch.bfloat16, 128)
-            sage2.SAGE2_MIN_TOKENS = 0
-            return sage2.sage2_attention, ""
-        from workers.models import fa3_attention as fa3
-
-        fa3.check_fa3_attention(device, torch.bfloat16, 128)
-        fa3.FA3_MIN_TOKENS = 0
-        return torch.compile(fa3.fa3_fp8_attention), ""
+        sage2.check_sage2_attention(device, torch.bfloat16, 128)
+        sage2.SAGE2_MIN_TOKENS = 0
+        return sage2.sage2_attention, ""
     except ModelLoadError as exc:
         return None, str(exc)
 

@@ -58,7 +58,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8_compiled": {"compile": True, "attention": "fp8_cudnn", "stage": {"linear": "fp8"}},
     "sage2_attention": {"attention": "sage2"},
     "sage2_compiled": {"compile": True, "attention": "sage2", "stage": {"linear": "fp8"}},
-    "fa3_attention": {"attention": "fa3_fp8"},
     "fp8_storage": {"stage": {"weight_storage": "fp8"}},
     "offload_block": {"stage": {"offload": "block"}},
     "fp8_storage_offload": {"stage": {"weight_storage": "fp8", "offload": "block"}},

@@ -1,5 +1,5 @@
 """Attention backends of the DiT stage: ``sdpa`` (default), ``sdpa_cudnn``, ``sdpa_flash``,
-``flash_attn``, ``sage_attn``, ``fp8_cudnn``, ``sage2``, ``fa3_fp8``.
+``flash_attn``, ``sage_attn``, ``fp8_cudnn``, ``sage2``.
 
 * ``fp8_cudnn`` (lossy, Hopper and newer): the self-attention through cuDNN's FP8 graph
   (:mod:`workers.models.fp8_attention`) in the kernel processors below; cross-attention
@@ -7,8 +7,6 @@
 * ``sage2`` (lossy, Hopper only): the self-attention through SageAttention2's sm90 kernel
   (INT8 QK, FP8 PV; :mod:`workers.models.sage2_attention`), built from source on the node by
   the offline bundle, in the same kernel processors.
-* ``fa3_fp8`` (lossy, Hopper only): FlashAttention-3's FP8 forward
-  (:mod:`workers.models.fa3_attention`), likewise.
 
 * ``sdpa``, ``sdpa_cudnn``, ``sdpa_flash`` and ``flash_attn`` go through diffusers' own
   attention dispatch (``ModelMixin.set_attention_backend``): "native" is torch SDPA with
@@ -121,12 +119,6 @@ def apply_attention_backend(
 
         check_sage2_attention(device, dtype, head_dim)
         install_kernel_processors(model, sage2_kernel())
-        return
-    if backend == "fa3_fp8":
-        from .fa3_attention import check_fa3_attention, fa3_kernel
-
-        check_fa3_attention(device, dtype, head_dim)
-        install_kernel_processors(model, fa3_kernel())
         return
     if backend == "flash_attn":
         _require_package("flash_attn", "flash-attn", backend)
