@@ -112,8 +112,8 @@ class ServiceConfig:
     attention_backend: str = "sdpa"
     """DiT attention backend: 'sdpa', 'sdpa_cudnn', 'sdpa_flash', 'flash_attn', 'sage_attn',
     'fp8_cudnn' (FP8 self-attention through cuDNN's graph, Hopper and newer; lossy:
-    workers/models/fp8_attention.py), 'sage2' (SageAttention2's sm90 kernel, Hopper only;
-    lossy: workers/models/sage2_attention.py)."""
+    workers/models/dit/fp8_attention.py), 'sage2' (SageAttention2's sm90 kernel, Hopper only;
+    lossy: workers/models/dit/sage2_attention.py)."""
     compile: bool = False
     """Transformer stage: torch.compile the DiT's repeated blocks at start. Needs
     ``warmup_shapes``: the worker compiles them before it registers (ready = compiled)."""

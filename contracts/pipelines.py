@@ -77,7 +77,7 @@ _QWEN_DEFAULTS: Mapping[str, Any] = {
 
 
 # The synthetic pipeline has no model: each stage takes a configured time and produces tensors
-# of configured shapes (``workers/models/synthetic.py``), so the runtime's own cost can be
+# of configured shapes (``workers/models/families/synthetic.py``), so the runtime's own cost can be
 # measured. Small defaults: a 64x64 PNG after 4 "denoising" steps.
 _SYNTHETIC_DEFAULTS: Mapping[str, Any] = {
     "negative_prompt": "",

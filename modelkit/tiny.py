@@ -19,7 +19,7 @@ pipelines and our stage adapters load with ``from_pretrained``:
 * ``qwen_i2i_plus`` - Qwen-Image-Edit-2511 style (QwenImageEditPlusPipeline): the Edit
   folder with ``zero_cond_t`` set in the DiT's config.
 * ``synthetic`` - no model: ``synthetic.json`` with the synthetic pipeline's default stage
-  times and tensor shapes (``workers/models/synthetic.py``); needs no torch.
+  times and tensor shapes (``workers/models/families/synthetic.py``); needs no torch.
 
 Nothing is downloaded: the tokenizers are built here from a few sentences, the weights are
 random (seeded, so a build is reproducible with the same torch version). The sizes are chosen
@@ -179,7 +179,7 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
 
 def _build_synthetic(dest: Path, task: str, seed: int) -> Path:
     """The synthetic pipeline's folder: its default config and the marker (no weights)."""
-    from workers.models.synthetic import write_config
+    from workers.models.families.synthetic import write_config
 
     with _in_place(dest, task, keep=lambda: False) as tmp:
         write_config(tmp)

@@ -102,7 +102,7 @@ def _qwen_pretokens(texts: Iterable[str]) -> list[str]:
 def _qwen_templates() -> list[tuple[str, int]]:
     """(prompt template, hidden states dropped) of diffusers' Qwen-Image and Qwen-Image-Edit
     pipelines, as the encoder stage reads them (so they match the installed diffusers)."""
-    from workers.models.qwen_text import prompt_template
+    from workers.models.families.qwen_text import prompt_template
 
     # EditPlus (2509 / 2511) shares the Edit system prompt and cut: no template of its own.
     classes = ("QwenImagePipeline", "QwenImageEditPipeline")

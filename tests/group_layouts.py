@@ -7,7 +7,7 @@
 Every rank joins one gloo process group through the product's code
 (:func:`workers.group.dist.init_group`: the same process group, mesh and timeout a
 ``--devices cpu,cpu`` group gets), then for each case loads the tiny model as that layout's
-rank (:func:`workers.models.parallel.attach_group`: diffusers' context parallelism over that
+rank (:func:`workers.models.dit.parallel.attach_group`: diffusers' context parallelism over that
 mesh) and denoises fixed synthetic inputs (the adapter's own ``warmup_inputs``, seed 7).
 Each rank saves its latents as ``OUT/<i>-rank<R>.pt``; rank 0 also saves the single-process
 output of the same inputs as ``OUT/<i>-ref.pt``. With ``--then-hang``, the last rank then
@@ -58,7 +58,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
 def stand_in_ring_kernel() -> None:
     import diffusers.models.attention_dispatch as dispatch
 
-    import workers.models.attention as attention
+    import workers.models.dit.attention as attention
 
     def cpu_flash(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -78,7 +78,7 @@ def stand_in_ring_kernel() -> None:
 def run_case(i: int, pipeline: str, layout: ParallelLayout, rank: int, models: Path,
              out: Path) -> None:
     from workers.models import TransformerAdapter
-    from workers.models.parallel import GroupMesh
+    from workers.models.dit.parallel import GroupMesh
 
     attention = "sdpa_flash" if layout.ring > 1 else "sdpa"
     group = GroupMesh.build(layout, "cpu")

@@ -32,7 +32,7 @@ from tests.conftest import (
 )
 from tests.test_controller_rings import ring_of
 from workers.control import DoorbellClient
-from workers.models.synthetic import write_config
+from workers.models.families.synthetic import write_config
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

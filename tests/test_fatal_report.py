@@ -21,7 +21,7 @@ import pytest
 
 from launcher import LocalGroup, group_config
 from rings import wire
-from workers.models.synthetic import write_config
+from workers.models.families.synthetic import write_config
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

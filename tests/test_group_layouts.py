@@ -127,7 +127,7 @@ def _loaded(tiny_models: Path, pipeline: str, layout: str, attention: str = "sdp
     """A single-process stage given a group of ``layout`` whose mesh is never touched: the
     refusals come before any collective."""
     from workers.models import TransformerAdapter
-    from workers.models.parallel import GroupMesh
+    from workers.models.dit.parallel import GroupMesh
 
     stage = TransformerAdapter.for_task(
         tiny_models / pipeline, pipeline, "cpu", "float32", attention=attention,
@@ -147,7 +147,7 @@ def test_layouts_a_model_cannot_run_are_refused_at_load(
     attention = "sdpa_flash" if layout == "ring=2,ulysses=2" else "sdpa"
     stage = _loaded(tiny_models, pipeline, layout, attention)
     if attention == "sdpa_flash":
-        import workers.models.attention as attn
+        import workers.models.dit.attention as attn
 
         real = attn._require_cuda_half
         attn._require_cuda_half = lambda *a: None  # as tests/group_layouts.py
@@ -164,7 +164,7 @@ def test_layouts_a_model_cannot_run_are_refused_at_load(
 def test_the_split_follows_each_forwards_token_counts() -> None:
     """diffusers' even split where N divides every split sequence, its "anything" split where
     not (pure Ulysses or ring), a request error for the rest."""
-    from workers.models.parallel import _choose_split
+    from workers.models.dit.parallel import _choose_split
 
     wan = SimpleNamespace(config=SimpleNamespace(patch_size=(1, 2, 2)), _cp_plan={})
     qwen = SimpleNamespace(_cp_plan={"transformer_blocks.0": {"encoder_hidden_states": 1}})

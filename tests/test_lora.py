@@ -317,7 +317,7 @@ def test_an_adapter_file_replaced_while_loaded_is_read_again(
 
 def test_most_recently_used_adapters_stay_loaded(tiny_models: Path,
                                                  lora_dirs: dict[str, Path]) -> None:
-    from workers.models.lora import LoraLibrary
+    from workers.models.dit.lora import LoraLibrary
 
     task = "qwen_t2i"
     dit = TransformerAdapter.for_task(

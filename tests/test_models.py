@@ -120,7 +120,7 @@ def diffusers_reference(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     extra: dict[str, Any] = {}
     if task in EDIT_TASKS:
-        from workers.models.qwen_text import QwenEditProcessor
+        from workers.models.families.qwen_text import QwenEditProcessor
 
         extra["processor"] = QwenEditProcessor.from_pretrained(folder / "processor")
     pipeline_class = get_family(task).pipeline_class
@@ -401,7 +401,7 @@ def test_kernel_attention_processors_match_diffusers(tiny_models: Path, task: st
     diffusers' processors when their kernel is SDPA: only the kernel differs."""
     from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel
 
-    from workers.models.attention import install_kernel_processors, sdpa_kernel
+    from workers.models.dit.attention import install_kernel_processors, sdpa_kernel
 
     cls = WanTransformer3DModel if task.startswith("wan") else QwenImageTransformer2DModel
     model = cls.from_pretrained(tiny_models / task / "transformer").eval()

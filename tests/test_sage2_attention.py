@@ -17,8 +17,8 @@ import torch
 
 from contracts.config import ServiceConfig
 from contracts.errors import ConfigError, ModelLoadError
-from workers.models import sage2_attention as sage2
-from workers.models.attention import (
+from workers.models.dit import sage2_attention as sage2
+from workers.models.dit.attention import (
     KernelWanAttnProcessor,
     apply_attention_backend,
     install_kernel_processors,

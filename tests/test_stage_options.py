@@ -111,7 +111,7 @@ def _qwen_dit() -> Any:
 
 
 def test_fp8_linear_converts_block_projections_only() -> None:
-    from workers.models.dit_options import fp8_linear_targets
+    from workers.models.dit.dit_options import fp8_linear_targets
 
     wan = fp8_linear_targets(_wan_dit())
     per_block = {n.split(".", 2)[2] for n in wan}
@@ -143,7 +143,7 @@ def test_fp8_linear_refuses_a_request_of_too_few_tokens(tiny_models: Path, task:
     on an H200, ``dit_options.FP8_MIN_TOKENS``): a request of fewer image / video tokens is
     refused before its first step, naming its count; one of exactly the minimum runs. The
     conversion itself needs a GPU, so here it is left out: what is checked is the count."""
-    from workers.models import dit_options
+    from workers.models.dit import dit_options
 
     monkeypatch.setattr(dit_options, "apply_fp8_linear", lambda model, device: 0)
     req = small_request(task)

@@ -19,7 +19,7 @@ from contracts.errors import ModelLoadError, StageInputError
 from contracts.request import GenerationRequest
 from launcher import LocalGroup, group_config, submit
 from workers.models import LocalPipeline
-from workers.models.synthetic import CONFIG_NAME, SyntheticConfig, write_config
+from workers.models.families.synthetic import CONFIG_NAME, SyntheticConfig, write_config
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

@@ -47,12 +47,12 @@ def kernel_function(name: str, device: Any) -> tuple[Callable[..., Any] | None, 
 
     try:
         if name == "fp8_cudnn":
-            from workers.models import fp8_attention as fp8
+            from workers.models.dit import fp8_attention as fp8
 
             fp8.check_fp8_attention(device)
             fp8.FP8_MIN_TOKENS = 0
             return torch.compile(fp8.fp8_attention), ""
-        from workers.models import sage2_attention as sage2
+        from workers.models.dit import sage2_attention as sage2
 
         sage2.check_sage2_attention(device, torch.bfloat16, 128)
         sage2.SAGE2_MIN_TOKENS = 0

@@ -45,7 +45,7 @@ import httpx
 from launcher import LocalGroup, Service, free_ports, group_config
 from scripts import ROOT
 from scripts.bench.bench_serving import log
-from workers.models.synthetic import write_config
+from workers.models.families.synthetic import write_config
 
 LATENT = [1, 16, 21, 60, 104]
 WAN_SIZED = {

@@ -348,7 +348,7 @@ def attn(args: argparse.Namespace) -> int:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from workers.models.fp8_attention import fp8_attention
+    from workers.models.dit.fp8_attention import fp8_attention
 
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -443,7 +443,7 @@ def fp8_row_shapes(arch: str) -> list[dict[str, Any]]:
     import torch
 
     from modelkit.real import qwen_dit, wan_dit
-    from workers.models.dit_options import fp8_linear_targets, prompt_row_layers
+    from workers.models.dit.dit_options import fp8_linear_targets, prompt_row_layers
 
     with torch.device("meta"):
         model = qwen_dit(1) if arch == "qwen-image" else wan_dit(arch, 1)
@@ -467,7 +467,7 @@ def rows(args: argparse.Namespace) -> int:
     import torch
 
     from contracts.errors import ModelLoadError
-    from workers.models.dit_options import FP8_MIN_TOKENS, check_fp8_linear, quantize_fp8
+    from workers.models.dit.dit_options import FP8_MIN_TOKENS, check_fp8_linear, quantize_fp8
 
     try:
         check_fp8_linear(torch.device(args.device))

@@ -32,7 +32,7 @@ from typing import Any
 from launcher import group_config
 from scripts import ROOT
 from scripts.bench.bench_serving import log, post, running
-from workers.models.synthetic import write_config
+from workers.models.families.synthetic import write_config
 
 ENCODER_S, STEP_S, STEPS, DECODER_S = 0.005, 0.010, 4, 0.005
 SIZES: dict[str, dict[str, Any]] = {

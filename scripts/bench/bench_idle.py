@@ -3,7 +3,7 @@
 
     python -m scripts.bench.bench_idle --workers 256 [--window 20] [--probes 60] [--md FILE]
 
-Starts a synthetic group (``workers/models/synthetic.py``, no torch in any worker) with
+Starts a synthetic group (``workers/models/families/synthetic.py``, no torch in any worker) with
 ``--workers`` workers split evenly over the three roles, in batches (``--batch``), watching
 the machine's available memory. Then:
 
@@ -36,7 +36,7 @@ import httpx
 
 from contracts.roles import Role
 from launcher import LocalGroup, group_config
-from workers.models.synthetic import write_config
+from workers.models.families.synthetic import write_config
 
 ROLES = tuple(role.value for role in Role)  # the worker roles, in pipeline order
 HOPS = {"request": ("queued", "encoding"), "phase1": ("phase1", "denoising"),

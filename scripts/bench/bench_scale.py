@@ -4,7 +4,7 @@
     python -m scripts.bench.bench_scale [--ks 1,2,4,8,16,32] [--step-s 0.1 --steps 5] [--waves 6] \
         [--encoders 1 --decoders 1] [--md FILE] [--json FILE] [--plot FILE.png]
 
-The synthetic pipeline (``workers/models/synthetic.py``), 1 encoder : K transformers :
+The synthetic pipeline (``workers/models/families/synthetic.py``), 1 encoder : K transformers :
 1 decoder (``--encoders`` / ``--decoders`` change the edges). A transformer takes
 t = steps x step_s per request (reporting each step), the encoder and decoder take
 ``--edge-s`` each (t >> edge), and the stages sleep, so the two cores of a small machine
@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from launcher import LocalGroup, group_config
-from workers.models.synthetic import write_config
+from workers.models.families.synthetic import write_config
 
 COLUMNS = ("K", "tasks", "QPS", "ideal K/t", "efficiency", "DiT s/task", "added ms/task")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ["run_service", "workers.main", "workers.roles", "workers.models.synthetic",
+PRELOAD = ["run_service", "workers.main", "workers.roles", "workers.models.families.synthetic",
            "tensorplane.engine", "tensorplane.pool", "tensorplane.handoff", "torch"]
 
 

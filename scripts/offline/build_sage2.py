@@ -6,7 +6,7 @@
 
 ``install_offline.sh`` runs it for a bundle made with ``--extras sage2`` (the source is in
 the bundle; PyPI has no SageAttention 2 wheel), then installs the wheel; the DiT's
-``attention_backend: "sage2"`` (workers/models/sage2_attention.py) calls what it builds.
+``attention_backend: "sage2"`` (workers/models/dit/sage2_attention.py) calls what it builds.
 
 Why a build of our own rather than the project's ``setup.py``: upstream builds every
 kernel family for every GPU it is given (the sm80 and sm89 kernels too, for an sm90 target)

@@ -8,5 +8,5 @@
 * :mod:`workers.group.steps`: what every rank runs for one command, and how rank 0 judges
   the outcome (in step, or broken).
 
-The model side (CFG split, diffusers' context parallelism) is :mod:`workers.models.parallel`.
+The model side (CFG split, diffusers' context parallelism) is :mod:`workers.models.dit.parallel`.
 """

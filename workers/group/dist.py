@@ -28,8 +28,8 @@ from contracts.errors import ConnectionLost
 from contracts.parallel import ParallelLayout
 from rings import wire
 from rings.handshake import recv_frame
+from workers.models.dit.parallel import GroupMesh
 from workers.models.loop_state import LoopState, from_wire, to_wire
-from workers.models.parallel import GroupMesh
 
 __all__ = ["Channel", "broadcast_state", "broadcast_tensors", "init_group", "state_command",
            "tensor_specs"]

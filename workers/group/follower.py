@@ -23,7 +23,7 @@ from contracts.request import GenerationRequest
 from workers.group.dist import Channel, broadcast_state, broadcast_tensors
 from workers.group.steps import FollowerHooks, StepGate, outcome, report
 from workers.models import TransformerAdapter
-from workers.models.parallel import GroupMesh
+from workers.models.dit.parallel import GroupMesh
 from workers.roles import _size, transformer_options
 
 log = logging.getLogger("diffring.group")

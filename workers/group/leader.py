@@ -26,7 +26,7 @@ from workers.group.dist import (
     tensor_specs,
 )
 from workers.group.steps import GroupBroken, LeaderHooks, StepGate, outcome, settle
-from workers.models.parallel import GroupMesh
+from workers.models.dit.parallel import GroupMesh
 from workers.roles import TransformerWorker, _request, _size, transformer_options
 from workers.worker import Job, StageWorker
 

@@ -43,7 +43,7 @@ from .prompt_cache import PromptCache, PromptKey, image_digest
 if TYPE_CHECKING:
     import torch
 
-    from .dit_requests import RequestOptions
+    from .dit.dit_requests import RequestOptions
     from .loop_state import LoopHooks
 
 
@@ -149,8 +149,8 @@ class TransformerAdapter(StageAdapter):
       forward instead of two batch-1 forwards (same math, other kernel shapes: equal within
       the dtype's rounding, not bit for bit).
     * ``group``: this process is one rank of a transformer group (a
-      :class:`~workers.models.parallel.GroupMesh`): CFG-parallel (``cfg_split``) and
-      sequence-parallel forwards (:mod:`workers.models.parallel`).
+      :class:`~workers.models.dit.parallel.GroupMesh`): CFG-parallel (``cfg_split``) and
+      sequence-parallel forwards (:mod:`workers.models.dit.parallel`).
     """
 
     role = Role.TRANSFORMER
@@ -175,7 +175,7 @@ class TransformerAdapter(StageAdapter):
         super().__init__(model_dir, task, device, dtype, options)
         self.group = group
         self.cfg_split: Any = None
-        """Set by :func:`~workers.models.parallel.attach_group` in a CFG-2 group."""
+        """Set by :func:`~workers.models.dit.parallel.attach_group` in a CFG-2 group."""
         self.budget_shapes = tuple(budget_shapes)
         check_backend_name(attention)
         self.attention = attention
@@ -187,20 +187,20 @@ class TransformerAdapter(StageAdapter):
             return
         super().load()
         if self.group is not None:
-            from .parallel import attach_group
+            from .dit.parallel import attach_group
 
             attach_group(self)
         if self.options.linear == "fp8":
-            from .dit_options import apply_fp8_linear
+            from .dit.dit_options import apply_fp8_linear
 
             apply_fp8_linear(self.transformer, self.device)
             self.memory.loaded()
         if self.options.compile_cache_dir is not None:
-            from .dit_options import configure_compile_cache
+            from .dit.dit_options import configure_compile_cache
 
             configure_compile_cache(self.options.compile_cache_dir)
         if self.torch_model:
-            from .dit_requests import RequestOptions
+            from .dit.dit_requests import RequestOptions
 
             self.requests = RequestOptions(self.transformer, self.spec.family, self.task,
                                            self.options, self.compile)
@@ -238,7 +238,7 @@ class TransformerAdapter(StageAdapter):
         """With FP8 linear layers, refuse a request of fewer than ``FP8_MIN_TOKENS`` image /
         video tokens (``tokens``: one sample's, after patching) before its first step."""
         if self.options.linear == "fp8":
-            from .dit_options import check_fp8_rows
+            from .dit.dit_options import check_fp8_rows
 
             check_fp8_rows(self.task, tokens)
 
@@ -264,7 +264,7 @@ class TransformerAdapter(StageAdapter):
         starts (a checkpoint) and what runs at each step boundary
         (:mod:`workers.models.loop_state`). On a GPU it returns after the device finished
         (so that timing it measures the work, not the launches). The request's LoRA adapters
-        and step cache are on for this loop only (:mod:`workers.models.dit_requests`).
+        and step cache are on for this loop only (:mod:`workers.models.dit.dit_requests`).
         """
         self._require_loaded()
         with self.requests.scope(req) if self.requests else contextlib.nullcontext():

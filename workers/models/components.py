@@ -92,7 +92,8 @@ STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
     "qwen_t2i": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
     "qwen_i2i": _EDIT,
     "qwen_i2i_plus": _EDIT,  # the same components; the model index names another pipeline
-    # No model: one settings file, read directly by each stage (workers/models/synthetic.py).
+    # No model: one settings file, read directly by each stage
+    # (workers/models/families/synthetic.py).
     "synthetic": {r: {"synthetic.json": FILE} for r in ("encoder", "transformer", "decoder")},
 }
 """task -> role -> the components of the model folder its stage reads, and how much of each:

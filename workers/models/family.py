@@ -16,14 +16,15 @@ from contracts.roles import Role
 # task -> (module, encoder, transformer, decoder). Families are imported on first use, so that
 # importing this package does not import torch or diffusers. The diffusers pipeline each row
 # follows is the pipeline table's (contracts.pipelines.TaskSpec.pipeline_class).
-_QWEN = ("qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder")
+_QWEN = ("families.qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder")
 _FAMILIES: dict[str, tuple[str, str, str, str]] = {
-    "wan_t2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder"),
-    "wan_i2v": ("wan", "WanEncoder", "WanTransformer", "WanDecoder"),
+    "wan_t2v": ("families.wan", "WanEncoder", "WanTransformer", "WanDecoder"),
+    "wan_i2v": ("families.wan", "WanEncoder", "WanTransformer", "WanDecoder"),
     "qwen_t2i": _QWEN,
     "qwen_i2i": _QWEN,
     "qwen_i2i_plus": _QWEN,
-    "synthetic": ("synthetic", "SyntheticEncoder", "SyntheticTransformer", "SyntheticDecoder"),
+    "synthetic": ("families.synthetic", "SyntheticEncoder", "SyntheticTransformer",
+                  "SyntheticDecoder"),
 }
 assert set(_FAMILIES) == set(TASKS)
 _COLUMN = {Role.ENCODER: 1, Role.TRANSFORMER: 2, Role.DECODER: 3}

@@ -34,20 +34,19 @@ from contracts.errors import (
 )
 from contracts.request import GenerationRequest
 
-from . import loop_state
-from .attention import apply_attention_backend
-from .base import (
+from .. import loop_state
+from ..base import (
     DecoderAdapter,
     EncoderAdapter,
     StepCallback,
     StopCheck,
     TransformerAdapter,
 )
-from .components import (
+from ..components import (
     check_request_task,
     require_tensor,
 )
-from .diffusers_glue import (
+from ..diffusers_glue import (
     check_schedule,
     cpu_generator,
     decode_latents,
@@ -57,8 +56,9 @@ from .diffusers_glue import (
     load_scheduler,
     load_transformers_model,
 )
-from .loop_state import LoopHooks
-from .media import decode_image
+from ..dit.attention import apply_attention_backend
+from ..loop_state import LoopHooks
+from ..media import decode_image
 
 
 def _geometry_error(task: str, message: str) -> InvalidRequestError:

@@ -27,7 +27,7 @@ the pipeline's default, the (last) condition image's ~1 megapixel size, which th
 transformer stage reads from its latents. Edit-2511's ``zero_cond_t`` (the condition
 images' tokens modulated at timestep 0) is the DiT's own: it follows from ``img_shapes``.
 
-The encoder stage is :mod:`workers.models.qwen_encoder`; this module is the family's
+The encoder stage is :mod:`workers.models.families.qwen_encoder`; this module is the family's
 (:func:`workers.models.get_family`): transformer and decoder here, all three exported.
 """
 
@@ -47,19 +47,18 @@ from contracts.errors import (
 )
 from contracts.request import GenerationRequest
 
-from . import loop_state
-from .attention import apply_attention_backend
-from .base import (
+from .. import loop_state
+from ..base import (
     DecoderAdapter,
     StepCallback,
     StopCheck,
     TransformerAdapter,
 )
-from .components import (
+from ..components import (
     check_request_task,
     require_tensor,
 )
-from .diffusers_glue import (
+from ..diffusers_glue import (
     check_schedule,
     cpu_generator,
     decode_latents,
@@ -67,7 +66,8 @@ from .diffusers_glue import (
     load_diffusers_model,
     load_scheduler,
 )
-from .loop_state import LoopHooks
+from ..dit.attention import apply_attention_backend
+from ..loop_state import LoopHooks
 from .qwen_encoder import QwenEncoder
 from .qwen_text import image_latents_name
 

@@ -281,7 +281,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     cost more than FP8 saves.
     """
     if k.shape[1] != q.shape[1] or q.shape[1] < FP8_MIN_TOKENS:
-        from .attention import sdpa_kernel
+        from .kernels import sdpa_kernel
 
         return sdpa_kernel(q, k, v)
     k = k - k.mean(dim=1, keepdim=True)
@@ -296,5 +296,5 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 
 def cudnn_fp8_kernel() -> Any:
     """:func:`fp8_attention` as a kernel for the kernel attention processors
-    (:func:`workers.models.attention.install_kernel_processors`)."""
+    (:func:`workers.models.dit.kernels.install_kernel_processors`)."""
     return fp8_attention

@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # annotations only: a synthetic worker never imports torch
 from contracts.errors import InvalidRequestError, ModelLoadError, StageInputError
 from contracts.request import GenerationRequest
 
-from . import loop_state
-from .base import (
+from .. import loop_state
+from ..base import (
     Artifact,
     DecoderAdapter,
     EncoderAdapter,
@@ -53,9 +53,9 @@ from .base import (
     StopCheck,
     TransformerAdapter,
 )
-from .components import check_request_task
-from .loop_state import LoopHooks
-from .media import encode_png
+from ..components import check_request_task
+from ..loop_state import LoopHooks
+from ..media import encode_png
 
 CONFIG_NAME: Final = "synthetic.json"
 FORMAT: Final = "diffring-synthetic"

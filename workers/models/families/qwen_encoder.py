@@ -1,5 +1,5 @@
 """Qwen-Image, Qwen-Image-Edit and Edit-2509 / 2511 (EditPlus), stage 1: the prompt (and,
-for the edits, the condition images) encoded as :mod:`workers.models.qwen` lays out the
+for the edits, the condition images) encoded as :mod:`workers.models.families.qwen` lays out the
 tensors to the transformer."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from contracts.errors import InvalidRequestError
 from contracts.input_images import unpack_images
 from contracts.request import GenerationRequest
 
-from .base import EncoderAdapter
-from .diffusers_glue import latent_stats, load_diffusers_model, load_transformers_model
-from .media import decode_image
+from ..base import EncoderAdapter
+from ..diffusers_glue import latent_stats, load_diffusers_model, load_transformers_model
+from ..media import decode_image
 from .qwen_text import QwenEditProcessor, image_latents_name, picture_prompt, prompt_template
 
 # Qwen-Image-Edit sizes its condition image to this many pixels (diffusers: 1024 * 1024).

@@ -115,7 +115,7 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     """Attention of (B, S, H, D) tensors: long self-attention through the kernel, the rest
     (cross-attention, short sequences) through SDPA (see the module doc)."""
     if k.shape[1] != q.shape[1] or q.shape[1] < SAGE2_MIN_TOKENS:
-        from .attention import sdpa_kernel
+        from .kernels import sdpa_kernel
 
         return sdpa_kernel(q, k, v)
     return _sage2_sm90(q, k, v)
@@ -123,5 +123,5 @@ def sage2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 def sage2_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """:func:`sage2_attention` as a kernel for the kernel attention processors
-    (:func:`workers.models.attention.install_kernel_processors`)."""
+    (:func:`workers.models.dit.kernels.install_kernel_processors`)."""
     return sage2_attention

@@ -134,7 +134,7 @@ def attach_group(adapter: Any) -> None:
 
 
 def _check_backend(adapter: Any, layout: ParallelLayout, model: Any, name: str) -> None:
-    from .attention import KernelAttnProcessor
+    from .kernels import KernelAttnProcessor
 
     if any(isinstance(getattr(m, "processor", None), KernelAttnProcessor)
            for m in model.modules()):

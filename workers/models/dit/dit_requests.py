@@ -1,5 +1,5 @@
 """What a DiT stage sets up around one request's denoising loop: its LoRA adapters
-(:mod:`workers.models.lora`) and its step cache (:mod:`workers.models.step_cache`).
+(:mod:`workers.models.dit.lora`) and its step cache (:mod:`workers.models.dit.step_cache`).
 
 :meth:`RequestOptions.scope` wraps the whole loop from outside (the loop body knows nothing
 of either): inside, the request's adapters are active at their strengths and its cache's
