@@ -343,10 +343,10 @@ class TaskStore:
         return None if row is None else store_sql.record(row)
 
     def page(
-        self, status: str | None, offset: int, limit: int
+        self, status: str | None, offset: int, limit: int, newest_first: bool = False
     ) -> tuple[int, list[dict[str, Any]]]:
-        """(total matching, one page of records) in acceptance order."""
-        return store_sql.page(self._reader(), status, offset, limit)
+        """(total matching, one page of records) in acceptance order (or its reverse)."""
+        return store_sql.page(self._reader(), status, offset, limit, newest_first)
 
     def counts(self) -> dict[str, int]:
         return store_sql.counts(self._reader())
