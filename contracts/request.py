@@ -230,7 +230,7 @@ class GenerationRequest:
 
 def _largest(spec: TaskSpec) -> str:
     """A square-ish example of the largest size ``spec`` serves, for an error message."""
-    side = int(math.isqrt(spec.max_pixels)) // spec.size_multiple * spec.size_multiple
+    side = math.isqrt(spec.max_pixels) // spec.size_multiple * spec.size_multiple
     return f"{side}x{side}"
 
 

@@ -64,8 +64,9 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import ConfigError, DiffringError
-from controller.tasks.store_sql import DB_NAME, Op
+from contracts.task_store import LOCK_FILE
 from controller.tasks import store_sql
+from controller.tasks.store_sql import DB_NAME, Op
 
 log = logging.getLogger("diffring.controller.store")
 
@@ -129,7 +130,7 @@ class TaskStore:
     def open(self) -> None:
         """Create or open the database, take the folder's lock, start the writer thread."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock_file = (self.folder / "tasks.lock").open("a")
+        self._lock_file = (self.folder / LOCK_FILE).open("a")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
