@@ -10,6 +10,7 @@ the API, and Swagger UI offers to send it.
 
 from __future__ import annotations
 
+import functools
 from importlib.resources import files
 
 from fastapi import APIRouter, FastAPI
@@ -18,16 +19,29 @@ from fastapi.openapi.docs import (
     get_swagger_ui_html,
     get_swagger_ui_oauth2_redirect_html,
 )
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 ASSETS = "/docs/static"
 """Where the bundles are served."""
 _OAUTH2_REDIRECT = "/docs/oauth2-redirect"
+_REDOC_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
+_BLANK_GIF = "data:image/gif;base64,R0lGODlhAQABAAAAACH5BAEKAAEALAAAAAABAAEAAAICTAEAOw=="
 
 
 def _assets_dir() -> str:
     return str(files("fastapi_offline") / "static")
+
+
+@functools.cache
+def _redoc_js() -> bytes:
+    """ReDoc's bundle with its one remote asset, the "API docs by Redocly" logo (an image
+    it loads from its CDN whatever the options), replaced by a blank image: offline, the
+    page must not reach for the network at all. Patched here rather than shipped patched:
+    the installed bundle stays the package's own, and a newer one without the logo is
+    served as it is (the replacement then changes nothing)."""
+    data = (files("fastapi_offline") / "static" / "redoc.standalone.js").read_bytes()
+    return data.replace(_REDOC_LOGO.encode(), _BLANK_GIF.encode())
 
 
 def add_docs(app: FastAPI) -> None:
@@ -52,6 +66,10 @@ def add_docs(app: FastAPI) -> None:
     @router.get(_OAUTH2_REDIRECT)
     async def swagger_ui_redirect() -> HTMLResponse:
         return get_swagger_ui_oauth2_redirect_html()
+
+    @router.get(f"{ASSETS}/redoc.standalone.js")
+    async def redoc_js() -> Response:
+        return Response(_redoc_js(), media_type="text/javascript")
 
     @router.get("/redoc")
     async def redoc() -> HTMLResponse:
