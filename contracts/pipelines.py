@@ -106,20 +106,18 @@ _SYNTHETIC_DEFAULTS: Mapping[str, Any] = {
 # 0.02 in the published folders) stretches its sigmas so that the last one lands on
 # ``shift_terminal``, dividing by the first one's distance from it: with one step that is
 # 0 / 0 and every timestep is NaN. Wan's UniPC runs one step.
-_WAN_LIMITS: Mapping[str, int] = {"max_side": 1920, "max_pixels": 1920 * 1088}
-_QWEN_LIMITS: Mapping[str, int] = {"min_steps": 2, "max_side": 2048, "max_pixels": 2048 * 2048}
 
 
 def _wan(task: str, needs_image: bool, pipeline_class: str) -> TaskSpec:
     return TaskSpec(f"wan_{task}", "wan", "wan2.1", task, "video", needs_image, 16, 4,
-                    _WAN_DEFAULTS, pipeline_class, **_WAN_LIMITS)
+                    _WAN_DEFAULTS, pipeline_class, max_side=1920, max_pixels=1920 * 1088)
 
 
 def _qwen(task: str, needs_image: bool, pipeline_class: str, multi_image: bool = False,
           **defaults: Any) -> TaskSpec:
     return TaskSpec(f"qwen_{task}", "qwen", "qwen_image", task, "image", needs_image, 16, 1,
                     {**_QWEN_DEFAULTS, **defaults}, pipeline_class, multi_image,
-                    **_QWEN_LIMITS)
+                    min_steps=2, max_side=2048, max_pixels=2048 * 2048)
 
 
 # Qwen-Image-Edit-2509 and -2511 are a pipeline of their own (``qwen_i2i_plus``, config

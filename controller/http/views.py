@@ -9,10 +9,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from contracts.roles import Role
 from controller.http import dit_offers
 from controller.http.events import EventHub, result_path, thumbnail_path
 from controller.ownership.coordinator import Coordinator
-from contracts.roles import Role
 from controller.tasks.tasks import WORKING_STAGE, Stage, Task
 
 WORKING_ROLE = {stage: role for role, stage in WORKING_STAGE.items()}

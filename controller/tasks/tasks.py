@@ -7,9 +7,10 @@
 cancelled); ``stage`` the fine one above. A task is ``pending`` whenever it waits for a
 worker -- of the next stage too: in ``phase1`` it waits for a DiT, in ``phase2`` for a
 decoder (``waiting_for`` names the role) -- and ``processing`` only while a worker holds
-it, so a queue of tasks behind one DiT reads as one running and the rest waiting. Attempts: a task put back in play (its worker died,
-its lease expired, its ring item was lost, its attempt failed) gets ``attempt + 1``; the
-attempt number fences work: an older attempt's claim, progress, handoff or result is refused.
+it, so a queue of tasks behind one DiT reads as one running and the rest waiting.
+Attempts: a task put back in play (its worker died, its lease expired, its ring item was
+lost, its attempt failed) gets ``attempt + 1``; the attempt number fences work: an older
+attempt's claim, progress, handoff or result is refused.
 
 Who changes a task: :class:`controller.tasks.table.TaskTable` (the lifecycle of the live
 ones),
