@@ -60,12 +60,16 @@ def submit(client: httpx.Client, kind: str, body: dict[str, Any]) -> str:
     return task_id
 
 
-def status(client: httpx.Client, task_id: str) -> dict[str, Any]:
-    r = client.get(f"/v1/tasks/{task_id}/status")
+def answer(r: httpx.Response, what: str) -> dict[str, Any]:
+    """The JSON body of a 200; else :class:`RequestFailed` naming ``what`` was asked."""
     if r.status_code != 200:
-        raise RequestFailed(f"status of task {task_id}: {detail(r)}")
-    st: dict[str, Any] = r.json()
-    return st
+        raise RequestFailed(f"{what}: {detail(r)}")
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def status(client: httpx.Client, task_id: str) -> dict[str, Any]:
+    return answer(client.get(f"/v1/tasks/{task_id}/status"), f"status of task {task_id}")
 
 
 SMALL_REQUESTS: dict[str, dict[str, Any]] = {
@@ -272,19 +276,12 @@ def connect(url: str, api_key: str | None = None) -> httpx.Client:
 
 def served_pipeline(client: httpx.Client) -> str:
     """The pipeline the controller serves (``GET /v1/service/status``)."""
-    r = client.get("/v1/service/status")
-    if r.status_code != 200:
-        raise RequestFailed(f"service status: {detail(r)}")
-    pipeline: str = r.json()["pipeline"]
-    return pipeline
+    return str(answer(client.get("/v1/service/status"), "service status")["pipeline"])
 
 
 def cancel(client: httpx.Client, task_id: str) -> dict[str, Any]:
     """``DELETE /v1/tasks/{id}``: ``{stop_status, reason}``."""
-    r = client.delete(f"/v1/tasks/{task_id}")
-    if r.status_code != 200:
-        raise RequestFailed(f"cancel task {task_id}: {detail(r)}")
-    out: dict[str, Any] = r.json()
+    out = answer(client.delete(f"/v1/tasks/{task_id}"), f"cancel task {task_id}")
     if out.get("stop_status") == "error":
         raise RequestFailed(str(out.get("reason")))
     return out
@@ -292,11 +289,8 @@ def cancel(client: httpx.Client, task_id: str) -> dict[str, Any]:
 
 def list_tasks(client: httpx.Client, **params: Any) -> dict[str, Any]:
     """``GET /v1/tasks/`` with ``params`` (status, offset, limit, order)."""
-    r = client.get("/v1/tasks/", params={k: v for k, v in params.items() if v is not None})
-    if r.status_code != 200:
-        raise RequestFailed(f"task list: {detail(r)}")
-    out: dict[str, Any] = r.json()
-    return out
+    return answer(client.get("/v1/tasks/", params={k: v for k, v in params.items()
+                                                    if v is not None}), "task list")
 
 
 def run_task(url: str, kind: str, body: dict[str, Any], out: Path | None, timeout: float,

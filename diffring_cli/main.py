@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import httpx
 import typer
@@ -30,6 +31,8 @@ from contracts.pipelines import task_spec
 from diffring_cli import client
 from diffring_cli.client import SMALL_REQUESTS, RequestFailed, encode_image
 from diffring_cli.target import NoTarget, front_door
+
+T = TypeVar("T")
 
 app = typer.Typer(
     name="diffring", no_args_is_help=True, pretty_exceptions_enable=False,
@@ -65,7 +68,7 @@ def _door(url: str | None, config: Path | None, pipeline: str | None = None) -> 
     return found
 
 
-def _talk(url: str, what: Any) -> Any:
+def _talk(url: str, what: Callable[[], T]) -> T:
     """Run ``what()``, turning the client's failures into one line and exit status 1."""
     try:
         return what()
@@ -74,6 +77,18 @@ def _talk(url: str, what: Any) -> Any:
     except httpx.HTTPError as exc:
         _fail(f"cannot talk to the controller at {url}: {exc} (is a group running? "
               "`diffring group PIPELINE --model-path DIR`)")
+
+
+def _ask(url: str | None, config: Path | None, api_key: str | None,
+         call: Callable[[httpx.Client], T]) -> tuple[str, T]:
+    """(the front door, ``call`` made with a client of it), failures as :func:`_talk`'s."""
+    door = _door(url, config)
+
+    def go() -> T:
+        with client.connect(door, api_key) as c:
+            return call(c)
+
+    return door, _talk(door, go)
 
 
 # -- the commands that stand for another ----------------------------------------------------------
@@ -211,13 +226,7 @@ def _show_status(st: dict[str, Any]) -> str:
 def status(task_id: str, url: Url = None, config: Config = None, api_key: ApiKey = None,
            as_json: AsJson = False) -> None:
     """A task's status: stage, denoising step k/n, the queue it waits in, error."""
-    door = _door(url, config)
-
-    def go() -> dict[str, Any]:
-        with client.connect(door, api_key) as c:
-            return client.status(c, task_id)
-
-    st = _talk(door, go)
+    _, st = _ask(url, config, api_key, lambda c: client.status(c, task_id))
     typer.echo(json.dumps(st, indent=2) if as_json else _show_status(st))
 
 
@@ -229,13 +238,8 @@ def list_(url: Url = None, config: Config = None, api_key: ApiKey = None,
           order: Annotated[str, typer.Option(help="newest or oldest first")] = "newest",
           as_json: AsJson = False) -> None:
     """The tasks, newest first."""
-    door = _door(url, config)
-
-    def go() -> dict[str, Any]:
-        with client.connect(door, api_key) as c:
-            return client.list_tasks(c, status=status, limit=limit, order=order)
-
-    page = _talk(door, go)
+    door, page = _ask(url, config, api_key, lambda c: client.list_tasks(
+        c, status=status, limit=limit, order=order))
     if as_json:
         typer.echo(json.dumps(page, indent=2))
         return
@@ -252,13 +256,7 @@ def list_(url: Url = None, config: Config = None, api_key: ApiKey = None,
 def cancel(task_id: str, url: Url = None, config: Config = None,
            api_key: ApiKey = None) -> None:
     """Cancel a task: a queued one never starts, a running one stops at the next step."""
-    door = _door(url, config)
-
-    def go() -> dict[str, Any]:
-        with client.connect(door, api_key) as c:
-            return client.cancel(c, task_id)
-
-    answer = _talk(door, go)
+    _, answer = _ask(url, config, api_key, lambda c: client.cancel(c, task_id))
     typer.echo(f"task {task_id}: {answer['stop_status']} ({answer['reason']})")
 
 
@@ -268,13 +266,7 @@ def result(task_id: str, url: Url = None, config: Config = None, api_key: ApiKey
                help="where to write it [default: <task_id>.png / .mp4 here]",
                show_default=False)] = None) -> None:
     """Save a completed task's result file and print its path."""
-    door = _door(url, config)
-
-    def go() -> Path:
-        with client.connect(door, api_key) as c:
-            return client.download(c, task_id, out)
-
-    typer.echo(_talk(door, go))
+    typer.echo(_ask(url, config, api_key, lambda c: client.download(c, task_id, out))[1])
 
 
 def main(argv: list[str] | None = None) -> int:
