@@ -28,6 +28,7 @@ import argparse
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -312,6 +313,9 @@ class Launch:
         url = self.group.url
         kind = TASK_SPECS[self.name].output
         results = (ROOT / prep.loaded["controller"].output_dir).resolve()
+        # The command as this shell can run it: bare when it is on the PATH.
+        cli = "diffring" if shutil.which("diffring") else str(
+            Path(sys.executable).with_name("diffring"))
         rows = "\n".join(f"  {'metrics' if i == 0 else '':<11} {role:<11} "
                          f"{metrics.get(role, 'off')}"
                          for i, role in enumerate(("controller", *WORKERS)))
@@ -321,8 +325,8 @@ class Launch:
 {rows}
   results     {results}
   logs        {log_dir}   (pids: {self.pids_file})
-  try         diffring submit --small --prompt '...'     (this group is found; --url {url})
-              diffring list; diffring status TASK; diffring cancel TASK
+  try         {cli} submit --small --prompt '...'   (finds this group)
+              {cli} list | status TASK | cancel TASK
 Ctrl+C stops the group.""")
 
 

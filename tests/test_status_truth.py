@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from contracts.config import ServerConfig
 from contracts.roles import Role
 from controller.app import LocalQueue
+from controller.http.events import task_event
 from controller.http.frontdoor import FrontDoor
 from controller.http.webapp import build_app
 from controller.tasks.tasks import Stage, Task
@@ -92,6 +93,9 @@ def test_a_task_waiting_for_the_dit_is_pending_with_its_place(t2i: TestClient) -
             "pending", "phase1", "transformer", place)
     st = status(t2i, "s3")
     assert (st["status"], st["waiting_for"], st["queue_position"]) == ("pending", "encoder", 1)
+    # The events say it too (what `diffring submit`'s progress lines print).
+    assert task_event("stage", task(t2i, "s1"))["waiting_for"] == "transformer"
+    assert task_event("progress", task(t2i, "s0"))["waiting_for"] is None
 
     q = t2i.get("/v1/tasks/queue/status").json()
     assert q["running"] == ["s0"] and q["processing"] == 1 and q["pending"] == 3
