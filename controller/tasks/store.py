@@ -63,8 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contracts import task_store
 from contracts.errors import ConfigError, DiffringError
-from contracts.task_store import LOCK_FILE
 from controller.tasks import store_sql
 from controller.tasks.store_sql import DB_NAME, Op
 
@@ -130,7 +130,7 @@ class TaskStore:
     def open(self) -> None:
         """Create or open the database, take the folder's lock, start the writer thread."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock_file = (self.folder / LOCK_FILE).open("a")
+        self._lock_file = (self.folder / task_store.LOCK_FILE).open("a")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
