@@ -23,6 +23,9 @@ Control channel (worker -> controller; every request gets one reply with the sam
               the controller opens a TCP connection to each endpoint the worker advertises
               (its Mooncake segment) and refuses (ok: False, error naming the address and
               what failed) when one cannot be reached; sent before register
+    describe  {}                                    -> {pipeline}
+              what the controller serves, asked before register (``--check`` of a worker
+              compares it with its own configuration)
     register  {role, name, pid, pipeline, segment, checkpoints}
                                                     -> {worker_id, heartbeat_interval_s,
                                                         lease_timeout_s, checkpoints}
@@ -104,6 +107,7 @@ class Kind(enum.StrEnum):
 
 class Op(enum.StrEnum):
     PREFLIGHT = "preflight"
+    DESCRIBE = "describe"
     REGISTER = "register"
     HEARTBEAT = "heartbeat"
     CLAIM = "claim"

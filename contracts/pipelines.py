@@ -45,6 +45,14 @@ class TaskSpec:
     multi_image: bool = False
     """Whether a request may carry several input images (up to the front door's
     ``server.max_input_images``); else an image task takes exactly one."""
+    min_steps: int = 1
+    """The fewest denoising steps the family's scheduler can run (checked at the front door,
+    so a request the DiT would fail is refused instead)."""
+    max_side: int = 4096
+    """The largest height or width a request may ask for, in pixels."""
+    max_pixels: int = 4096 * 4096
+    """The largest height x width a request may ask for (far past what the checkpoints
+    were trained at, a request only runs out of device memory after minutes of work)."""
 
 
 # Defaults follow the published checkpoints and diffusers' own pipeline defaults; the tiny
@@ -92,15 +100,24 @@ _SYNTHETIC_DEFAULTS: Mapping[str, Any] = {
 }
 
 
+# Size limits: the Wan2.1 checkpoints are trained at 480P and 720P; up to 1080p (twice
+# 720P's area) is served. Qwen-Image is trained around 1328x1328 (1.8 megapixels); up to
+# 2048x2048 is served. Steps: Qwen-Image's scheduler (flow matching with ``shift_terminal``,
+# 0.02 in the published folders) stretches its sigmas so that the last one lands on
+# ``shift_terminal``, dividing by the first one's distance from it: with one step that is
+# 0 / 0 and every timestep is NaN. Wan's UniPC runs one step.
+
+
 def _wan(task: str, needs_image: bool, pipeline_class: str) -> TaskSpec:
     return TaskSpec(f"wan_{task}", "wan", "wan2.1", task, "video", needs_image, 16, 4,
-                    _WAN_DEFAULTS, pipeline_class)
+                    _WAN_DEFAULTS, pipeline_class, max_side=1920, max_pixels=1920 * 1088)
 
 
 def _qwen(task: str, needs_image: bool, pipeline_class: str, multi_image: bool = False,
           **defaults: Any) -> TaskSpec:
     return TaskSpec(f"qwen_{task}", "qwen", "qwen_image", task, "image", needs_image, 16, 1,
-                    {**_QWEN_DEFAULTS, **defaults}, pipeline_class, multi_image)
+                    {**_QWEN_DEFAULTS, **defaults}, pipeline_class, multi_image,
+                    min_steps=2, max_side=2048, max_pixels=2048 * 2048)
 
 
 # Qwen-Image-Edit-2509 and -2511 are a pipeline of their own (``qwen_i2i_plus``, config

@@ -19,7 +19,6 @@ from contracts.dit_request import CacheSpec, LoraRef, parse_cache, parse_loras
 from contracts.errors import InvalidRequestError
 from contracts.pipelines import TaskSpec, task_spec
 
-_MAX_SIDE = 4096
 _MAX_STEPS = 1000
 _MAX_FRAMES = 1025
 _MAX_FPS = 240
@@ -118,7 +117,10 @@ class GenerationRequest:
         if not isinstance(self.negative_prompt, str):
             fail(f"negative_prompt must be a string, got {self.negative_prompt!r}")
         need_int("seed", 0, _MAX_SEED)
-        need_int("infer_steps", 1, _MAX_STEPS)
+        steps = need_int("infer_steps", 1, _MAX_STEPS)
+        if steps < spec.min_steps:
+            fail(f"infer_steps must be at least {spec.min_steps} for {spec.family} models "
+                 f"(their scheduler cannot run {steps}), got {steps}")
 
         if self.height is None or self.width is None:
             # Only a task without a default size (the edits) gets here: its output size may
@@ -127,9 +129,14 @@ class GenerationRequest:
                 fail("give both height and width, or neither (size from the input image)")
         else:
             for name in ("height", "width"):
-                value = need_int(name, spec.size_multiple, _MAX_SIDE)
+                value = need_int(name, spec.size_multiple, spec.max_side)
                 if value % spec.size_multiple:
                     fail(f"{name} must be a multiple of {spec.size_multiple}, got {value}")
+            if self.height * self.width > spec.max_pixels:
+                fail(f"height x width {self.height}x{self.width} is "
+                     f"{self.height * self.width / 1e6:.1f} megapixels; {spec.name} serves at "
+                     f"most {spec.max_pixels / 1e6:.1f} (e.g. {_largest(spec)}): ask for a "
+                     "smaller size")
 
         if spec.output == "video":
             frames = need_int("num_frames", 1, _MAX_FRAMES)
@@ -219,6 +226,12 @@ class GenerationRequest:
     @property
     def spec(self) -> TaskSpec:
         return task_spec(self.task)
+
+
+def _largest(spec: TaskSpec) -> str:
+    """A square-ish example of the largest size ``spec`` serves, for an error message."""
+    side = math.isqrt(spec.max_pixels) // spec.size_multiple * spec.size_multiple
+    return f"{side}x{side}"
 
 
 _NO_CACHE = CacheSpec("none")

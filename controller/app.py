@@ -21,6 +21,7 @@ from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
 from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.pipelines import task_spec
+from contracts.task_store import store_folder
 from controller.config import CoordinatorConfig
 from controller.http.frontdoor import FrontDoor
 from controller.http.webapp import build_app
@@ -67,7 +68,7 @@ async def serve_http(
 def open_table_for(cfg: ServiceConfig, output_dir: Path) -> TaskTable:
     """The task table of a service, journaled to the store in ``<output_dir>/.journal``
     (opened here: the one place a controller or the baseline opens its database)."""
-    return open_table(output_dir / ".journal", retention_s=cfg.task_retention_s,
+    return open_table(store_folder(output_dir), retention_s=cfg.task_retention_s,
                       delete_results=cfg.delete_results_after_retention)
 
 

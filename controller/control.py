@@ -263,6 +263,8 @@ class ControlServer:
     ) -> tuple[dict[str, Any], WorkerInfo | None]:
         co = self.coordinator
         op = msg.get("op")
+        if op == Op.DESCRIBE:
+            return {"pipeline": co.config.pipeline}, worker
         if op == Op.REGISTER:
             if worker is not None:
                 raise ControlError("already registered on this connection")

@@ -60,25 +60,52 @@ def submit(client: httpx.Client, kind: str, body: dict[str, Any]) -> str:
     return task_id
 
 
-def status(client: httpx.Client, task_id: str) -> dict[str, Any]:
-    r = client.get(f"/v1/tasks/{task_id}/status")
+def answer(r: httpx.Response, what: str) -> dict[str, Any]:
+    """The JSON body of a 200; else :class:`RequestFailed` naming ``what`` was asked."""
     if r.status_code != 200:
-        raise RequestFailed(f"status of task {task_id}: {detail(r)}")
-    st: dict[str, Any] = r.json()
-    return st
+        raise RequestFailed(f"{what}: {detail(r)}")
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def status(client: httpx.Client, task_id: str) -> dict[str, Any]:
+    return answer(client.get(f"/v1/tasks/{task_id}/status"), f"status of task {task_id}")
+
+
+SMALL_REQUESTS: dict[str, dict[str, Any]] = {
+    "wan_t2v": {"height": 32, "width": 32, "target_video_length": 9, "infer_steps": 4,
+                "target_fps": 8},
+    "wan_i2v": {"height": 32, "width": 32, "target_video_length": 9, "infer_steps": 4,
+                "target_fps": 8},
+    "qwen_t2i": {"height": 64, "width": 64, "infer_steps": 4},
+    "qwen_i2i": {"height": 32, "width": 32, "infer_steps": 4},
+    "qwen_i2i_plus": {"height": 32, "width": 32, "infer_steps": 4},
+    "synthetic": {"height": 64, "width": 64, "infer_steps": 4},
+}
+"""A small request per pipeline (``--small``; the demo's): a few steps at a tiny size, done in
+seconds on the tiny random-weight models of ``python -m modelkit.tiny`` on a CPU. The
+defaults (50 steps, 480x832x81 for Wan) take over 20 minutes there."""
+
+LINE_EVERY_S = 5.0
+"""Without a terminal, a denoising step is written at most this often (stage changes, the
+first and the last step always)."""
 
 
 class Progress:
-    """A tqdm bar over the denoising steps; the stage name is its description."""
+    """A tqdm bar over the denoising steps, the stage name its description; without a
+    terminal on stderr (a pipe, a log file, a CI job), plain lines instead: one per stage
+    change and a denoising step every :data:`LINE_EVERY_S` seconds, so a long request is
+    never silent."""
 
     def __init__(self, task_id: str, quiet: bool) -> None:
         from tqdm import tqdm
 
+        self.lines = not quiet and not sys.stderr.isatty()
         self.bar = tqdm(
             total=None,
             desc="queued",
             unit="step",
-            disable=True if quiet else None,  # None: no bar when stderr is not a terminal
+            disable=True if quiet or self.lines else None,
             file=sys.stderr,
             dynamic_ncols=True,
         )
@@ -86,8 +113,40 @@ class Progress:
         self.attempt = 1
         self.stage = "queued"
         self.updates = 0
+        self.said: tuple[str, int] | None = None
+        self.said_at = 0.0
 
     def update(self, st: dict[str, Any]) -> None:
+        if self.lines:
+            self._line(st)
+            return
+        self._bar(st)
+
+    def _line(self, st: dict[str, Any]) -> None:
+        stage = str(st.get("stage") or st.get("status") or "?")
+        step, steps = int(st.get("step") or 0), int(st.get("steps") or 0)
+        attempt = int(st.get("attempt") or 1)
+        now = time.monotonic()
+        if self.said is not None and self.said[0] == stage and attempt == self.attempt:
+            if stage != "denoising" or step == self.said[1]:
+                return
+            if step not in (1, steps) and now - self.said_at < LINE_EVERY_S:
+                return
+        self.attempt = attempt
+        self.said, self.said_at = (stage, step), now
+        if stage == "denoising" and steps:
+            what = f"denoising step {step}/{steps}"
+        else:
+            what = stage
+        waiting = st.get("waiting_for")
+        if waiting:
+            pos = st.get("queue_position")
+            what += f", waiting for {waiting}" + (f" (position {pos})" if pos else "")
+        if attempt > 1:
+            what += f" (attempt {attempt})"
+        print(f"task {self.task_id}: {what}", file=sys.stderr, flush=True)
+
+    def _bar(self, st: dict[str, Any]) -> None:
         self.updates += 1
         stage = str(st.get("stage") or st.get("status") or "?")
         steps = int(st.get("steps") or 0)
@@ -206,17 +265,41 @@ def download(client: httpx.Client, task_id: str, out: Path | None) -> Path:
     return out.resolve()
 
 
+def connect(url: str, api_key: str | None = None) -> httpx.Client:
+    """A client of the front door at ``url``; ``api_key``: the front door's, if it has one
+    (sent as ``Authorization: Bearer``)."""
+    http_timeout = httpx.Timeout(30.0, read=120.0)  # events ping every 15 s
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=url.rstrip("/"), timeout=http_timeout, trust_env=False,
+                        headers=headers)
+
+
+def served_pipeline(client: httpx.Client) -> str:
+    """The pipeline the controller serves (``GET /v1/service/status``)."""
+    return str(answer(client.get("/v1/service/status"), "service status")["pipeline"])
+
+
+def cancel(client: httpx.Client, task_id: str) -> dict[str, Any]:
+    """``DELETE /v1/tasks/{id}``: ``{stop_status, reason}``."""
+    out = answer(client.delete(f"/v1/tasks/{task_id}"), f"cancel task {task_id}")
+    if out.get("stop_status") == "error":
+        raise RequestFailed(str(out.get("reason")))
+    return out
+
+
+def list_tasks(client: httpx.Client, **params: Any) -> dict[str, Any]:
+    """``GET /v1/tasks/`` with ``params`` (status, offset, limit, order)."""
+    return answer(client.get("/v1/tasks/", params={k: v for k, v in params.items()
+                                                    if v is not None}), "task list")
+
+
 def run_task(url: str, kind: str, body: dict[str, Any], out: Path | None, timeout: float,
              quiet: bool = False, poll_interval: float = 0.5, api_key: str | None = None
              ) -> Path:
-    """Post, follow, download: the path of the result file. ``api_key``: the front door's,
-    if it has one (sent as ``Authorization: Bearer``)."""
-    http_timeout = httpx.Timeout(30.0, read=120.0)  # events ping every 15 s
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=url.rstrip("/"), timeout=http_timeout, trust_env=False,
-                      headers=headers) as client:
+    """Post, follow, download: the path of the result file."""
+    with connect(url, api_key) as client:
         task_id = submit(client, kind, body)
-        print(f"task {task_id} accepted by {url}", file=sys.stderr)
+        print(f"task {task_id} accepted by {url}", file=sys.stderr, flush=True)
         try:
             st = follow(client, task_id, timeout, quiet, poll_interval)
         except KeyboardInterrupt:

@@ -23,10 +23,12 @@ from contracts.addresses import (
 )
 from contracts.config import DEFAULT_TOKEN, RING_NAMES, ServiceConfig
 from contracts.errors import ConfigError, DiffringError
+from contracts.messages import Op
 from contracts.pipelines import task_spec
 from contracts.roles import Role
 from rings.ports import port_holder
 from tensorplane.engine import INFINIBAND_SYSFS, MooncakeSettings, check_installed
+from workers.control import ControlClient
 
 Status = Literal["ok", "warn", "fail"]
 CONNECT_TIMEOUT_S = 2.0
@@ -70,8 +72,9 @@ def run_checks(
         if cfg.server.metric_port is None:
             r.add("probes", "warn", "no server.metric_port: no /metrics, /ready or /live for "
                   "Prometheus or an orchestrator's probes")
-        for what, host, port in _connects(cfg):
-            _check_connect(r, what, host, port)
+        answers = [_check_connect(r, what, host, port) for what, host, port in _connects(cfg)]
+        if answers[0]:  # the control channel
+            _controller_pipeline(r, service, cfg, token)
     devices = _rdma(r, cfg, infiniband_dir)
     if (workers and service != "all") or (service == "controller" and task_spec(
         cfg.pipeline
@@ -154,27 +157,52 @@ def _check_bind(r: _Report, what: str, host: str, port: int) -> None:
         r.add(name, "fail", f"cannot bind {host}:{port}: {err.strerror or err}")
 
 
-def _check_connect(r: _Report, what: str, host: str, port: int) -> None:
+def _check_connect(r: _Report, what: str, host: str, port: int) -> bool:
+    """Whether ``host:port`` answers (a check recorded either way)."""
     name = f"reach {what}"
     if is_wildcard(host):
         r.add(name, "fail", f"{host!r} is not an address to connect to: set bootstrap_addr (or "
               "the ring host) to the controller's address")
-        return
+        return False
     if not is_loopback(host):
         r.exposed.append(host)
     try:
         addrs = resolve(host)
     except ConfigError as exc:
         r.add(name, "fail", str(exc))
-        return
+        return False
     try:
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
             pass
     except OSError as exc:
         r.add(name, "warn", f"{host}:{port} ({', '.join(addrs)}) does not answer now "
               f"({exc.strerror or exc}); fine if the controller is not started yet")
-        return
+        return False
     r.add(name, "ok", f"{host}:{port} answers")
+    return True
+
+
+def _controller_pipeline(r: _Report, role: str, cfg: ServiceConfig, token: str) -> None:
+    """Ask the running controller what it serves: a worker of another pipeline would be
+    refused at registration (after loading its model, minutes for a real checkpoint)."""
+    d = cfg.disagg_config
+    client = ControlClient(d.bootstrap_addr, d.control_port, token, timeout=CONNECT_TIMEOUT_S)
+    try:
+        client.connect(role)
+        served = str(client.call(Op.DESCRIBE)["pipeline"])
+    except (DiffringError, OSError, KeyError) as exc:
+        r.add("controller's pipeline", "warn", f"could not ask the controller at "
+              f"{client.where}: {exc}")
+        return
+    finally:
+        client.close()
+    if served != cfg.pipeline:
+        r.add("controller's pipeline", "fail", f"the controller at {client.where} serves "
+              f"{served}; this {role} is configured for {cfg.pipeline} (model_cls/task): "
+              "it would be refused when it registers. Point it at a controller of "
+              f"{cfg.pipeline}, or configure it for {served}")
+        return
+    r.add("controller's pipeline", "ok", f"{served}, as this {role}")
 
 
 # -- token -------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Run one group on this machine from its role files, in the foreground, until a signal.
 
-    python -m launcher --group wan_t2v --model-path DIR [--config-dir DIR]
+    python -m launcher wan_t2v --model-path DIR [--config-dir DIR]     (or diffring group)
         [--encoder-device N|cuda:N|cpu] [--transformer-device ...] [--decoder-device ...]
         [--port-offset N] [--log-dir DIR] [--output-dir DIR] [--mooncake-config FILE]
         [--ready-timeout S] [--metrics-timeout S] [--metrics-required] [--stop-timeout S]
@@ -28,16 +28,20 @@ import argparse
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from contracts import task_store
 from contracts.pipelines import TASK_SPECS
 from contracts.roles import Role
+from launcher import current
 from launcher.local import ROOT, LocalGroup, Service
 from launcher.ports import port_busy
 from launcher.role_files import GroupError, Prepared, prepare, probe_host
@@ -66,6 +70,7 @@ class Launch:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.name: str = args.group
+        self.recorded = False
         self.group: LocalGroup | None = None
         self.ready = False
         self.stopping = False
@@ -107,7 +112,7 @@ class Launch:
             raise LaunchError(f"model_path {model} is not a folder")
         log_dir = Path(a.log_dir or ROOT / "out" / "logs" / self.name).resolve()
         log_dir.mkdir(parents=True, exist_ok=True)
-        devices = resolve_devices(a)
+        devices = resolve_devices(a, self.say)
         config_dir = Path(a.config_dir or ROOT / "configs" / "disagg" /
                           TASK_SPECS[self.name].family)
         output_dir = str(Path(a.output_dir).resolve()) if a.output_dir else None
@@ -115,6 +120,13 @@ class Launch:
             prep = prepare(self.name, config_dir.resolve(), log_dir, a.port_offset, output_dir)
         except GroupError as exc:
             raise LaunchError(str(exc)) from None
+        results = (ROOT / prep.loaded["controller"].output_dir).resolve()
+        if task_store.in_use(results):
+            raise LaunchError(
+                f"another controller uses the task store in {task_store.store_folder(results)} "
+                f"(results folder {results}): a group of {self.name} runs already. Stop it, "
+                "or give this one a results folder of its own with OUTPUT_DIR=DIR (and its "
+                "own ports with PORT_OFFSET=N)")
         busy = [(w, h, p) for w, h, p in prep.ports() if port_busy(h, p)]
         if busy:
             for what, host, port in busy:
@@ -178,6 +190,9 @@ class Launch:
             return self._startup_failed()
         self.ready = True
         self._banner(prep, metrics, log_dir)
+        current.record(current.RunningGroup(self.name, self.group.url, os.getpid(),
+                                            str(log_dir)))
+        self.recorded = True
         while True:  # in the foreground until a signal or a service's death
             try:
                 self._check()
@@ -262,6 +277,9 @@ class Launch:
         """Stop everything started here, workers first. Before the group is ready no worker
         holds a task, so an aborted start-up does not wait the whole stop timeout."""
         self.stopping = True
+        if self.recorded:
+            current.forget(os.getpid())
+            self.recorded = False
         if self.group is None:
             return
         grace = self.args.stop_timeout if self.ready else min(5.0, self.args.stop_timeout)
@@ -295,6 +313,9 @@ class Launch:
         url = self.group.url
         kind = TASK_SPECS[self.name].output
         results = (ROOT / prep.loaded["controller"].output_dir).resolve()
+        # The command as this shell can run it: bare when it is on the PATH.
+        cli = "diffring" if shutil.which("diffring") else str(
+            Path(sys.executable).with_name("diffring"))
         rows = "\n".join(f"  {'metrics' if i == 0 else '':<11} {role:<11} "
                          f"{metrics.get(role, 'off')}"
                          for i, role in enumerate(("controller", *WORKERS)))
@@ -304,8 +325,8 @@ class Launch:
 {rows}
   results     {results}
   logs        {log_dir}   (pids: {self.pids_file})
-  try         (cd {ROOT} && {sys.executable} -m scripts.post.post_{self.name} --url {url} \\
-                 --prompt '...')
+  try         {cli} submit --small --prompt '...'   (finds this group)
+              {cli} list | status TASK | cancel TASK
 Ctrl+C stops the group.""")
 
 
@@ -318,39 +339,59 @@ def metric_urls(prep: Prepared) -> dict[str, str]:
     return out
 
 
-def resolve_devices(args: argparse.Namespace) -> dict[str, str]:
+def visible_gpus() -> int:
+    """The GPUs the torch the services will use sees: a CPU-only build sees none even where
+    nvidia-smi lists some, and then cuda:N would fail in every worker."""
+    probe = subprocess.run([sys.executable, "-c",
+                            "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True)
+    out = probe.stdout.strip()
+    return int(out) if probe.returncode == 0 and out.isdigit() else 0
+
+
+def resolve_devices(args: argparse.Namespace, say: Callable[[str], None] | None = None,
+                    gpu_count: Callable[[], int] = visible_gpus) -> dict[str, str]:
     """Each worker's device from its option: N -> cuda:N, cuda:N, cpu; unset: encoder and
     decoder on GPU 0, the transformer on GPU 1 when two or more are visible (else 0), cpu
-    when none is."""
+    when none is. A GPU asked for where torch sees none is the CPU, with a one-line notice
+    (so the README's command, which names GPUs, runs as written on a CPU machine); a GPU
+    past the ones it sees is an error."""
     given = {r: getattr(args, f"{r}_device") for r in WORKERS}
     gpus = 0
-    if not all(given.values()):
-        # Ask the torch the services will use: a CPU-only build sees no GPU even where
-        # nvidia-smi lists some, and then cuda:N would fail in every worker.
-        probe = subprocess.run([sys.executable, "-c",
-                                "import torch; print(torch.cuda.device_count())"],
-                               capture_output=True, text=True)
-        out = probe.stdout.strip()
-        gpus = int(out) if probe.returncode == 0 and out.isdigit() else 0
+    if any(v != "cpu" for v in given.values()):
+        gpus = gpu_count()
     default = {"encoder": 0, "transformer": 1, "decoder": 0}
     devices = {}
     for role, value in given.items():
         if not value:
             devices[role] = "cpu" if gpus == 0 else f"cuda:{min(default[role], gpus - 1)}"
-        elif value == "cpu" or re.fullmatch(r"cuda:\d+", value):
+        elif value == "cpu":
             devices[role] = value
-        elif value.isdigit():
-            devices[role] = f"cuda:{value}"
+        elif re.fullmatch(r"(cuda:)?\d+", value):
+            index = int(value.removeprefix("cuda:"))
+            if gpus == 0:
+                devices[role] = "cpu"
+            elif index >= gpus:
+                raise LaunchError(f"--{role}-device {value} ({role.upper()}_GPU): torch sees "
+                                  f"{gpus} GPU(s) here, cuda:0 to cuda:{gpus - 1}")
+            else:
+                devices[role] = f"cuda:{index}"
         else:
             raise LaunchError(f"--{role}-device {value} ({role.upper()}_GPU): give N, cuda:N "
                               "or cpu")
+    moved = [f"{role.upper()}_GPU={given[role]}" for role in WORKERS
+             if given[role] and given[role] != "cpu" and devices[role] == "cpu"]
+    if moved and say is not None:
+        say(f"notice: torch sees no GPU here; {' '.join(moved)} run on the CPU instead")
     return devices
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--group", required=True, choices=sorted(TASK_SPECS),
-                    help="the pipeline; its role files are <config-dir>/<group>_<role>.json")
+def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("pipeline", nargs="?", choices=sorted(TASK_SPECS),
+                    help="the pipeline (or --group); its role files are "
+                    "<config-dir>/<pipeline>_<role>.json")
+    ap.add_argument("--group", choices=sorted(TASK_SPECS), help="the pipeline, as a flag")
     ap.add_argument("--model-path", required=True, help="model folder (diffusers format)")
     ap.add_argument("--config-dir", help="folder of the four role files "
                     "(default configs/disagg/<family>)")
@@ -367,11 +408,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="a silent metrics endpoint fails the start-up")
     ap.add_argument("--stop-timeout", type=float, default=30.0,
                     help="seconds each shutdown phase may take before SIGKILL")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.group and args.pipeline and args.group != args.pipeline:
+        ap.error(f"two pipelines named: {args.pipeline} and --group {args.group}")
+    args.group = args.group or args.pipeline
+    if args.group is None:
+        ap.error(f"name the pipeline: one of {', '.join(sorted(TASK_SPECS))}")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``python -m launcher`` (``prog``: the name its help shows, e.g. ``diffring group``)."""
+    args = parse_args(argv, prog)
     launch = Launch(args)
     try:
         return launch.run()

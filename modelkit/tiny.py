@@ -157,7 +157,7 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
     started = time.monotonic()
     # Another process may finish the same build first: then its folder is kept.
     with _in_place(dest, task, keep=lambda: not force and _marker_matches(dest, task, seed)) \
-            as tmp, torch.no_grad():
+            as tmp, torch.no_grad(), _quiet_transformers():
         if task.startswith("wan_"):
             _build_wan(tmp, seed, i2v=task == "wan_i2v")
         elif task == "qwen_i2i_plus":
@@ -186,6 +186,25 @@ def _build_synthetic(dest: Path, task: str, seed: int) -> Path:
         (tmp / MARKER_NAME).write_text(json.dumps(_marker(task, seed), indent=2) + "\n")
     _log(f"{dest}: written")
     return dest
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' chatter while a tiny model is built: a "Writing model shards" bar per
+    component, and a warning that CLIPImageProcessor falls back to its PIL backend without
+    torchvision (which is what we want: PyPI's torchvision does not import beside the CPU
+    torch). Nothing a reader of the demo can act on; errors still show."""
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager

@@ -48,8 +48,9 @@ against this list)."""
 _MODE_ALIASES = {"decode": "decoder", "encode": "encoder"}
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def _parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--service", choices=SERVICES, help="role; defaults to the file's disagg_mode")
     p.add_argument("--config", help="JSON config file (LightX2V field names)")
     p.add_argument("--host", help="front-door bind address (controller, all)")
@@ -131,8 +132,10 @@ def _addresses(service: str, cfg: ServiceConfig, env: dict[str, str]) -> dict[st
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``python run_service.py`` (``prog``: the name its help shows, e.g. ``diffring
+    serve``)."""
+    args = _parse(argv, prog)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

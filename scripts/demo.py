@@ -20,19 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from contracts.pipelines import task_spec
+from diffring_cli.client import SMALL_REQUESTS
 from launcher import LocalGroup, group_config, submit
 from scripts import ROOT
 
-# One small request per pipeline; whether it is a video and takes an input image is the
-# pipeline's own (contracts.pipelines).
-REQUESTS: dict[str, dict[str, Any]] = {
-    "wan_t2v": {"prompt": "a paper boat drifting on a pond", "height": 32, "width": 32,
-                "target_video_length": 9, "infer_steps": 4, "target_fps": 8},
-    "wan_i2v": {"prompt": "the picture comes alive", "height": 32, "width": 32,
-                "target_video_length": 9, "infer_steps": 4, "target_fps": 8},
-    "qwen_t2i": {"prompt": "a lighthouse at dusk", "height": 64, "width": 64, "infer_steps": 4},
-    "qwen_i2i": {"prompt": "make it winter", "height": 32, "width": 32, "infer_steps": 4},
+# One small request per pipeline (the `--small` of `diffring submit` and the request
+# scripts); whether it is a video and takes an input image is the pipeline's own
+# (contracts.pipelines).
+PROMPTS = {
+    "wan_t2v": "a paper boat drifting on a pond",
+    "wan_i2v": "the picture comes alive",
+    "qwen_t2i": "a lighthouse at dusk",
+    "qwen_i2i": "make it winter",
 }
+REQUESTS: dict[str, dict[str, Any]] = {
+    name: {"prompt": prompt, **SMALL_REQUESTS[name]} for name, prompt in PROMPTS.items()}
 
 
 def input_image() -> str:
@@ -57,10 +59,11 @@ def main() -> int:
     print(f"building tiny models in {models} ...", flush=True)
     from modelkit.tiny import build_all
 
-    build_all(models, seed=0)
+    pipelines = args.pipelines.split(",")
+    build_all(models, seed=0, tasks=pipelines)
 
     results: list[tuple[str, str, float]] = []
-    for pipeline in args.pipelines.split(","):
+    for pipeline in pipelines:
         spec, body = task_spec(pipeline), REQUESTS[pipeline]
         kind = spec.output
         if spec.needs_image:
@@ -89,9 +92,19 @@ def main() -> int:
         shutil.copyfile(src, dst)
         results.append((pipeline, str(dst), time.monotonic() - t0))
         print(f"[{pipeline}] completed: {dst}", flush=True)
-    print("\nresults:")
+    print("\nmade (each by a controller and an encoder, a DiT and a decoder process, tensors "
+          "handed over by Mooncake):")
     for pipeline, path, secs in results:
         print(f"  {pipeline:9} {path}  ({secs:.1f} s including start-up)")
+    print(f"""
+The models in {models} have random weights, so the pictures and videos are noise: what the
+demo shows is the serving, not the art. Next:
+  1. run a group yourself (terminal 1) and post to it (terminal 2), on this CPU:
+       .venv/bin/diffring group wan_t2v --model-path {models / 'wan_t2v'}
+       .venv/bin/diffring submit --small --prompt "a paper boat"
+  2. while it runs, open its status page and API docs: http://127.0.0.1:8002/ and /docs
+  3. run the test-suite: bash scripts/test.sh   (real checkpoints on GPUs: README.md,
+     "Running a group")""")
     return 0
 
 

@@ -3,7 +3,7 @@
 # the project with its test extras), then lint, type check and the whole test-suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh test
 PY=.venv/bin/python
 $PY -m ruff check .
 $PY -m mypy

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +24,13 @@ if str(ROOT) not in sys.path:
 
 TOKEN = "test-cluster-token"
 
-from launcher import PORT_RANGE_ENV, free_ports, parse_port_range  # noqa: E402
+from launcher import (  # noqa: E402
+    PORT_RANGE_ENV,
+    free_ports,
+    parse_port_range,
+    port_busy,
+    role_files,
+)
 from rings.soak import stop_process as stop  # noqa: E402
 
 if TYPE_CHECKING:
@@ -333,3 +341,116 @@ def wait_log(svc: Any, text: str, timeout: float = 120) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"no {text!r} after {timeout:g} s:\n{svc.log()[-3000:]}")
         time.sleep(0.05)
+
+
+# -- the start scripts and the launcher, run as an operator runs them -----------------------
+MOONCAKE_PORTS = range(12000, 17001)
+"""Where a Mooncake engine with P2P handshake binds its RPC and TCP-transport ports (seen:
+12001 as the default, 15xxx-16xxx picked at random)."""
+
+
+def free_offset(group: str, subdir: str) -> int:
+    """A PORT_OFFSET under which every port of the group is free. The shifted ports stay
+    below Linux's ephemeral range (32768+), so other tests' free_ports() cannot race us, and
+    out of the range Mooncake picks its own ports from (MOONCAKE_PORTS), so the engines of
+    tests running beside this one cannot take one between this check and the bind."""
+    prep = role_files.prepare(group, ROOT / "configs" / "disagg" / subdir,
+                                Path("/nonexistent"))
+    ports = [(host, port) for _what, host, port in prep.ports()]
+    top = 32767 - max(port for _host, port in ports)
+    rng = random.Random()
+    for _ in range(200):
+        offset = rng.randrange(1000, top)
+        if any(port + offset in MOONCAKE_PORTS for _host, port in ports):
+            continue
+        if not any(port_busy(host, port + offset) for host, port in ports):
+            return offset
+    raise RuntimeError("no free port offset found")
+
+
+class Launched:
+    """A start script run in its own session, its output in a file."""
+
+    def __init__(self, script: Path, env: dict[str, str], log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.out_path = log_dir.parent / "launcher.out"
+        with self.out_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                ["bash", str(script)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=str(ROOT),
+                env=env,
+                start_new_session=True,  # our SIGINT reaches the script alone
+            )
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def pids(self) -> dict[str, int]:
+        path = self.log_dir / "pids"
+        if not path.exists():
+            return {}
+        return {
+            role: int(pid)
+            for role, pid in (ln.split() for ln in path.read_text().split("\n") if ln.strip())
+        }
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"launcher exited with {self.proc.returncode}:\n{self.output()}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} after {timeout} s:\n{self.output()}")
+            time.sleep(0.2)
+
+    def cleanup(self) -> None:
+        """Whatever happened: stop the script, then any service it left, by pid."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.pids().values():
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def launcher_env(tmp_path: Path, model: Path, offset: int) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.endswith("_GPU") and not k.startswith("GPU_") and k != "model_path"
+    }
+    env.update(
+        model_path=str(model),
+        ENCODER_GPU="cpu",
+        TRANSFORMER_GPU="cpu",
+        DECODER_GPU="cpu",
+        PORT_OFFSET=str(offset),
+        LOG_DIR=str(tmp_path / "logs"),
+        OUTPUT_DIR=str(tmp_path / "results"),
+        PYTHON=sys.executable,
+        READY_TIMEOUT="120",
+        METRICS_TIMEOUT="5",
+        STOP_TIMEOUT="20",
+    )
+    return env

@@ -185,13 +185,15 @@ def test_list_pages_from_the_store_and_status_outlives_memory(client: TestClient
     assert client.delete("/v1/tasks/l1").json()["stop_status"] == "do_nothing"
     assert client.get("/v1/tasks/l1/result").status_code == 404
     assert post(client, {"image_path": image, "task_id": "l1"}).status_code == 409
-    pages = [client.get("/v1/tasks/", params={"offset": o, "limit": 3}).json()
-             for o in (0, 3, 6)]
+    pages = [client.get("/v1/tasks/", params={"offset": o, "limit": 3, "order": "oldest"})
+             .json() for o in (0, 3, 6)]
     assert [p["total"] for p in pages] == [7, 7, 7]
     assert [t["task_id"] for p in pages for t in p["tasks"]] == [f"l{i}" for i in range(7)]
-    cancelled = client.get("/v1/tasks/", params={"status": "cancelled"}).json()
+    cancelled = client.get("/v1/tasks/", params={"status": "cancelled", "order": "oldest"}
+                           ).json()
     assert [t["task_id"] for t in cancelled["tasks"]] == ["l1", "l4"]
-    pending = client.get("/v1/tasks/", params={"status": "pending", "limit": 2}).json()
+    pending = client.get("/v1/tasks/", params={"status": "pending", "limit": 2,
+                                               "order": "oldest"}).json()
     assert pending["total"] == 5 and pending["tasks"][0]["queue_position"] == 1
     counts = client.get("/v1/service/status").json()["counts"]
     assert counts["cancelled"] == 2 and counts["pending"] == 5

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.ownership.coordinator import Coordinator
-from controller.tasks.tasks import TERMINAL, Stage, Task
+from controller.tasks.tasks import TERMINAL, WAITING_FOR, Stage, Task
 
 log = logging.getLogger("diffring.events")
 
@@ -78,6 +78,8 @@ def task_event(name: str, task: Task) -> dict[str, Any]:
         "worker": task.worker,
         "at": time.time(),
     }
+    waiting = WAITING_FOR.get(task.stage)
+    data["waiting_for"] = waiting.value if waiting is not None else None
     if name == "progress" or task.stage == Stage.DENOISING:
         data["step"], data["steps"] = task.step, task.steps
     if name == "completed":

@@ -46,7 +46,7 @@ from controller.http.schemas import (
 from controller.http.thumbs import make_thumbnail, thumbnail_file
 from controller.ownership.coordinator import Coordinator
 from controller.tasks.store import StoreConflict, StoreError
-from controller.tasks.tasks import TERMINAL, DuplicateTask, Stage, Task
+from controller.tasks.tasks import TERMINAL, WAITING_FOR, DuplicateTask, Stage, Task
 
 log = logging.getLogger("diffring.frontdoor")
 
@@ -151,6 +151,8 @@ class FrontDoor:
         values = body.image_values()
         self._check_image_count(spec, values)
         save = safe_relative_path(body.save_result_path) if body.save_result_path else ""
+        if save:
+            self._check_result_path_free(save)
         if self.co.table.get(task_id) is not None or (
             body.task_id and await self._off_loop(self.co.table.lookup, task_id) is not None
         ):
@@ -193,6 +195,16 @@ class FrontDoor:
             raise
         await self._durable(task)
         return task
+
+    def _check_result_path_free(self, save: str) -> None:
+        """Two live tasks may not write one result file (409): the second would overwrite
+        the first's result, or the first's late write the second's. Once the first is over
+        the path may be reused (LightX2V's scripts write one name again and again)."""
+        for t in self.co.table:
+            if t.save_result_path == save:
+                raise http_error(
+                    409, f"save_result_path {save!r} is the result file of task {t.task_id}, "
+                    f"still {t.stage.value}; choose another path, or wait until it is over")
 
     def _check_image_count(self, spec: TaskSpec, values: list[str]) -> None:
         """Refuse a wrong number of input images before anything is decoded: none where one
@@ -263,9 +275,16 @@ class FrontDoor:
             "save_result_path": task.save_result_path or "",
         }
 
-    def status(self, task: Task) -> dict[str, Any]:
+    def status(self, task: Task, positions: dict[str, int] | None = None) -> dict[str, Any]:
+        """``GET /v1/tasks/{id}/status``. ``positions``: the table's queue positions, when
+        many tasks are reported at once (computed once for them all)."""
         out = task.public()
-        out["queue_position"] = self.co.table.queue_position(task)
+        waiting = WAITING_FOR.get(task.stage)
+        out["waiting_for"] = waiting.value if waiting is not None else None
+        if positions is None:
+            out["queue_position"] = self.co.table.queue_position(task)
+        else:
+            out["queue_position"] = positions.get(task.task_id)
         if task.stage == Stage.DENOISING and task.steps:
             out["progress"] = f"denoising step {task.step}/{task.steps}"
         store = self.co.checkpoints
@@ -286,17 +305,28 @@ class FrontDoor:
             raise http_error(404, f"no task {task_id}")
         return task
 
-    async def list_tasks(self, status: str | None, offset: int, limit: int) -> dict[str, Any]:
-        """One page of every stored task, in acceptance order (the store's, when it has one:
-        it sees every task still within its retention window)."""
-        await self._caught_up()
-        total, page = await self._read(self.co.table.page, status, offset, limit)
+    async def list_tasks(self, status: str | None, offset: int, limit: int,
+                         order: str = "newest") -> dict[str, Any]:
+        """One page of every stored task, newest first (``order="oldest"``: in acceptance
+        order; the store's, when it has one: it sees every task still within its retention
+        window)."""
+        total, page = await self.read_page(status, offset, limit, order == "newest")
+        positions = self.co.table.queue_positions()
         return {
             "total": total,
             "offset": offset,
             "limit": limit,
-            "tasks": [self.status(t) for t in page],
+            "order": order,
+            "tasks": [self.status(t, positions) for t in page],
         }
+
+    async def read_page(self, status: str | None, offset: int, limit: int,
+                        newest_first: bool) -> tuple[int, list[Task]]:
+        """(total, one page) of the stored tasks, once the store has caught up."""
+        await self._caught_up()
+        result: tuple[int, list[Task]] = await self._read(
+            self.co.table.page, status, offset, limit, newest_first)
+        return result
 
     # -- what the routes report and do beyond one task's creation ------------------------------
     @property

@@ -47,6 +47,10 @@ class OpenAIError(HTTPException):
         self.code = code
 
 
+NO_RETRY = {"x-should-retry": "false"}
+"""The header the openai package reads before retrying a 5xx (or a 409 / 429)."""
+
+
 class _Extensions(BaseModel):
     """diffring's own fields, accepted beside OpenAI's."""
 
@@ -275,9 +279,12 @@ class OpenAIDoor:
         await asyncio.gather(*(self.front.events.wait_terminal(t) for t in tasks))
         for task in tasks:
             if task.stage != Stage.COMPLETED or not task.result_path:
+                # A task that failed in a worker is a server error, but the same request
+                # would fail the same way again: ``x-should-retry: false`` keeps the openai
+                # client from posting it twice more (it retries a 500 by default).
                 raise OpenAIError(
                     500, f"task {task.task_id} {task.stage.value}: {task.error or 'no result'}",
-                    code=task.error_type or task.stage.value)
+                    code=task.error_type or task.stage.value, headers=NO_RETRY)
 
     async def images_response(self, tasks: list[Task], response_format: str | None,
                               base_url: str) -> dict[str, Any]:
@@ -306,6 +313,24 @@ class OpenAIDoor:
                 not task.result_path or not Path(task.result_path).exists()):
             raise OpenAIError(404, f"video {video_id} was deleted", "video_id", code="not_found")
         return task
+
+    async def list_videos(self, after: str | None, limit: int, order: str) -> dict[str, Any]:
+        """``GET /v1/videos``: one page of video jobs (deleted ones left out), newest first
+        by default; ``after``: the last id of the previous page, as OpenAI's cursor. A video
+        controller makes a few jobs a minute, so the whole retention window is read and the
+        page cut here."""
+        _total, tasks = await self.front.read_page(None, 0, 100_000, order == "desc")
+        jobs = [t for t in tasks if t.kind == "video" and t.task_id not in self.deleted]
+        if after is not None:
+            ids = [t.task_id for t in jobs]
+            if after not in ids:
+                raise OpenAIError(400, f"after: no video {after}", "after")
+            jobs = jobs[ids.index(after) + 1:]
+        page = [self.video(t) for t in jobs[:limit]]
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(jobs) > limit}
 
     def video(self, task: Task) -> dict[str, Any]:
         """OpenAI's ``video`` object of a task."""

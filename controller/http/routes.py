@@ -85,8 +85,10 @@ async def list_tasks(
     offset: int = Query(0, ge=0, le=2**62),
     limit: int = Query(100, ge=1, le=1000),
     status: Literal["pending", "processing", "completed", "failed", "cancelled"] | None = None,
+    order: Literal["newest", "oldest"] = Query(
+        "newest", description="newest first (the default) or oldest first"),
 ) -> dict[str, Any]:
-    return await front.list_tasks(status, offset, limit)
+    return await front.list_tasks(status, offset, limit, order)
 
 
 @router.get("/v1/tasks/queue/status")

@@ -39,11 +39,24 @@ _ERROR_TYPE = {401: "authentication_error", 403: "permission_error", 429: "rate_
                503: "server_error"}
 
 
+OPENAI_PATHS = ("/v1/images/", "/v1/videos")
+"""Where a request is answered in OpenAI's error shape, whatever fails (an unknown method
+or path under them included: :func:`openai_http_error`)."""
+
+
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: Mapping[str, str] | None = None) -> JSONResponse:
     etype = _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
     return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def openai_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse | None:
+    """An HTTP error (405, 404 of no route) under the OpenAI paths in OpenAI's shape; None
+    elsewhere (the front door's own shape)."""
+    if not request.url.path.startswith(OPENAI_PATHS):
+        return None
+    return openai_error(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
 class OpenAIRoute(APIRoute):
@@ -195,6 +208,17 @@ async def create_video(request: Request, door: Door) -> dict[str, Any]:
     if params.input_reference is not None and image is None:
         raise OpenAIError(400, "input_reference must carry an image_url", "input_reference")
     return door.video(await door.create_video(params, image))
+
+
+@router.get("/v1/videos")
+async def list_videos(
+    door: Door, after: str | None = Query(None, description="the last id of the previous page"),
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = Query("desc", description="desc: newest first"),
+) -> dict[str, Any]:
+    """The video jobs, a page at a time (OpenAI's list shape and cursor)."""
+    door.require("video", needs_image=None)
+    return await door.list_videos(after, limit, order)
 
 
 @router.get("/v1/videos/{video_id}")

@@ -9,35 +9,52 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from contracts.roles import Role
 from controller.http import dit_offers
 from controller.http.events import EventHub, result_path, thumbnail_path
 from controller.ownership.coordinator import Coordinator
-from controller.tasks.tasks import TERMINAL, Stage, Task
+from controller.tasks.tasks import WORKING_STAGE, Stage, Task
+
+WORKING_ROLE = {stage: role for role, stage in WORKING_STAGE.items()}
+"""The role whose worker holds a task in each working stage."""
 
 TASKS_SHOWN = 30
 """Recent tasks on the status page."""
 
 
 def queue(co: Coordinator) -> dict[str, Any]:
-    """``GET /v1/tasks/queue/status``: the queued and the running tasks."""
-    waiting = (Stage.ACCEPTED, Stage.QUEUED)
-    queued = [t.task_id for t in co.table if t.stage in waiting]
-    running = [t.task_id for t in co.table if t.stage not in TERMINAL and t.stage not in waiting]
+    """``GET /v1/tasks/queue/status``: the waiting tasks (for an encoder, a DiT or a
+    decoder: ``waiting``, each queue in the order its workers are expected to take it) and
+    the running ones (a worker holds them: ``running``, also by role); ``pending`` /
+    ``processing`` / ``queue`` / ``running`` as LightX2V's, counted the same way."""
+    waiting = co.table.waiting()
+    running: dict[str, list[str]] = {role.value: [] for role in Role}
+    for t in co.table:
+        role = WORKING_ROLE.get(t.stage)
+        if role is not None:
+            running[role.value].append(t.task_id)
+    queued = [t.task_id for queue in waiting.values() for t in queue]
+    busy = [tid for ids in running.values() for tid in ids]
     return {
         "pending": len(queued),
-        "processing": len(running),
+        "processing": len(busy),
         "queue": queued,
-        "running": running,
+        "running": busy,
+        "waiting": {role.value: [t.task_id for t in q] for role, q in waiting.items()},
+        "running_by_role": running,
+        "stages": co.table.counts_by_stage(),
         "max_pending": co.config.max_pending,
     }
 
 
 def service(co: Coordinator) -> dict[str, Any]:
-    """``GET /v1/service/status``: busy or idle, the counts, the workers, the offers."""
+    """``GET /v1/service/status``: busy or idle, the counts (by status, and the unfinished
+    by stage), the workers, the offers."""
     counts = co.table.counts()
     return {
         "service_status": "busy" if counts["pending"] + counts["processing"] > 0 else "idle",
         "counts": counts,
+        "stages": co.table.counts_by_stage(),
         "workers": co.registry.by_role(),
         "result_writes": co.result_writes.public(),
         **dit_offers.listing(co.registry),

@@ -11,14 +11,17 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contracts.pipelines import task_spec
 from controller.http import routes, routes_events, routes_openai, routes_ui
 from controller.http.auth import api_key_guard
 from controller.http.bodies import BodyLimit
+from controller.http.docs import add_docs
 from controller.http.frontdoor import FrontDoor
 from controller.http.openai_api import OpenAIDoor
 
@@ -35,6 +38,14 @@ async def _validation_error(_req: Request, exc: Exception) -> JSONResponse:
         else:
             problems.append(f"{loc}: {err.get('msg')}")
     return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
+
+
+async def _http_error(req: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, a method not allowed): OpenAI's shape under
+    the OpenAI paths, so its client raises its own exceptions; FastAPI's elsewhere."""
+    assert isinstance(exc, StarletteHTTPException)
+    shaped = routes_openai.openai_http_error(req, exc)
+    return shaped if shaped is not None else await http_exception_handler(req, exc)
 
 
 async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
@@ -55,10 +66,13 @@ def build_app(front: FrontDoor) -> FastAPI:
         description=f"Disaggregated diffusion serving — this controller serves "
         f"{front.pipeline}.",
         version="0.1.0",
+        docs_url=None,  # served from the installed bundles instead (controller.http.docs)
+        redoc_url=None,
     )
     app.state.front = front
     app.state.openai = OpenAIDoor(front)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     guard = api_key_guard(front.server.api_key)
     for module in (routes, routes_events, routes_openai, routes_ui):
@@ -67,6 +81,7 @@ def build_app(front: FrontDoor) -> FastAPI:
     app.include_router(routes.open_router)
     app.include_router(routes_ui.page_router)
     app.mount("/ui/static", StaticFiles(directory=routes_ui.UI_DIR), name="ui-static")
+    add_docs(app)
     # Whole request bodies are read into memory: refuse what cannot be a valid request
     # (the largest images it may carry, base64-encoded, plus room for the other fields)
     # before that.

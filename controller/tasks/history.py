@@ -52,16 +52,17 @@ class FinishedTasks:
         rec = None if self.store is None else self.store.get(task_id)
         return None if rec is None else task_from_record(rec)
 
-    def page(self, status: str | None, offset: int, limit: int, live: Mapping[str, Task]
-             ) -> tuple[int, list[Task]]:
-        """(total, one page) of every task in acceptance order, finished or ``live`` (those
-        as the very objects in memory, whose counters move); blocking, like :meth:`lookup`."""
+    def page(self, status: str | None, offset: int, limit: int, live: Mapping[str, Task],
+             newest_first: bool = False) -> tuple[int, list[Task]]:
+        """(total, one page) of every task in acceptance order (``newest_first``: the
+        reverse), finished or ``live`` (those as the very objects in memory, whose counters
+        move); blocking, like :meth:`lookup`."""
         if self.store is None:
             tasks = [t for t in (*self.recent.values(), *live.values())
                      if status is None or t.status == status]
-            tasks.sort(key=lambda t: t.created_at)
+            tasks.sort(key=lambda t: t.created_at, reverse=newest_first)
             return len(tasks), tasks[offset : offset + limit]
-        total, records = self.store.page(status, offset, limit)
+        total, records = self.store.page(status, offset, limit, newest_first)
         return total, [live.get(r["task_id"]) or self.recent.get(r["task_id"])
                        or task_from_record(r) for r in records]
 

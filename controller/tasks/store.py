@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contracts import task_store
 from contracts.errors import ConfigError, DiffringError
 from controller.tasks import store_sql
 from controller.tasks.store_sql import DB_NAME, Op
@@ -129,7 +130,7 @@ class TaskStore:
     def open(self) -> None:
         """Create or open the database, take the folder's lock, start the writer thread."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock_file = (self.folder / "tasks.lock").open("a")
+        self._lock_file = (self.folder / task_store.LOCK_FILE).open("a")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -343,10 +344,10 @@ class TaskStore:
         return None if row is None else store_sql.record(row)
 
     def page(
-        self, status: str | None, offset: int, limit: int
+        self, status: str | None, offset: int, limit: int, newest_first: bool = False
     ) -> tuple[int, list[dict[str, Any]]]:
-        """(total matching, one page of records) in acceptance order."""
-        return store_sql.page(self._reader(), status, offset, limit)
+        """(total matching, one page of records) in acceptance order (or its reverse)."""
+        return store_sql.page(self._reader(), status, offset, limit, newest_first)
 
     def counts(self) -> dict[str, int]:
         return store_sql.counts(self._reader())

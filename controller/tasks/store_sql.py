@@ -154,22 +154,24 @@ def unfinished(conn: sqlite3.Connection) -> tuple[list[dict[str, Any]], dict[str
     return rows, images
 
 
-def page(conn: sqlite3.Connection, status: str | None, offset: int, limit: int
-         ) -> tuple[int, list[dict[str, Any]]]:
-    """(total matching, one page of records) in acceptance order, from one snapshot."""
+def page(conn: sqlite3.Connection, status: str | None, offset: int, limit: int,
+         newest_first: bool = False) -> tuple[int, list[dict[str, Any]]]:
+    """(total matching, one page of records) in acceptance order (``newest_first``: the
+    reverse), from one snapshot."""
+    order = "seq DESC" if newest_first else "seq"
     conn.execute("BEGIN")
     try:
         if status is None:
             total = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
             rows = conn.execute(
-                "SELECT * FROM tasks ORDER BY seq LIMIT ? OFFSET ?", (limit, offset)
+                f"SELECT * FROM tasks ORDER BY {order} LIMIT ? OFFSET ?", (limit, offset)
             ).fetchall()
         else:
             total = conn.execute(
                 "SELECT count(*) FROM tasks WHERE status = ?", (status,)
             ).fetchone()[0]
             rows = conn.execute(
-                "SELECT * FROM tasks WHERE status = ? ORDER BY seq LIMIT ? OFFSET ?",
+                f"SELECT * FROM tasks WHERE status = ? ORDER BY {order} LIMIT ? OFFSET ?",
                 (status, limit, offset),
             ).fetchall()
     finally:

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from contracts.priority import rank
 from contracts.roles import Role
 from controller.tasks.history import FinishedTasks
 from controller.tasks.journal import TaskJournal
@@ -30,6 +31,7 @@ from controller.tasks.tasks import (
     CLAIMABLE_FROM,
     HANDOFF_STAGE,
     TERMINAL,
+    WAITING_FOR,
     WORKING_STAGE,
     DuplicateTask,
     Stage,
@@ -85,10 +87,11 @@ class TaskTable:
         event loop, e.g. on ``store.reads``)."""
         return self.get(task_id) or self.history.lookup(task_id)
 
-    def page(self, status: str | None, offset: int, limit: int) -> tuple[int, list[Task]]:
-        """(total, one page) of every stored task in acceptance order, the live ones as they
-        are in memory (blocking read, like :meth:`lookup`)."""
-        return self.history.page(status, offset, limit, self.tasks)
+    def page(self, status: str | None, offset: int, limit: int, newest_first: bool = False
+             ) -> tuple[int, list[Task]]:
+        """(total, one page) of every stored task in acceptance order (``newest_first``: the
+        reverse), the live ones as they are in memory (blocking read, like :meth:`lookup`)."""
+        return self.history.page(status, offset, limit, self.tasks, newest_first)
 
     def in_flight(self) -> int:
         return len(self.tasks)
@@ -102,17 +105,39 @@ class TaskTable:
             out[t.status] += 1
         return out
 
-    def queue_position(self, task: Task) -> int | None:
-        """1-based position among tasks waiting for an encoder, or None when not queued."""
-        if task.stage not in (Stage.ACCEPTED, Stage.QUEUED):
-            return None
-        pos = 0
+    def counts_by_stage(self) -> dict[str, int]:
+        """The unfinished tasks by stage (every stage named, zeros included)."""
+        out = {s.value: 0 for s in Stage if s not in TERMINAL}
+        for t in list(self.tasks.values()):
+            out[t.stage.value] += 1
+        return out
+
+    def waiting(self) -> dict[Role, list[Task]]:
+        """The tasks no worker holds, by the role they wait for, each list in the order the
+        role's workers are expected to take them: a ring's items before the tasks not yet
+        released into it (the request ring), then the higher priority class first (the
+        release order, and a DiT's deferred claims), then the earliest into the wait."""
+        out: dict[Role, list[Task]] = {role: [] for role in Role}
         for t in self.tasks.values():
-            if t.stage in (Stage.ACCEPTED, Stage.QUEUED):
-                pos += 1
-            if t is task:
-                return pos
-        return None
+            role = WAITING_FOR.get(t.stage)
+            if role is not None:
+                out[role].append(t)
+        for queue in out.values():
+            queue.sort(key=lambda t: (t.stage == Stage.ACCEPTED, -rank(t.priority),
+                                      t.stage_times.get(t.stage.value, t.created_at)))
+        return out
+
+    def queue_positions(self) -> dict[str, int]:
+        """Task id -> its 1-based place in the queue of the role it waits for."""
+        return {t.task_id: i for queue in self.waiting().values()
+                for i, t in enumerate(queue, 1)}
+
+    def queue_position(self, task: Task) -> int | None:
+        """1-based place of ``task`` in the queue of the role it waits for (an encoder, a
+        DiT or a decoder: :meth:`waiting`), or None while a worker holds it or it is over."""
+        if task.stage not in WAITING_FOR:
+            return None
+        return self.queue_positions().get(task.task_id)
 
     def not_held(self, worker_id: int, task_ids: Iterable[str]) -> list[str]:
         """Of the tasks a worker reports running, those it should stop: over, cancelled, or

@@ -4,9 +4,13 @@
              -> completed | failed | cancelled
 
 ``status`` is LightX2V's coarse view (pending / processing / completed / failed /
-cancelled); ``stage`` the fine one above. Attempts: a task put back in play (its worker died,
-its lease expired, its ring item was lost, its attempt failed) gets ``attempt + 1``; the
-attempt number fences work: an older attempt's claim, progress, handoff or result is refused.
+cancelled); ``stage`` the fine one above. A task is ``pending`` whenever it waits for a
+worker -- of the next stage too: in ``phase1`` it waits for a DiT, in ``phase2`` for a
+decoder (``waiting_for`` names the role) -- and ``processing`` only while a worker holds
+it, so a queue of tasks behind one DiT reads as one running and the rest waiting.
+Attempts: a task put back in play (its worker died, its lease expired, its ring item was
+lost, its attempt failed) gets ``attempt + 1``; the attempt number fences work: an older
+attempt's claim, progress, handoff or result is refused.
 
 Who changes a task: :class:`controller.tasks.table.TaskTable` (the lifecycle of the live
 ones),
@@ -57,10 +61,20 @@ CLAIMABLE_FROM = {
 }
 # The ring a task waits in, with no lease, in each waiting stage (what reconciliation checks).
 WAITING_RING = {Stage.QUEUED: "request", Stage.PHASE1: "phase1", Stage.PHASE2: "phase2"}
+# The role a task waits for in each stage where no worker holds it (ACCEPTED: not yet
+# released into the request ring, or put back after a retry).
+WAITING_FOR = {
+    Stage.ACCEPTED: Role.ENCODER,
+    Stage.QUEUED: Role.ENCODER,
+    Stage.PHASE1: Role.TRANSFORMER,
+    Stage.PHASE2: Role.DECODER,
+}
 
 
 def coarse_status(stage: Stage) -> str:
-    if stage in (Stage.ACCEPTED, Stage.QUEUED):
+    """LightX2V's word for ``stage``: pending while waiting for any stage's worker,
+    processing while one holds it."""
+    if stage in WAITING_FOR:
         return "pending"
     if stage in TERMINAL:
         return stage.value

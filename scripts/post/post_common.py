@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 
 from contracts.pipelines import TaskSpec, task_spec
-from diffring_cli.client import RequestFailed, encode_image, run_task
+from diffring_cli.client import SMALL_REQUESTS, RequestFailed, encode_image, run_task
+from diffring_cli.target import NoTarget, front_door
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,14 @@ def parse_args(p: Pipeline, argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--url",
-        default=f"http://127.0.0.1:{p.port}",
-        help="controller front door (default: %(default)s)",
+        default=os.environ.get("DIFFRING_URL"),
+        help=f"controller front door (default: $DIFFRING_URL, else the {p.name} group started "
+        f"on this machine, else http://127.0.0.1:{p.port})",
     )
     ap.add_argument("--prompt", default=p.prompt)
+    ap.add_argument("--small", action="store_true",
+                    help="a small request (a few steps, a tiny size): seconds on a tiny "
+                    "model on a CPU; the defaults (50 steps, full size) take minutes there")
     ap.add_argument("--negative-prompt", default=None)
     if p.needs_image:
         ap.add_argument(
@@ -128,7 +133,8 @@ def parse_args(p: Pipeline, argv: list[str] | None) -> argparse.Namespace:
 
 def request_body(p: Pipeline, args: argparse.Namespace) -> dict[str, Any]:
     """The JSON body of ``POST /v1/tasks/{kind}/`` (LightX2V's field names)."""
-    body: dict[str, Any] = {"prompt": args.prompt}
+    body: dict[str, Any] = dict(SMALL_REQUESTS[p.name]) if args.small else {}
+    body["prompt"] = args.prompt
     optional = {
         "task_id": args.task_id,
         "negative_prompt": args.negative_prompt,
@@ -157,6 +163,11 @@ def main(pipeline: str, argv: list[str] | None = None) -> int:
     p = PIPELINES[pipeline]
     args = parse_args(p, argv)
     try:
+        args.url, _why = front_door(args.url, None, p.name, f"http://127.0.0.1:{p.port}")
+    except NoTarget as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         path = run(p, args)
     except RequestFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -164,7 +175,8 @@ def main(pipeline: str, argv: list[str] | None = None) -> int:
     except httpx.HTTPError as exc:
         print(
             f"error: cannot talk to the controller at {args.url}: {exc} "
-            "(is the group running? see scripts/server/disagg/)",
+            f"(is the group running? `diffring group {p.name} --model-path DIR`, or "
+            "scripts/server/disagg/)",
             file=sys.stderr,
         )
         return 1

@@ -30,7 +30,16 @@ function bar(step, steps, stage) {
   const fill = el("span");
   fill.style.width = `${Math.round(frac * 100)}%`;
   const label = steps ? `${step}/${steps}` : "";
-  return el("div", { class: cls, title: label }, fill);
+  // The step k/n is written beside the bar, not only in its tooltip.
+  return el("span", { class: "progress" }, el("div", { class: cls, title: label }, fill),
+    el("span", { class: "steps" }, label));
+}
+
+// A waiting task's stage says which worker it waits for, and its place in that queue.
+function stageText(t) {
+  if (!t.waiting_for) return t.stage;
+  const pos = t.queue_position ? ` #${t.queue_position}` : "";
+  return `${t.stage} · waiting for ${t.waiting_for}${pos}`;
 }
 
 function age(s) {
@@ -103,7 +112,7 @@ function resilience(t) {
 function taskRow(t) {
   return el("tr", { "data-task-id": t.task_id },
     el("td", {}, t.task_id),
-    el("td", { class: `stage-${t.stage}` }, t.stage),
+    el("td", { class: `stage-${t.stage}` }, stageText(t)),
     el("td", {}, bar(t.step, t.steps, t.stage)),
     el("td", { class: "ckpt" }, resilience(t)),
     el("td", {}, t.attempt),
