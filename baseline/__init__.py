@@ -218,7 +218,8 @@ async def run_all_async(
         co.close()
         raise
     worker.start()
-    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
+    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server,
+                      defaults=cfg.request_defaults)
     app = build_app(front)
     metrics_server = start_metrics(
         cfg, co, app, lambda: {}, None, collectors=[worker.metrics.registry], sock=ports.metrics

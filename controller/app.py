@@ -223,7 +223,8 @@ async def run_controller_async(
             **_ring_status(rings), "recovery": dict(co.recovery.counts),
             "checkpoints": checkpoints.summary() if checkpoints is not None else None,
             "priorities": dict(co.priorities.counts)},
-                          service="controller", server=cfg.server)
+                          service="controller", server=cfg.server,
+                          defaults=cfg.request_defaults)
         app = build_app(front)
         if images is not None:  # start the decoding processes before the first image
             await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)
@@ -279,7 +280,8 @@ def tensor_engine(cfg: ServiceConfig, env: Mapping[str, str]) -> Any:
     # address unless the operator says otherwise.
     own = default_advertised_host(cfg, controller=True)
     settings = MooncakeSettings.resolve(
-        cfg.mooncake_config_path, env, defaults={"local_hostname": own}
+        cfg.mooncake_config_path, env, defaults={"local_hostname": own},
+        service=cfg.mooncake,
     )
     engine = TransferEngine(settings)
     engine.start()

@@ -63,6 +63,8 @@ def run_checks(
     d = cfg.disagg_config
     r.add("config", "ok", f"{service}: pipeline {cfg.pipeline}, ring transport "
           f"{d.ring_transport}, Mooncake config {cfg.mooncake_config_path or 'none'}")
+    for note in cfg.lightx2v:  # a LightX2V stage config: what each of its keys became
+        r.add("lightx2v", "ok", note.line())
     workers = _roles(service)
     for what, host, port in _binds(service, cfg):
         _check_bind(r, what, host, port)
@@ -271,6 +273,7 @@ def _mooncake(
         own = default_advertised_host(cfg, controller=controller)
         s = MooncakeSettings.resolve(cfg.mooncake_config_path, env,
                                      defaults={"local_hostname": own},
+                                     service=cfg.mooncake,
                                      infiniband_dir=infiniband_dir)
     except DiffringError as exc:
         r.add("mooncake settings", "fail", str(exc))

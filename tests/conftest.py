@@ -333,3 +333,78 @@ def wait_log(svc: Any, text: str, timeout: float = 120) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"no {text!r} after {timeout:g} s:\n{svc.log()[-3000:]}")
         time.sleep(0.05)
+
+
+# -- LightX2V's shapes: its published disaggregation stage configs (configs/disagg/{wan,qwen}/
+# of its repository), key for key, and its request scripts' payloads ----------------------
+def lightx2v_stage_configs() -> dict[str, dict[str, Any]]:
+    """``<prefix>_disagg_<role>.json`` name -> the object LightX2V publishes there."""
+    def disagg(room: int, sender: int, receiver: int, phase2: tuple[int, int] | None = None,
+               device_name: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {"bootstrap_addr": "127.0.0.1", "bootstrap_room": room,
+                             "sender_engine_rank": sender, "receiver_engine_rank": receiver,
+                             "protocol": "rdma", "local_hostname": "localhost",
+                             "metadata_server": "P2PHANDSHAKE"}
+        if device_name:
+            d["device_name"] = ""
+        if phase2 is not None:
+            d["decoder_engine_rank"], d["decoder_bootstrap_room"] = phase2
+        return d
+
+    def wan(steps: int, shift: int, i2v: bool) -> dict[str, dict[str, Any]]:
+        base: dict[str, Any] = {"infer_steps": steps, "target_video_length": 81,
+                                "text_len": 512, "target_height": 480, "target_width": 832}
+        dit = {"self_attn_1_type": "sage_attn2", "cross_attn_1_type": "sage_attn2",
+               "cross_attn_2_type": "sage_attn2", "sample_guide_scale": 5,
+               "sample_shift": shift, "enable_cfg": True}
+        tail: dict[str, Any] = {"cpu_offload": False, "fps": 16}
+        if i2v:
+            tail["clip_embed_dim"] = 329216
+        room = 2 if i2v else 0
+        name = "wan_i2v" if i2v else "wan_t2v"
+        return {
+            f"{name}_disagg_encoder": {**base, **dit, **tail, "disagg_mode": "encoder",
+                                       "disagg_config": disagg(room, 0, 1)},
+            f"{name}_disagg_transformer": {**base, **dit, **tail, "disagg_mode": "transformer",
+                                           "disagg_config": disagg(room, 0, 1,
+                                                                   (2, room + 1))},
+            f"{name}_disagg_decode": {**base, **tail, "disagg_mode": "decode",
+                                      "disagg_config": disagg(room + 1, 1, 2)},
+        }
+
+    def qwen(task: str) -> dict[str, dict[str, Any]]:
+        t2i = task == "t2i"
+        steps = 50 if t2i else 40
+        size = {"target_height": 1536, "target_width": 2752} if t2i else {
+            "target_height": 1664, "target_width": 1664}
+        geo = {"vae_z_dim": 16, "vae_stride": [1, 8, 8], "target_video_length": 1, **size}
+        template = {"prompt_template_encode": "<|im_start|>system\nDescribe ...<|im_end|>\n"
+                    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+                    "prompt_template_encode_start_idx": 34 if t2i else 64}
+        cfg = {"enable_cfg": True, "sample_guide_scale": 4.0}
+        text = {"text_encoder_dim": 3584, "text_len": 4096, "infer_steps": steps}
+        extra: dict[str, Any] = ({"aspect_ratio": "16:9", "max_custom_size": 3072} if t2i else
+                                 {"resize_mode": "adaptive"})
+        edit: dict[str, Any] = {} if t2i else {"CONDITION_IMAGE_SIZE": 147456,
+                                               "USE_IMAGE_ID_IN_PROMPT": True}
+        room = 0 if t2i else 1
+        name = f"qwen_image_{task}_disagg"
+        transformer = {"task": task, "disagg_mode": "transformer", **text, **extra, **template,
+                       "attn_type": "flash_attn2" if t2i else "flash_attn3", **cfg, **edit,
+                       **geo, "disagg_config": disagg(room, 0, 1, (2, 2), device_name=True)}
+        if t2i:
+            transformer["dit_original_ckpt"] = "/path/to/qwen-2512/dit.safetensors"
+        decode: dict[str, Any] = {"task": task, "disagg_mode": "decode", "infer_steps": steps,
+                                  "vae_scale_factor": 8, **geo}
+        if t2i:
+            decode["max_custom_size"] = 3072
+        return {
+            f"{name}_encoder": {"task": task, "disagg_mode": "encoder",
+                                "text_encoder_type": "lightllm_kernel", **text, **extra,
+                                **template, "attn_type": "flash_attn3", **cfg, **edit, **geo,
+                                "disagg_config": disagg(room, 0, 1, device_name=True)},
+            f"{name}_transformer": transformer,
+            f"{name}_decode": {**decode, "disagg_config": disagg(2, 1, 2)},
+        }
+
+    return {**wan(50, 5, False), **wan(40, 3, True), **qwen("t2i"), **qwen("i2i")}

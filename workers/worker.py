@@ -189,7 +189,8 @@ class StageWorker(StageHost):
         log.info("worker %s: model folder %s is %s", self.name, self.model_path(),
                  self.model_folder.describe())
         settings = MooncakeSettings.resolve(
-            self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own}
+            self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own},
+            service=self.cfg.mooncake,
         )
         self.engine = TransferEngine(settings)
         self.engine.start()

@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,12 @@ from controller.http.dit_offers import check_offers, lora_fields
 from controller.http.events import EventHub
 from controller.http.schemas import (
     TASK_ID_RE,
-    ImageTaskRequest,
     TaskRequest,
     VideoTaskRequest,
     http_error,
     safe_relative_path,
-    size_for_aspect,
 )
+from controller.http.sizes import plain_defaults, size_fields
 from controller.http.thumbs import make_thumbnail, thumbnail_file
 from controller.ownership.coordinator import Coordinator
 from controller.tasks.store import StoreConflict, StoreError
@@ -63,12 +62,16 @@ class FrontDoor:
         service: str,
         server: ServerConfig | None = None,
         decoder: ImageDecoder | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.co = coordinator
         self.pipeline = coordinator.config.pipeline
         self.status_extra = status_extra
         self.service = service
         self.server = server or ServerConfig()
+        self.defaults: Mapping[str, Any] = defaults or {}
+        """The service's ``request_defaults``: what a request that leaves a field unset gets
+        (LightX2V's model knobs; :mod:`controller.http.sizes`)."""
         self.decoder = decoder or ImageDecoder()
         """Input images are decoded in worker processes (:mod:`controller.http.decoding`)."""
         # Staging and store look-ups run here, off the event loop.
@@ -94,29 +97,17 @@ class FrontDoor:
             "infer_steps",
             "guidance_scale",
             "true_cfg_scale",
-            "height",
-            "width",
         ):
             value = getattr(body, name)
             if value is not None:
                 fields[name] = value
-        if body.target_shape is not None:
-            if len(body.target_shape) != 2:
-                raise http_error(422, "target_shape must be [height, width]")
-            fields["height"], fields["width"] = body.target_shape
+        fields.update(size_fields(body, spec, self.defaults))
         if isinstance(body, VideoTaskRequest):
             if body.target_video_length is not None:
                 fields["num_frames"] = body.target_video_length
             if body.target_fps is not None:
                 fields["fps"] = body.target_fps
-        if isinstance(body, ImageTaskRequest) and body.aspect_ratio:
-            if "height" in fields or "width" in fields:
-                raise http_error(422, "give aspect_ratio or an explicit size, not both")
-            h = spec.defaults.get("height") or 1328
-            w = spec.defaults.get("width") or 1328
-            fields["height"], fields["width"] = size_for_aspect(
-                body.aspect_ratio, int(h) * int(w), spec.size_multiple
-            )
+        plain_defaults(fields, self.defaults)
         try:
             req = GenerationRequest.from_dict(fields)
         except (InvalidRequestError, TypeError) as exc:

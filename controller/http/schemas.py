@@ -44,6 +44,9 @@ class TaskRequest(BaseModel):
     infer_steps: int | None = Field(None, ge=1, le=1000)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     target_shape: list[int] | None = Field(None, description="[height, width]")
+    size: str | list[int] | None = Field(
+        None, description="output size as LightX2V's OpenAI route reads it, 'WxH', or "
+        "[height, width] (as target_shape)")
     height: int | None = None
     width: int | None = None
     guidance_scale: float | None = Field(None, ge=0)

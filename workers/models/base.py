@@ -171,6 +171,7 @@ class TransformerAdapter(StageAdapter):
         options: StageOptions | None = None,
         budget_shapes: Sequence[str] = (),
         group: Any = None,
+        attention_fallback: str | None = None,
     ) -> None:
         super().__init__(model_dir, task, device, dtype, options)
         self.group = group
@@ -179,6 +180,10 @@ class TransformerAdapter(StageAdapter):
         self.budget_shapes = tuple(budget_shapes)
         check_backend_name(attention)
         self.attention = attention
+        if attention_fallback is not None:
+            check_backend_name(attention_fallback)
+        self.attention_fallback = attention_fallback
+        """The backend run where ``attention`` cannot (None: refuse to load)."""
         self.compile = compile
         self.cfg_batch = cfg_batch
 

@@ -26,9 +26,10 @@ def load_transformers_model(cls: Any, path: str, placement: Placement) -> Any:
     return place(model.eval(), placement)
 
 
-def load_scheduler(path: str) -> Any:
+def load_scheduler(path: str, **overrides: Any) -> Any:
     """The scheduler class named in ``scheduler_config.json`` (what diffusers' pipelines load;
-    Wan2.1 ships UniPC, Qwen-Image FlowMatchEuler)."""
+    Wan2.1 ships UniPC, Qwen-Image FlowMatchEuler). ``overrides``: config values to change
+    (``flow_shift``), diffusers' way: the scheduler built with them instead of the file's."""
     import diffusers
     from diffusers import SchedulerMixin
 
@@ -40,7 +41,7 @@ def load_scheduler(path: str) -> Any:
     cls = getattr(diffusers, str(class_name), None)
     if not (isinstance(cls, type) and issubclass(cls, SchedulerMixin)):
         raise ModelLoadError(f"{config_file} names {class_name!r}, not a diffusers scheduler")
-    return cls.from_pretrained(path, local_files_only=True)
+    return cls.from_pretrained(path, local_files_only=True, **overrides)
 
 
 def fresh_scheduler(template: Any) -> Any:
