@@ -351,7 +351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--group", required=True, choices=sorted(TASK_SPECS),
                     help="the pipeline; its role files are <config-dir>/<group>_<role>.json")
-    ap.add_argument("--model-path", required=True, help="model folder (diffusers format)")
+    ap.add_argument("--model-path", required=True,
+                    help="model folder (diffusers or original Wan2.1 layout)")
     ap.add_argument("--config-dir", help="folder of the four role files "
                     "(default configs/disagg/<family>)")
     for role in WORKERS:

@@ -408,3 +408,24 @@ def lightx2v_stage_configs() -> dict[str, dict[str, Any]]:
         }
 
     return {**wan(50, 5, False), **wan(40, 3, True), **qwen("t2i"), **qwen("i2i")}
+
+
+@pytest.fixture(scope="session")
+def wan_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<task>-diffusers`` and ``<task>-original`` for wan_t2v and wan_i2v: the same tiny
+    random weights in diffusers' layout and in the original Wan2.1 layout (written through
+    the published key mappings: modelkit/original.py), built once per run."""
+    import fcntl
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.getbasetemp().parent / "wan-pairs"
+    else:
+        out = tmp_path_factory.mktemp("wan-pairs")
+    from modelkit.original import build_wan_pair
+
+    out.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f"{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for task in ("wan_t2v", "wan_i2v"):
+            build_wan_pair(out, task)
+    return out

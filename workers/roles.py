@@ -386,6 +386,7 @@ def transformer_options(cfg: ServiceConfig) -> dict[str, Any]:
     return {
         "attention": cfg.attention_backend,
         "attention_fallback": cfg.attention_fallback,
+        "dit_file": cfg.dit_original_ckpt,
         "compile": cfg.compile,
         "cfg_batch": cfg.cfg_batch,
         "options": cfg.transformer,

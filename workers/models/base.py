@@ -172,8 +172,10 @@ class TransformerAdapter(StageAdapter):
         budget_shapes: Sequence[str] = (),
         group: Any = None,
         attention_fallback: str | None = None,
+        dit_file: str | None = None,
     ) -> None:
         super().__init__(model_dir, task, device, dtype, options)
+        self.dit_file = dit_file
         self.group = group
         self.cfg_split: Any = None
         """Set by :func:`~workers.models.parallel.attach_group` in a CFG-2 group."""
