@@ -66,6 +66,13 @@ class ServerConfig:
     before they are decoded (decompression-bomb guard)."""
     max_image_bytes: int = 32 << 20
     """Largest input image file (after base64 decoding) the front door accepts (413)."""
+    lightx2v_ports: dict[str, int] | None = None
+    """Controller: LightX2V's per-stage API ports, ``{"encoder": 8002, "transformer": 8003,
+    "decoder": 8006}``, on which its three-POST request scripts work unchanged
+    (controller/http/lightx2v_edge.py); the encoder's may be ``port``. None: not opened."""
+    lightx2v_pair_timeout_s: float = 60.0
+    """How long a three-POST flow's Decoder POST waits for its Encoder POST before the flow
+    fails (its status says so)."""
     max_input_images: int = 3
     """Most input images one request of a multi-image pipeline (``qwen_i2i_plus``) may carry;
     more get 413. Each is held to ``max_image_bytes`` and ``max_image_pixels``, and request
@@ -86,6 +93,28 @@ class ServerConfig:
             )
         if self.max_image_pixels <= 0 or self.max_image_bytes <= 0:
             raise ConfigError("server.max_image_pixels and max_image_bytes must be positive")
+        if self.lightx2v_ports is not None:
+            roles = ("encoder", "transformer", "decoder")
+            if sorted(self.lightx2v_ports) != sorted(roles) or not all(
+                    isinstance(p, int) and 0 < p <= 65535 for p in self.lightx2v_ports.values()):
+                raise ConfigError("server.lightx2v_ports must give a port (1-65535) for each "
+                                  "of encoder, transformer, decoder, e.g. {\"encoder\": 8002, "
+                                  "\"transformer\": 8003, \"decoder\": 8006}")
+            ports = self.lightx2v_ports
+            if len(set(ports.values())) != 3:
+                raise ConfigError(f"server.lightx2v_ports must be three different ports, got "
+                                  f"{ports}")
+            clash = [r for r in ("transformer", "decoder") if ports[r] == self.port]
+            if clash:
+                raise ConfigError(
+                    f"server.lightx2v_ports: the {clash[0]}'s port {self.port} is the front "
+                    "door's (server.port); only the encoder's may be (a single POST there is "
+                    "a task of its own): move the front door to the encoder's port")
+            if self.metric_port in ports.values():
+                raise ConfigError(f"server.lightx2v_ports: {self.metric_port} is the metrics "
+                                  "port")
+        if not self.lightx2v_pair_timeout_s > 0:
+            raise ConfigError("server.lightx2v_pair_timeout_s must be positive")
         if not 1 <= self.max_input_images <= 64:
             raise ConfigError("server.max_input_images must be between 1 and 64, got "
                               f"{self.max_input_images}")

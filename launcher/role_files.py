@@ -17,6 +17,7 @@ from typing import Any
 
 from contracts.config import DisaggConfig, ServiceConfig
 from contracts.errors import ConfigError
+from contracts.lightx2v import LIGHTX2V_PORTS
 from contracts.pipelines import TASK_SPECS
 from contracts.roles import Role
 from launcher.lightx2v_files import PREFIXES, ROOT, lightx2v_files, role_data
@@ -65,6 +66,9 @@ def shift_ports(data: dict[str, Any], offset: int, is_controller: bool) -> None:
     server = data.setdefault("server", {})
     if is_controller:
         server["port"] = int(server.get("port", 8000)) + offset
+        if server.get("lightx2v_ports"):
+            server["lightx2v_ports"] = {r: int(p) + offset
+                                        for r, p in server["lightx2v_ports"].items()}
     elif "port" in server:
         server["port"] = int(server["port"]) + offset
     if server.get("metric_port") is not None:
@@ -89,6 +93,9 @@ class Prepared:
             ("front door", ctl.server.host, ctl.server.port),
             ("control channel", d.bootstrap_addr, d.control_port),
         ]
+        for role, port in (ctl.server.lightx2v_ports or {}).items():
+            if port != ctl.server.port:
+                out.append((f"LightX2V {role} port", ctl.server.host, port))
         for ring in ("request", "phase1", "phase2"):
             host, port = d.ring_address(ring)
             out.append((f"{ring} ring handshake", host, port))
@@ -105,7 +112,13 @@ def prepare(
     log_dir: Path,
     port_offset: int = 0,
     output_dir: str | None = None,
+    lightx2v_ports: bool = False,
 ) -> Prepared:
+    """The group's role files loaded, checked, and with the launcher's changes applied in
+    copies under ``log_dir/config``: a port offset, a results folder, and
+    ``lightx2v_ports``: the controller opens LightX2V's per-stage API ports of the group
+    (its request scripts' table: contracts/lightx2v.py) and moves its front door to the
+    encoder's."""
     files, theirs = role_files(group, config_dir)
     raw: dict[str, dict[str, Any]] = {}
     if theirs:  # LightX2V's stage files: completed for diffring (launcher/lightx2v_files.py)
@@ -121,7 +134,11 @@ def prepare(
                 raw[role] = json.loads(path.read_text())
         except ConfigError as exc:
             raise GroupError(f"{path}: {exc}") from None
-    changed = bool(port_offset) or output_dir is not None or theirs
+    if lightx2v_ports:
+        server = raw["controller"].setdefault("server", {})
+        server["lightx2v_ports"] = dict(LIGHTX2V_PORTS[group])
+        server["port"] = LIGHTX2V_PORTS[group]["encoder"]
+    changed = bool(port_offset) or output_dir is not None or theirs or lightx2v_ports
     configs = dict(files)
     if changed:
         out_dir = log_dir / "config"
