@@ -76,7 +76,7 @@ def test_posts_that_cannot_be_told_apart_are_refused_never_crossed() -> None:
 def test_an_encoder_post_that_differs_from_its_decoder_post_is_refused() -> None:
     t = FlowTable(60.0)
     flow = t.decoder_post("video", payload(), 0.0)
-    with pytest.raises(Refused, match="differs from the Decoder POST of task .* in prompt, seed"):
+    with pytest.raises(Refused, match=r"differs from the Decoder POST of task .* in prompt, seed"):
         t.encoder_post("video", payload(prompt="other", seed=7), 0.1)
     with pytest.raises(Refused, match="was for /v1/tasks/video/"):
         t.encoder_post("image", payload(), 0.2)
@@ -85,7 +85,7 @@ def test_an_encoder_post_that_differs_from_its_decoder_post_is_refused() -> None
 
 def test_refusals_of_a_transformer_post_and_the_window() -> None:
     t = FlowTable(5.0)
-    with pytest.raises(Refused, match="POST to the Decoder first|posts to the Decoder first"):
+    with pytest.raises(Refused, match=r"POST to the Decoder first|posts to the Decoder first"):
         t.transformer_post("video", {}, 0.0)
     with pytest.raises(Refused, match="POST to the Decoder first"):
         t.transformer_post("video", payload(), 0.0)

@@ -33,7 +33,7 @@ ENDPOINT = "/v1/tasks/video/"
 # Its Wan T2V script's payload, shortened: a prompt, a Chinese negative prompt, a seed, a
 # result path.
 PAYLOAD = {"prompt": "Two anthropomorphic cats in boxing gear fight on a stage.",
-           "negative_prompt": "镜头晃动，色调艳丽，过曝", "seed": 42,
+           "negative_prompt": "镜头晃动\uff0c色调艳丽\uff0c过曝", "seed": 42,
            "save_result_path": "save_results/wan_t2v_disagg.mp4"}
 TINY = {"infer_steps": 2, "target_video_length": 5, "target_height": 32, "target_width": 32}
 MP4_BOX = b"ftyp"
