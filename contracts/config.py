@@ -66,6 +66,15 @@ class ServerConfig:
     before they are decoded (decompression-bomb guard)."""
     max_image_bytes: int = 32 << 20
     """Largest input image file (after base64 decoding) the front door accepts (413)."""
+    image_url_hosts: tuple[str, ...] = ()
+    """Hosts an ``image_path`` URL (http or https) may name; the front door fetches it, at
+    most ``max_image_bytes`` within ``image_fetch_timeout_s``, no redirects. Empty: URLs are
+    refused (422)."""
+    image_fetch_timeout_s: float = 10.0
+    """The longest an ``image_path`` URL's fetch may take, whole (422 past it)."""
+    input_dir: str | None = None
+    """A folder whose files an ``image_path`` may name (relative to it, or absolute inside
+    it; never outside it, links resolved first). None: paths are refused (422)."""
     lightx2v_ports: dict[str, int] | None = None
     """Controller: LightX2V's per-stage API ports, ``{"encoder": 8002, "transformer": 8003,
     "decoder": 8006}``, on which its three-POST request scripts work unchanged
@@ -113,6 +122,13 @@ class ServerConfig:
             if self.metric_port in ports.values():
                 raise ConfigError(f"server.lightx2v_ports: {self.metric_port} is the metrics "
                                   "port")
+        if not self.image_fetch_timeout_s > 0:
+            raise ConfigError("server.image_fetch_timeout_s must be positive")
+        bad_hosts = [h for h in self.image_url_hosts
+                     if not h or h != h.lower() or "/" in h or ":" in h or " " in h]
+        if bad_hosts:
+            raise ConfigError(f"server.image_url_hosts: {bad_hosts[0]!r} is not a host name in "
+                              "lower case (no scheme, port or path), e.g. \"images.example.com\"")
         if not self.lightx2v_pair_timeout_s > 0:
             raise ConfigError("server.lightx2v_pair_timeout_s must be positive")
         if not 1 <= self.max_input_images <= 64:

@@ -117,8 +117,10 @@ def test_a_folder_in_no_served_layout_is_refused_naming_what_was_found(
     with pytest.raises(ModelLoadError, match=r"original Wan2.1 layout \(I2V\) but lacks "
                                              r"Wan2.1_VAE.pth"):
         check_stage_folder(broken, "wan_i2v", "decoder")
-    # And the original layout of one task under the other is the usual refusal.
-    with pytest.raises(ModelLoadError, match="is a WanImageToVideoPipeline checkpoint"):
+    # And the original layout of one task under the other is the usual refusal, naming the
+    # start script that serves it (LightX2V starts an Edit-2511 folder with its i2i script).
+    with pytest.raises(ModelLoadError, match=r"is a WanImageToVideoPipeline checkpoint .* "
+                       r"started by scripts/server/disagg/wan/start_wan_i2v_disagg.sh"):
         check_stage_folder(wan_pairs / "wan_i2v-original", "wan_t2v", "encoder")
 
 

@@ -28,9 +28,9 @@ from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
 from contracts.input_images import pack_images
 from contracts.pipelines import TaskSpec, task_spec
 from contracts.priority import check_priority
-from contracts.request import GenerationRequest
+from contracts.request import RESIZE_MODES, GenerationRequest
 from controller.errors import QueueFull
-from controller.http import dit_offers, views
+from controller.http import dit_offers, image_sources, resize, views
 from controller.http.decoding import ImageDecoder
 from controller.http.dit_offers import check_offers, lora_fields
 from controller.http.events import EventHub
@@ -85,7 +85,7 @@ class FrontDoor:
 
     # -- request building -----------------------------------------------------------------
     def _generation_request(self, body: TaskRequest) -> dict[str, Any]:
-        for name in ("last_frame_path", "resize_mode", "i2i_denoise_strength"):
+        for name in ("last_frame_path", "i2i_denoise_strength"):
             if getattr(body, name, None) not in (None, ""):
                 raise http_error(422, f"{name} is not supported by diffring; leave it unset")
         spec = task_spec(self.pipeline)
@@ -147,6 +147,9 @@ class FrontDoor:
         ):
             raise http_error(409, f"task {task_id} exists already; choose another task_id")
         image = await self._decode_images(values) if values else None
+        mode = getattr(body, "resize_mode", None) or self.defaults.get("resize_mode")
+        if image is not None and mode and spec.name == "wan_i2v":
+            image, request = await self._resized(mode, image, request)
         task = Task(
             task_id=task_id,
             kind=kind,
@@ -211,6 +214,7 @@ class FrontDoor:
         out = []
         for index, value in enumerate(values):
             try:
+                value = await image_sources.resolve(value, self.server, self._off_loop)
                 out.append(await self.decoder.decode(
                     value, self.server.max_image_bytes, self.server.max_image_pixels))
             except HTTPException as exc:
@@ -222,6 +226,25 @@ class FrontDoor:
                     detail = f"{where}: {detail}"
                 raise http_error(exc.status_code, detail) from None
         return pack_images(out)
+
+    async def _resized(self, mode: str, image: bytes, request: dict[str, Any]
+                       ) -> tuple[bytes, dict[str, Any]]:
+        """LightX2V's ``resize_mode`` (controller/http/resize.py): the output size from the
+        input image, the image cropped to its aspect ratio (in a decoding process)."""
+        if mode not in RESIZE_MODES:
+            raise http_error(422, f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got "
+                                  f"{mode!r}")
+        size = (request["height"], request["width"]) if request.get("height") else None
+        out = await self.decoder.run(resize.apply, mode, image, size)
+        if len(out) == 2:
+            raise http_error(out[0], out[1])
+        cropped, height, width = out
+        try:
+            request = GenerationRequest.from_dict({**request, "height": height,
+                                                   "width": width}).to_dict()
+        except InvalidRequestError as exc:
+            raise http_error(422, str(exc)) from None
+        return cropped, request
 
     async def _durable(self, task: Task) -> None:
         """Answer only once the accepted task is in the store (a restart keeps it)."""

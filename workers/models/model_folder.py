@@ -85,7 +85,8 @@ def _class_problem(model_dir: Path, found: object, spec: TaskSpec) -> str | None
                 f"diffring does not serve; it serves {_served_list()}. Point model_path at a "
                 f"{spec.pipeline_class} folder for {spec.name}")
     return (f"model folder {model_dir} is a {found} checkpoint (model_index.json), served by "
-            f"diffring as {other.name} (model_cls {other.model_cls!r}, task {other.task!r}); "
+            f"diffring as {other.name} (model_cls {other.model_cls!r}, task {other.task!r}), "
+            f"started by scripts/server/disagg/{other.family}/start_{other.name}_disagg.sh; "
             f"this service is configured for {spec.name}, which serves "
             f"{spec.pipeline_class} folders. Set task to {other.task!r}, or point model_path "
             f"at a {spec.pipeline_class} folder")
