@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -272,21 +272,27 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random-weight models of every pipeline, built once per run (offline): with
     pytest-xdist, in the run's common temp folder, by whichever worker comes first (the
     others wait on the lock, then find the build up to date: build_all is idempotent)."""
-    import fcntl
-
-    env = os.environ.get("DIFFRING_TINY_MODELS")
-    if env:
-        out = Path(env)
-    elif os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.getbasetemp().parent / "tiny-models"
-    else:
-        out = tmp_path_factory.mktemp("tiny-models")
     from modelkit.tiny import build_all
 
+    env = os.environ.get("DIFFRING_TINY_MODELS")
+    return built_once(tmp_path_factory, "tiny-models", lambda out: build_all(out, seed=0),
+                      Path(env) if env else None)
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+               build: Callable[[Path], object], out: Path | None = None) -> Path:
+    """``build(folder)`` once per run: with pytest-xdist in the run's common temp folder, by
+    whichever worker comes first (the others wait on the lock, then find the build up to
+    date: ``build`` must be idempotent)."""
+    import fcntl
+
+    if out is None:
+        out = (tmp_path_factory.getbasetemp().parent / name
+               if os.environ.get("PYTEST_XDIST_WORKER") else tmp_path_factory.mktemp(name))
     out.mkdir(parents=True, exist_ok=True)
     with (out.parent / f"{out.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        build_all(out, seed=0)
+        build(out)
     return out
 
 
@@ -415,17 +421,10 @@ def wan_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``<task>-diffusers`` and ``<task>-original`` for wan_t2v and wan_i2v: the same tiny
     random weights in diffusers' layout and in the original Wan2.1 layout (written through
     the published key mappings: modelkit/original.py), built once per run."""
-    import fcntl
-
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.getbasetemp().parent / "wan-pairs"
-    else:
-        out = tmp_path_factory.mktemp("wan-pairs")
     from modelkit.original import build_wan_pair
 
-    out.mkdir(parents=True, exist_ok=True)
-    with (out.parent / f"{out.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    def build(out: Path) -> None:
         for task in ("wan_t2v", "wan_i2v"):
             build_wan_pair(out, task)
-    return out
+
+    return built_once(tmp_path_factory, "wan-pairs", build)

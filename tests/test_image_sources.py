@@ -52,7 +52,7 @@ class Web:
             def log_message(self, *_args: Any) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 try:
                     self.answer()
                 except (BrokenPipeError, ConnectionResetError):
