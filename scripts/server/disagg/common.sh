@@ -15,8 +15,8 @@
 # so a Ctrl+C in the terminal reaches only the launcher.
 #
 # Environment (all optional except the model path):
-#   model_path               model folder (diffusers format); LightX2V's variable for the
-#                            example (WAN_T2V_MODEL_PATH, WAN_I2V_MODEL_PATH,
+#   model_path               model folder (diffusers or original Wan2.1 layout); LightX2V's
+#                            variable for the example (WAN_T2V_MODEL_PATH, WAN_I2V_MODEL_PATH,
 #                            QWEN_IMAGE_MODEL_PATH) is accepted too; model_path wins
 #   ENCODER_GPU, TRANSFORMER_GPU, DECODER_GPU
 #                            a GPU index (N -> --device cuda:N), cuda:N, or cpu. LightX2V's
