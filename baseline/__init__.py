@@ -33,7 +33,7 @@ from controller.app import (
     LocalQueue,
     open_table_for,
     retention_loop,
-    serve_http,
+    serve_all,
     start_metrics,
 )
 from controller.config import CoordinatorConfig
@@ -230,7 +230,7 @@ async def run_all_async(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
     try:
-        await serve_http(app, ports.http, stop, on_stop=front.close)
+        await serve_all(cfg, front, app, ports, stop)  # + LightX2V's stage ports, if set
     finally:
         log.info("baseline shutting down")
         retention.cancel()

@@ -135,8 +135,7 @@ class FixedPorts:
                 if srv.metric_port is not None else None,
                 take(d.bootstrap_addr, d.control_port, "control channel") if control else None,
                 {role: take(srv.host, port, f"LightX2V {role} port")
-                 for role, port in (srv.lightx2v_ports or {}).items()
-                 if control and port != srv.port},
+                 for role, port in (srv.lightx2v_ports or {}).items() if port != srv.port},
             )
         except BaseException:
             for sock in bound:
@@ -277,7 +276,8 @@ async def run_controller_async(
 async def serve_all(cfg: ServiceConfig, front: FrontDoor, app: Any, ports: FixedPorts,
                     stop: asyncio.Event) -> None:
     """The front door, and LightX2V's stage ports when configured (their three-POST flow:
-    controller/http/lightx2v_edge.py; the encoder's port may be the front door's)."""
+    controller/http/lightx2v_edge.py; the encoder's port may be the front door's). The
+    controller's and the one-process baseline's."""
     stage_ports = cfg.server.lightx2v_ports
     if not stage_ports:
         await serve_http(app, ports.http, stop, on_stop=front.close)

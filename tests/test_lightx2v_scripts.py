@@ -11,6 +11,7 @@ breaks; a single POST to the encoder's port (the front door's) is a task of its 
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import threading
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import requests  # what LightX2V's request scripts post with
+from PIL import Image
 
 from contracts.config import ServiceConfig
 from launcher import LocalGroup, port_busy, wait_task
@@ -213,3 +215,34 @@ def test_flows_that_cannot_be_told_apart_are_refused_and_nothing_breaks(
     other = {**PAYLOAD, "save_result_path": "after.mp4"}
     task_id, _responses = three_posts(prep, other, other, other)
     assert poll(prep, task_id)["status"] == "completed"
+
+
+def test_the_one_process_baseline_opens_the_stage_ports_too(tiny_models: Path,
+                                                            tmp_path: Path) -> None:
+    """``--service all`` with ``server.lightx2v_ports``: LightX2V's Qwen T2I script's shapes
+    (``save_result_path`` alone to the Decoder, ``{}`` to the Transformer, the whole payload
+    with ``aspect_ratio`` and ``target_shape`` to the Encoder) on /v1/tasks/image/."""
+    from launcher import free_ports, group_config
+
+    transformer, decoder = free_ports(2)
+    cfg = group_config("qwen_t2i", str(tiny_models / "qwen_t2i"), tmp_path,
+                       request_defaults={"infer_steps": 2})
+    cfg["server"]["lightx2v_ports"] = {"encoder": cfg["server"]["port"],
+                                       "transformer": transformer, "decoder": decoder}
+    with LocalGroup(cfg, tmp_path) as g:
+        g.start("all")
+        g.wait_http()
+        base = "http://127.0.0.1"
+        payload = {"prompt": "A cute cat on a wooden table.", "seed": 42,
+                   "save_result_path": "qwen_t2i_3way.png", "aspect_ratio": "16:9",
+                   "target_shape": [32, 48]}
+        d = requests.post(f"{base}:{decoder}/v1/tasks/image/",
+                          json={"save_result_path": "qwen_t2i_3way.png"}, timeout=30)
+        t = requests.post(f"{base}:{transformer}/v1/tasks/image/", json={}, timeout=30)
+        e = requests.post(f"{g.url}/v1/tasks/image/", json=payload, timeout=30)
+        assert [d.status_code, t.status_code, e.status_code] == [200, 200, 200], e.text
+        task_id = d.json()["task_id"]
+        done = wait_task(f"{base}:{decoder}", task_id, timeout=300)
+        assert done["status"] == "completed", done
+        image = httpx.get(f"{base}:{decoder}/v1/tasks/{task_id}/result", timeout=30).content
+        assert Image.open(io.BytesIO(image)).size == (48, 32)  # target_shape beat 16:9
