@@ -76,9 +76,10 @@ class ServerConfig:
     """A folder whose files an ``image_path`` may name (relative to it, or absolute inside
     it; never outside it, links resolved first). None: paths are refused (422)."""
     lightx2v_ports: dict[str, int] | None = None
-    """Controller: LightX2V's per-stage API ports, ``{"encoder": 8002, "transformer": 8003,
-    "decoder": 8006}``, on which its three-POST request scripts work unchanged
-    (controller/http/lightx2v_edge.py); the encoder's may be ``port``. None: not opened."""
+    """Controller (and ``all``): LightX2V's per-stage API ports, ``{"encoder": 8002,
+    "transformer": 8003, "decoder": 8006}``, on which its three-POST request scripts work
+    unchanged (controller/http/lightx2v_edge.py); the encoder's may be ``port``. None: not
+    opened."""
     lightx2v_pair_timeout_s: float = 60.0
     """How long a three-POST flow's Decoder POST waits for its Encoder POST before the flow
     fails (its status says so)."""
