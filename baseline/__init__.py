@@ -33,7 +33,7 @@ from controller.app import (
     LocalQueue,
     open_table_for,
     retention_loop,
-    serve_http,
+    serve_all,
     start_metrics,
 )
 from controller.config import CoordinatorConfig
@@ -64,7 +64,8 @@ class BaselineWorker:
             compile=cfg.compile, cfg_batch=cfg.cfg_batch, video=video_settings(cfg),
             prompt_cache_bytes=cfg.prompt_cache_mb << 20,
             stage_options={role: cfg.stage_options(role) for role in STAGE_SECTIONS},
-            budget_shapes=cfg.warmup_shapes,
+            budget_shapes=cfg.warmup_shapes, attention_fallback=cfg.attention_fallback,
+            dit_file=cfg.dit_original_ckpt,
         )
         # The workers' stage-time histogram, so that benchmarks read both modes alike.
         self.metrics = WorkerMetrics(Role.DECODER.value)
@@ -218,7 +219,8 @@ async def run_all_async(
         co.close()
         raise
     worker.start()
-    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server)
+    front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server,
+                      defaults=cfg.request_defaults)
     app = build_app(front)
     metrics_server = start_metrics(
         cfg, co, app, lambda: {}, None, collectors=[worker.metrics.registry], sock=ports.metrics
@@ -228,7 +230,7 @@ async def run_all_async(
         "baseline ready: pipeline=%s http://%s:%d", cfg.pipeline, cfg.server.host, cfg.server.port
     )
     try:
-        await serve_http(app, ports.http, stop, on_stop=front.close)
+        await serve_all(cfg, front, app, ports, stop)  # + LightX2V's stage ports, if set
     finally:
         log.info("baseline shutting down")
         retention.cancel()

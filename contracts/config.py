@@ -16,9 +16,10 @@ from typing import Any
 
 from contracts import faults
 from contracts.cluster_token import DEFAULT_TOKEN
-from contracts.configio import from_mapping
+from contracts.configio import file_fields, from_mapping
 from contracts.disagg import DisaggConfig
-from contracts.errors import ConfigError
+from contracts.errors import ConfigError, InvalidRequestError
+from contracts.lightx2v import MOONCAKE_KEYS, Note, translate
 from contracts.pipelines import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -28,7 +29,9 @@ from contracts.pipelines import (
     check_device,
     parse_shape,
     pipeline_name,
+    task_spec,
 )
+from contracts.request import check_request_defaults
 from contracts.stage_options import StageOptions
 from rings.layout import RING_NAMES
 
@@ -63,6 +66,23 @@ class ServerConfig:
     before they are decoded (decompression-bomb guard)."""
     max_image_bytes: int = 32 << 20
     """Largest input image file (after base64 decoding) the front door accepts (413)."""
+    image_url_hosts: tuple[str, ...] = ()
+    """Hosts an ``image_path`` URL (http or https) may name; the front door fetches it, at
+    most ``max_image_bytes`` within ``image_fetch_timeout_s``, no redirects. Empty: URLs are
+    refused (422)."""
+    image_fetch_timeout_s: float = 10.0
+    """The longest an ``image_path`` URL's fetch may take, whole (422 past it)."""
+    input_dir: str | None = None
+    """A folder whose files an ``image_path`` may name (relative to it, or absolute inside
+    it; never outside it, links resolved first). None: paths are refused (422)."""
+    lightx2v_ports: dict[str, int] | None = None
+    """Controller (and ``all``): LightX2V's per-stage API ports, ``{"encoder": 8002,
+    "transformer": 8003, "decoder": 8006}``, on which its three-POST request scripts work
+    unchanged (controller/http/lightx2v_edge.py); the encoder's may be ``port``. None: not
+    opened."""
+    lightx2v_pair_timeout_s: float = 60.0
+    """How long a three-POST flow's Decoder POST waits for its Encoder POST before the flow
+    fails (its status says so)."""
     max_input_images: int = 3
     """Most input images one request of a multi-image pipeline (``qwen_i2i_plus``) may carry;
     more get 413. Each is held to ``max_image_bytes`` and ``max_image_pixels``, and request
@@ -83,6 +103,35 @@ class ServerConfig:
             )
         if self.max_image_pixels <= 0 or self.max_image_bytes <= 0:
             raise ConfigError("server.max_image_pixels and max_image_bytes must be positive")
+        if self.lightx2v_ports is not None:
+            roles = ("encoder", "transformer", "decoder")
+            if sorted(self.lightx2v_ports) != sorted(roles) or not all(
+                    isinstance(p, int) and 0 < p <= 65535 for p in self.lightx2v_ports.values()):
+                raise ConfigError("server.lightx2v_ports must give a port (1-65535) for each "
+                                  "of encoder, transformer, decoder, e.g. {\"encoder\": 8002, "
+                                  "\"transformer\": 8003, \"decoder\": 8006}")
+            ports = self.lightx2v_ports
+            if len(set(ports.values())) != 3:
+                raise ConfigError(f"server.lightx2v_ports must be three different ports, got "
+                                  f"{ports}")
+            clash = [r for r in ("transformer", "decoder") if ports[r] == self.port]
+            if clash:
+                raise ConfigError(
+                    f"server.lightx2v_ports: the {clash[0]}'s port {self.port} is the front "
+                    "door's (server.port); only the encoder's may be (a single POST there is "
+                    "a task of its own): move the front door to the encoder's port")
+            if self.metric_port in ports.values():
+                raise ConfigError(f"server.lightx2v_ports: {self.metric_port} is the metrics "
+                                  "port")
+        if not self.image_fetch_timeout_s > 0:
+            raise ConfigError("server.image_fetch_timeout_s must be positive")
+        bad_hosts = [h for h in self.image_url_hosts
+                     if not h or h != h.lower() or "/" in h or ":" in h or " " in h]
+        if bad_hosts:
+            raise ConfigError(f"server.image_url_hosts: {bad_hosts[0]!r} is not a host name in "
+                              "lower case (no scheme, port or path), e.g. \"images.example.com\"")
+        if not self.lightx2v_pair_timeout_s > 0:
+            raise ConfigError("server.lightx2v_pair_timeout_s must be positive")
         if not 1 <= self.max_input_images <= 64:
             raise ConfigError("server.max_input_images must be between 1 and 64, got "
                               f"{self.max_input_images}")
@@ -208,6 +257,27 @@ class ServiceConfig:
     store: its status and result are served until then, then it is forgotten."""
     delete_results_after_retention: bool = False
     """Also delete a forgotten task's result file (default: result files stay)."""
+    attention_fallback: str | None = None
+    """Transformer stage: the backend to run where ``attention_backend`` cannot (its package
+    or a CUDA GPU missing), with a warning; None: such a worker refuses to start. A LightX2V
+    kernel key (``self_attn_1_type: "sage_attn2"``) sets it to 'sdpa'."""
+    dit_original_ckpt: str | None = None
+    """Transformer stage: a single-file DiT checkpoint (LightX2V's key) loaded instead of the
+    model folder's own DiT, converted at load by diffusers' single-file loader: the
+    original key names, ComfyUI's, or diffusers' (docs/models.md). The DiT's config is the
+    folder's."""
+    request_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Controller (and ``all``): what a request that leaves a field unset gets, before the
+    pipeline's own defaults: ``infer_steps``, ``height``, ``width``, ``num_frames``, ``fps``,
+    ``guidance_scale``, ``true_cfg_scale``, ``max_sequence_length``, ``negative_prompt``,
+    ``aspect_ratio``, ``resize_mode`` (LightX2V's model knobs land here)."""
+    mooncake: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Mooncake settings of this service (``protocol``, ``local_hostname``,
+    ``metadata_server``, ``device_name``): below the ``MOONCAKE_*`` variables, above the
+    Mooncake config file. LightX2V's ``disagg_config`` carries them."""
+    lightx2v: tuple[Note, ...] = dataclasses.field(default=(), compare=False,
+                                                  metadata={"from_file": False})
+    """What the reader did with the file's LightX2V keys (``--check`` prints it)."""
     encoder: StageOptions = dataclasses.field(default_factory=StageOptions)
     """Encoder stage: weight storage, offload, memory budget (contracts/stage_options.py)."""
     transformer: StageOptions = dataclasses.field(default_factory=StageOptions)
@@ -302,6 +372,22 @@ class ServiceConfig:
             raise ConfigError(
                 f"task_retention_s must be positive (seconds), got {self.task_retention_s}"
             )
+        if self.transformer.flow_shift is not None and task_spec(self.pipeline).family != "wan":
+            raise ConfigError("transformer.flow_shift is the Wan scheduler's shift; Qwen-Image "
+                              "shifts by the image's size")
+        if self.attention_fallback is not None and self.attention_fallback not in (
+                ATTENTION_BACKENDS):
+            raise ConfigError(f"attention_fallback must be one of {', '.join(ATTENTION_BACKENDS)}"
+                              f" or null, got {self.attention_fallback!r}")
+        bad = sorted(k for k, v in self.mooncake.items()
+                     if k not in MOONCAKE_KEYS or not isinstance(v, str))
+        if bad:
+            raise ConfigError(f"mooncake: {', '.join(bad)}: the section takes "
+                              f"{', '.join(MOONCAKE_KEYS)}, each a string")
+        try:
+            check_request_defaults(self.pipeline, self.request_defaults)
+        except InvalidRequestError as exc:
+            raise ConfigError(f"request_defaults: {exc}") from None
 
     def _check_group(self) -> None:
         """A transformer group's devices against its layout (contracts/parallel.py)."""
@@ -360,24 +446,52 @@ class ServiceConfig:
         return pipeline_name(self.model_cls, self.task)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ServiceConfig:
-        data = dict(data)
-        disagg = DisaggConfig.from_dict(data.pop("disagg_config", None))
-        server = from_mapping(ServerConfig, data.pop("server", None), "server")
-        sections: dict[str, Any] = {
-            role: from_mapping(StageOptions, data.pop(role, None), role)
-            for role in STAGE_SECTIONS
-        }
+    def from_dict(cls, data: Mapping[str, Any], role: str | None = None) -> ServiceConfig:
+        """Read one service's file: LightX2V's keys translated (:mod:`contracts.lightx2v`),
+        then every section read strictly; every problem found is reported at once, each
+        naming where its setting lives. ``role``: the service it is for (else the file's
+        ``disagg_mode``), which LightX2V's per-stage keys need."""
+        # ``lightx2v`` is the reader's output: a config written back (a transformer group's
+        # ranks read ``dataclasses.asdict`` of it) carries it, already translated.
+        data = {k: v for k, v in data.items() if k != "lightx2v"}
+        data, notes, problems = translate(data, role)
+        sections: dict[str, Any] = {}
+
+        def read(name: str, build: Any) -> None:
+            try:
+                sections[name] = build()
+            except ConfigError as exc:
+                problems.append(str(exc))
+
+        read("disagg_config", lambda: DisaggConfig.from_dict(data.pop("disagg_config", None)))
+        read("server", lambda: from_mapping(ServerConfig, data.pop("server", None), "server",
+                                            hints=_hints("server")))
+        for role_name in STAGE_SECTIONS:
+            read(role_name, lambda r=role_name: from_mapping(StageOptions, data.pop(r, None), r,
+                                                             hints=_hints(r)))
+        if problems:  # the sections first: the whole object needs them
+            unknown = [k for k in data if k not in file_fields(cls)]
+            hints = _hints("config")
+            problems += [f"unknown config key config.{k}" + (
+                f": it lives in {hints[k]}" if k in hints else "") for k in unknown]
+            raise ConfigError(_listed(problems))
         # The sections go in with the rest, so that checks across them (a group's devices
         # against transformer.parallel) see the file's values, not the defaults.
-        return from_mapping(cls, {**data, **sections, "disagg_config": disagg,
-                                  "server": server}, "config")
+        try:
+            cfg = from_mapping(cls, {**data, **sections}, "config", hints=_hints("config"))
+        except ConfigError as exc:
+            raise ConfigError(_listed([*problems, str(exc)])) from None
+        object.__setattr__(cfg, "lightx2v", tuple(notes))
+        return cfg
 
     @classmethod
-    def load(cls, path: str | None) -> ServiceConfig:
-        """Read a JSON config file (None: all defaults)."""
+    def load(cls, path: str | None, role: str | None = None,
+             overrides: Mapping[str, Any] | None = None) -> ServiceConfig:
+        """Read a JSON config file (None: all defaults). ``overrides``: top-level keys the
+        command line gives (``--model_cls``, ``--task``), set before the file is read, so
+        that LightX2V's keys are translated for the right pipeline."""
         if path is None:
-            return cls()
+            return cls.from_dict(dict(overrides or {}), role)
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -387,4 +501,31 @@ class ServiceConfig:
             raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict({**data, **(overrides or {})}, role)
+
+
+def _listed(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+def _hints(where: str) -> dict[str, str]:
+    """Where a key that is unknown in section ``where`` lives instead."""
+    out: dict[str, str] = {}
+    request = ("negative_prompt", "infer_steps", "height", "width", "num_frames", "fps",
+               "guidance_scale", "true_cfg_scale", "max_sequence_length", "aspect_ratio",
+               "resize_mode")
+    for key in request:
+        out[key] = f"request_defaults.{key} (or each request)"
+    for key in file_fields(StageOptions):
+        if where not in STAGE_SECTIONS:
+            out[key] = "the encoder / transformer / decoder section (a stage option)"
+    for key in file_fields(ServiceConfig):
+        if where != "config":
+            out[key] = f"config.{key} (a top-level key)"
+    for section, cls in (("server", ServerConfig), ("disagg_config", DisaggConfig)):
+        for key in file_fields(cls):
+            if where != section:
+                out.setdefault(key, f"{section}.{key}")
+    return out

@@ -55,15 +55,25 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
+def file_fields(cls: type) -> set[str]:
+    """The fields of dataclass ``cls`` a file may set (a field with ``metadata
+    {"from_file": False}`` is filled by the reader itself)."""
+    assert dataclasses.is_dataclass(cls)
+    return {f.name for f in dataclasses.fields(cls)
+            if f.init and f.metadata.get("from_file", True)}
+
+
 def from_mapping(
     cls: type[T],
     data: Mapping[str, Any] | None,
     where: str,
     ignored: Mapping[str, str] | None = None,
+    hints: Mapping[str, str] | None = None,
 ) -> T:
-    """Build frozen dataclass ``cls`` from a JSON object, naming any unknown key.
+    """Build frozen dataclass ``cls`` from a JSON object, naming every unknown key at once.
 
     ``ignored``: keys accepted for compatibility and dropped, with the reason to log.
+    ``hints``: where an unknown key's setting lives instead (key -> "request_defaults.x").
     """
     if data is None:
         data = {}
@@ -71,17 +81,27 @@ def from_mapping(
         raise ConfigError(f"{where}: expected an object, got {data!r}")
     data = dict(data)
     assert dataclasses.is_dataclass(cls)
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    types_ = typing.get_type_hints(cls)
+    fields = file_fields(cls)
     kwargs: dict[str, Any] = {}
+    unknown: list[str] = []
     for key, value in data.items():
         if key in fields:
-            kwargs[key] = _check_type(value, hints[key], f"{where}.{key}")
+            try:
+                kwargs[key] = _check_type(value, types_[key], f"{where}.{key}")
+            except ConfigError as exc:
+                unknown.append(str(exc))
         elif ignored and key in ignored:
             log.warning("config %s.%s is ignored: %s", where, key, ignored[key])
         else:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown config key {where}.{key} (known keys: {known})")
+            hint = (hints or {}).get(key)
+            unknown.append(f"unknown config key {where}.{key}"
+                           + (f": it lives in {hint}" if hint else ""))
+    if unknown:
+        known = ", ".join(sorted(fields))
+        listed = any(line.startswith("unknown") for line in unknown)
+        raise ConfigError("; ".join(unknown) + (f" (known keys of {where}: {known})"
+                                                if listed else ""))
     try:
         return cls(**kwargs)
     except ConfigError as exc:

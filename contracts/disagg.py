@@ -21,24 +21,18 @@ from typing import Any
 from contracts.cluster_token import DEFAULT_TOKEN
 from contracts.configio import from_mapping
 from contracts.errors import ConfigError
+from contracts.lightx2v import DISAGG_ROOMS, MOONCAKE_KEYS, NO_ROOMS
 from rings.layout import RING_NAMES, RingLayout
 
 log = logging.getLogger("diffring.config")
 
 
+# A file read by a service has these keys translated first (contracts/lightx2v.py); readers
+# of the section alone (``diffring inspect``) drop them with the same reasons.
 _LIGHTX2V_IGNORED = {
-    k: "diffring workers pull from rings; there are no static rooms or ranks"
-    for k in (
-        "bootstrap_room",
-        "sender_engine_rank",
-        "receiver_engine_rank",
-        "decoder_engine_rank",
-        "decoder_bootstrap_room",
-        "transformer_engine_rank",
-        "encoder_engine_rank",
-    )
+    **{key: NO_ROOMS for key in DISAGG_ROOMS},
+    **{key: f"Mooncake's: a service reads it as mooncake.{key}" for key in MOONCAKE_KEYS},
 }
-_LIGHTX2V_IGNORED["protocol"] = "set the Mooncake protocol in the mooncake config instead"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -236,3 +237,34 @@ def _largest(spec: TaskSpec) -> str:
 
 _NO_CACHE = CacheSpec("none")
 """``cache`` of a request that turns the worker's default cache off."""
+
+
+RESIZE_MODES = ("adaptive", "keep_ratio_fixed_area", "fixed_min_area", "fixed_max_area",
+                "fixed_min_side", "fixed_shape")
+"""LightX2V's ``resize_mode`` values: how a Wan I2V request's output size follows its input
+image (the front door picks the size and crops the image: controller/http/resize.py)."""
+_FRONT_DOOR_DEFAULTS = ("aspect_ratio", "resize_mode")
+REQUEST_DEFAULT_KEYS = (
+    "negative_prompt", "infer_steps", "height", "width", "num_frames", "fps",
+    "guidance_scale", "true_cfg_scale", "max_sequence_length", *_FRONT_DOOR_DEFAULTS,
+)
+"""What a service's ``request_defaults`` may set: the request fields a model's config knows
+(the front door's ``aspect_ratio`` and ``resize_mode`` among them)."""
+
+
+def check_request_defaults(task: str, defaults: Mapping[str, Any]) -> None:
+    """Refuse (:class:`InvalidRequestError`) defaults that no request of ``task`` could
+    take: an unknown key, or a value a request would be refused for."""
+    unknown = sorted(k for k in defaults if k not in REQUEST_DEFAULT_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"unknown key(s) {', '.join(unknown)}; it takes "
+                                  f"{', '.join(REQUEST_DEFAULT_KEYS)}")
+    mode = defaults.get("resize_mode")
+    if mode is not None and mode not in RESIZE_MODES:
+        raise InvalidRequestError(f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got "
+                                  f"{mode!r}")
+    ratio = defaults.get("aspect_ratio")
+    if ratio is not None and not (isinstance(ratio, str) and re.fullmatch(r"\d+:\d+", ratio)):
+        raise InvalidRequestError(f"aspect_ratio must be 'W:H', got {ratio!r}")
+    fields = {k: v for k, v in defaults.items() if k not in _FRONT_DOOR_DEFAULTS}
+    GenerationRequest(task=task, prompt="request_defaults", **fields)

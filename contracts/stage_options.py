@@ -57,7 +57,8 @@ OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
 LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
 _TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "lora_dir", "lora_max_loaded",
                      "lora_max_mb", "lora_max_rank", "cache", "parallel", "group_timeout_s",
-                     "group_restarts", "checkpoint_every_s", "checkpoint_every_steps")
+                     "group_restarts", "checkpoint_every_s", "checkpoint_every_steps",
+                     "flow_shift")
 _DECODER_ONLY = ("vae_tiling",)
 
 
@@ -122,6 +123,11 @@ class StageOptions:
     checkpoint_every_steps: int | None = None
     """Transformer: checkpoint every this many denoising steps (see ``checkpoint_every_s``;
     with both set, whichever comes first)."""
+    flow_shift: float | None = None
+    """Transformer, Wan: the UniPC scheduler's ``flow_shift`` instead of the one in the
+    folder's scheduler config (diffusers' way of changing it: the scheduler built with
+    ``flow_shift=...``); LightX2V's ``sample_shift``. None: the folder's (3.0 for Wan2.1
+    480p)."""
 
     def __post_init__(self) -> None:
         layout = ParallelLayout.parse(self.parallel)  # a bad layout is refused by name
@@ -136,6 +142,8 @@ class StageOptions:
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
             raise ConfigError("checkpoint_every_steps must be at least 1 (or null: off), got "
                               f"{self.checkpoint_every_steps}")
+        if self.flow_shift is not None and not self.flow_shift > 0:
+            raise ConfigError(f"flow_shift must be positive, got {self.flow_shift}")
         if not self.group_timeout_s > 0 or self.group_restarts < 0:
             raise ConfigError("group_timeout_s must be positive and group_restarts >= 0")
         if self.weight_storage not in WEIGHT_STORAGE:

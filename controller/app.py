@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import socket
@@ -114,6 +115,8 @@ class FixedPorts:
     http: socket.socket
     metrics: socket.socket | None
     control: socket.socket | None
+    stages: dict[str, socket.socket] = dataclasses.field(default_factory=dict)
+    """LightX2V's stage ports (``server.lightx2v_ports``) other than the front door's."""
 
     @classmethod
     def bind(cls, cfg: ServiceConfig, control: bool) -> FixedPorts:
@@ -132,6 +135,8 @@ class FixedPorts:
                 take(srv.host, srv.metric_port, "controller metrics endpoint")
                 if srv.metric_port is not None else None,
                 take(d.bootstrap_addr, d.control_port, "control channel") if control else None,
+                {role: take(srv.host, port, f"LightX2V {role} port")
+                 for role, port in (srv.lightx2v_ports or {}).items() if port != srv.port},
             )
         except BaseException:
             for sock in bound:
@@ -139,7 +144,7 @@ class FixedPorts:
             raise
 
     def close(self) -> None:
-        for sock in (self.http, self.metrics, self.control):
+        for sock in (self.http, self.metrics, self.control, *self.stages.values()):
             if sock is not None:
                 sock.close()
 
@@ -224,7 +229,8 @@ async def run_controller_async(
             **_ring_status(rings), "recovery": dict(co.recovery.counts),
             "checkpoints": checkpoints.summary() if checkpoints is not None else None,
             "priorities": dict(co.priorities.counts)},
-                          service="controller", server=cfg.server)
+                          service="controller", server=cfg.server,
+                          defaults=cfg.request_defaults)
         app = build_app(front)
         if images is not None:  # start the decoding processes before the first image
             await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)
@@ -247,7 +253,7 @@ async def run_controller_async(
             rings.ports(),
             control.port,
         )
-        await serve_http(app, ports.http, stop, on_stop=front.close)
+        await serve_all(cfg, front, app, ports, stop)
         sweeper.cancel()
         retention.cancel()
     finally:
@@ -268,6 +274,27 @@ async def run_controller_async(
         ports.close()
 
 
+async def serve_all(cfg: ServiceConfig, front: FrontDoor, app: Any, ports: FixedPorts,
+                    stop: asyncio.Event) -> None:
+    """The front door, and LightX2V's stage ports when configured (their three-POST flow:
+    controller/http/lightx2v_edge.py; the encoder's port may be the front door's). The
+    controller's and the one-process baseline's."""
+    stage_ports = cfg.server.lightx2v_ports
+    if not stage_ports:
+        await serve_http(app, ports.http, stop, on_stop=front.close)
+        return
+    from controller.http.lightx2v_edge import LightX2VEdge
+    from controller.http.webapp import body_limit
+
+    edge = LightX2VEdge(front, app, cfg.server.lightx2v_pair_timeout_s)
+    apps = {role: edge.app(role, body_limit(front)) for role in stage_ports}
+    main = apps["encoder"] if stage_ports["encoder"] == cfg.server.port else app
+    log.info("LightX2V stage ports: %s", ", ".join(f"{r} {p}" for r, p in stage_ports.items()))
+    await asyncio.gather(serve_http(main, ports.http, stop, on_stop=front.close),
+                         *(serve_http(apps[role], sock, stop)
+                           for role, sock in ports.stages.items()))
+
+
 def tensor_engine(cfg: ServiceConfig, env: Mapping[str, str]) -> Any:
     """The controller's own Mooncake engine, started, when it moves tensors: the input
     images of I2V / I2I pipelines, denoising checkpoints (``checkpoint_store_mb``); else
@@ -280,7 +307,8 @@ def tensor_engine(cfg: ServiceConfig, env: Mapping[str, str]) -> Any:
     # address unless the operator says otherwise.
     own = default_advertised_host(cfg, controller=True)
     settings = MooncakeSettings.resolve(
-        cfg.mooncake_config_path, env, defaults={"local_hostname": own}
+        cfg.mooncake_config_path, env, defaults={"local_hostname": own},
+        service=cfg.mooncake,
     )
     engine = TransferEngine(settings)
     engine.start()

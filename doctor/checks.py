@@ -12,7 +12,7 @@ import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from contracts.addresses import (
     advertised_problem,
@@ -65,6 +65,8 @@ def run_checks(
     d = cfg.disagg_config
     r.add("config", "ok", f"{service}: pipeline {cfg.pipeline}, ring transport "
           f"{d.ring_transport}, Mooncake config {cfg.mooncake_config_path or 'none'}")
+    for note in cfg.lightx2v:  # a LightX2V stage config: what each of its keys became
+        r.add("lightx2v", "ok", note.line())
     workers = _roles(service)
     for what, host, port in _binds(service, cfg):
         _check_bind(r, what, host, port)
@@ -81,10 +83,9 @@ def run_checks(
     ).needs_image):
         _mooncake(r, service, cfg, env, infiniband_dir, devices)
     _token(r, cfg, token, env)
-    if workers:
-        _checkpoint(r, cfg)
+    found = _checkpoint(r, cfg, workers) if workers else None
     for role in workers:
-        _model(r, role, cfg)
+        _model(r, role, cfg, found)
     if workers:
         _device(r, cfg.device)
     return r.checks
@@ -299,6 +300,7 @@ def _mooncake(
         own = default_advertised_host(cfg, controller=controller)
         s = MooncakeSettings.resolve(cfg.mooncake_config_path, env,
                                      defaults={"local_hostname": own},
+                                     service=cfg.mooncake,
                                      infiniband_dir=infiniband_dir)
     except DiffringError as exc:
         r.add("mooncake settings", "fail", str(exc))
@@ -337,7 +339,7 @@ def _mooncake(
 
 
 # -- model folder and device -------------------------------------------------------------------
-def _model(r: _Report, role: str, cfg: ServiceConfig) -> None:
+def _model(r: _Report, role: str, cfg: ServiceConfig, found: Any) -> None:
     from workers.models.components import STAGE_COMPONENTS, component_problem
 
     name = f"model ({role})"
@@ -348,9 +350,12 @@ def _model(r: _Report, role: str, cfg: ServiceConfig) -> None:
     if not root.is_dir():
         r.add(name, "fail", f"model folder {root} does not exist")
         return
+    if found is None:
+        return  # the folder's layout or checkpoint check failed and says why
+    source = found.source or root  # a folder in another layout: its diffusers view
     needs = STAGE_COMPONENTS[cfg.pipeline][role]
     problems = [f"{c} ({kind}): {p}" for c, kind in needs.items()
-                if (p := component_problem(root / c, kind)) is not None]
+                if (p := component_problem(source / c, kind)) is not None]
     if problems:
         r.add(name, "fail", f"{root} is incomplete for the {role} of {cfg.pipeline}: "
               + "; ".join(problems))
@@ -358,19 +363,25 @@ def _model(r: _Report, role: str, cfg: ServiceConfig) -> None:
         r.add(name, "ok", f"{root}: {', '.join(f'{c} ({k})' for c, k in needs.items())}")
 
 
-def _checkpoint(r: _Report, cfg: ServiceConfig) -> None:
-    """Whether the folder is a checkpoint of the configured pipeline (its model index and
-    DiT config: what a stage checks before it loads)."""
+def _checkpoint(r: _Report, cfg: ServiceConfig, roles: list[str]) -> Any:
+    """The folder's layout, and whether it is a checkpoint of the configured pipeline (its
+    model index and DiT config: what a stage checks before it loads). What was found, or
+    None when a check failed."""
     from workers.models.model_folder import check_model_folder
 
     if not cfg.model_path or not Path(cfg.model_path).is_dir():
-        return  # the model check says so
+        return None  # the model check says so
+    dit = cfg.dit_original_ckpt if "transformer" in roles else None
     try:
-        found = check_model_folder(Path(cfg.model_path), cfg.pipeline)
+        found = check_model_folder(Path(cfg.model_path), cfg.pipeline, dit)
     except DiffringError as exc:
         r.add("checkpoint", "fail", str(exc))
-        return
+        return None
+    r.add("layout", "ok", f"{cfg.model_path}: {found.layout} layout"
+          + ("" if found.source is None else
+             f" (read through a diffusers-layout view, converted at load: {found.source})"))
     r.add("checkpoint", "ok", f"{cfg.model_path}: {found.describe()}, served as {cfg.pipeline}")
+    return found
 
 
 def _device(r: _Report, device: str) -> None:

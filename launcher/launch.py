@@ -4,6 +4,7 @@
         [--encoder-device N|cuda:N|cpu] [--transformer-device ...] [--decoder-device ...]
         [--port-offset N] [--log-dir DIR] [--output-dir DIR] [--mooncake-config FILE]
         [--ready-timeout S] [--metrics-timeout S] [--metrics-required] [--stop-timeout S]
+        [--lightx2v-ports]
 
 What the start scripts (``scripts/server/disagg/``) run; their environment variables map onto
 these options (``scripts/server/disagg/common.sh`` lists them). It loads and checks the four
@@ -117,7 +118,8 @@ class Launch:
                           TASK_SPECS[self.name].family)
         output_dir = str(Path(a.output_dir).resolve()) if a.output_dir else None
         try:
-            prep = prepare(self.name, config_dir.resolve(), log_dir, a.port_offset, output_dir)
+            prep = prepare(self.name, config_dir.resolve(), log_dir, a.port_offset, output_dir,
+                           lightx2v_ports=a.lightx2v_ports)
         except GroupError as exc:
             raise LaunchError(str(exc)) from None
         results = (ROOT / prep.loaded["controller"].output_dir).resolve()
@@ -319,8 +321,11 @@ class Launch:
         rows = "\n".join(f"  {'metrics' if i == 0 else '':<11} {role:<11} "
                          f"{metrics.get(role, 'off')}"
                          for i, role in enumerate(("controller", *WORKERS)))
+        stage_ports = prep.loaded["controller"].server.lightx2v_ports
+        lightx2v = "" if not stage_ports else "\n  LightX2V    " + ", ".join(
+            f"{r} {p}" for r, p in stage_ports.items()) + "   (its three-POST request scripts)"
         self.say(f"""group ready
-  front door  {url}   (POST /v1/tasks/{kind}/, GET /v1/tasks/{{id}}/status)
+  front door  {url}   (POST /v1/tasks/{kind}/, GET /v1/tasks/{{id}}/status){lightx2v}
   API docs    {url}/docs
 {rows}
   results     {results}
@@ -392,7 +397,8 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
                     help="the pipeline (or --group); its role files are "
                     "<config-dir>/<pipeline>_<role>.json")
     ap.add_argument("--group", choices=sorted(TASK_SPECS), help="the pipeline, as a flag")
-    ap.add_argument("--model-path", required=True, help="model folder (diffusers format)")
+    ap.add_argument("--model-path", required=True,
+                    help="model folder (diffusers or original Wan2.1 layout)")
     ap.add_argument("--config-dir", help="folder of the four role files "
                     "(default configs/disagg/<family>)")
     for role in WORKERS:
@@ -406,6 +412,10 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
                     help="extra seconds for /metrics once the services are up")
     ap.add_argument("--metrics-required", action="store_true",
                     help="a silent metrics endpoint fails the start-up")
+    ap.add_argument("--lightx2v-ports", action="store_true",
+                    help="open LightX2V's per-stage API ports (its request scripts' table, "
+                    "e.g. 8002/8003/8006 for wan_t2v; the front door moves to the encoder's) "
+                    "so that its three-POST request scripts work unchanged")
     ap.add_argument("--stop-timeout", type=float, default=30.0,
                     help="seconds each shutdown phase may take before SIGKILL")
     args = ap.parse_args(argv)

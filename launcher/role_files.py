@@ -17,7 +17,10 @@ from typing import Any
 
 from contracts.config import DisaggConfig, ServiceConfig
 from contracts.errors import ConfigError
+from contracts.lightx2v import LIGHTX2V_PORTS
+from contracts.pipelines import TASK_SPECS
 from contracts.roles import Role
+from launcher.lightx2v_files import PREFIXES, ROOT, lightx2v_files, role_data
 
 ROLES = ("controller", *(role.value for role in Role))
 DISAGG_PORT_KEYS = (
@@ -39,12 +42,19 @@ class GroupError(Exception):
     """A problem with the group's files or ports, worded for the operator."""
 
 
-def role_files(group: str, config_dir: Path) -> dict[str, Path]:
+def role_files(group: str, config_dir: Path) -> tuple[dict[str, Path], bool]:
+    """The role files of ``group`` in ``config_dir`` and whether they are LightX2V's stage
+    files (``<prefix>_disagg_{encoder,transformer,decode}.json``, no controller's)."""
     files = {role: config_dir / f"{group}_{role}.json" for role in ROLES}
     missing = [str(p) for p in files.values() if not p.is_file()]
-    if missing:
-        raise GroupError(f"missing config file(s): {', '.join(missing)}")
-    return files
+    if not missing:
+        return files, False
+    theirs = lightx2v_files(group, config_dir)
+    if theirs is not None:
+        return theirs, True
+    prefix = PREFIXES[group]
+    raise GroupError(f"missing config file(s): {', '.join(missing)} (or LightX2V's "
+                     f"{prefix}_disagg_{{encoder,transformer,decode}}.json)")
 
 
 def shift_ports(data: dict[str, Any], offset: int, is_controller: bool) -> None:
@@ -56,6 +66,9 @@ def shift_ports(data: dict[str, Any], offset: int, is_controller: bool) -> None:
     server = data.setdefault("server", {})
     if is_controller:
         server["port"] = int(server.get("port", 8000)) + offset
+        if server.get("lightx2v_ports"):
+            server["lightx2v_ports"] = {r: int(p) + offset
+                                        for r, p in server["lightx2v_ports"].items()}
     elif "port" in server:
         server["port"] = int(server["port"]) + offset
     if server.get("metric_port") is not None:
@@ -80,6 +93,9 @@ class Prepared:
             ("front door", ctl.server.host, ctl.server.port),
             ("control channel", d.bootstrap_addr, d.control_port),
         ]
+        for role, port in (ctl.server.lightx2v_ports or {}).items():
+            if port != ctl.server.port:
+                out.append((f"LightX2V {role} port", ctl.server.host, port))
         for ring in ("request", "phase1", "phase2"):
             host, port = d.ring_address(ring)
             out.append((f"{ring} ring handshake", host, port))
@@ -96,16 +112,33 @@ def prepare(
     log_dir: Path,
     port_offset: int = 0,
     output_dir: str | None = None,
+    lightx2v_ports: bool = False,
 ) -> Prepared:
-    files = role_files(group, config_dir)
+    """The group's role files loaded, checked, and with the launcher's changes applied in
+    copies under ``log_dir/config``: a port offset, a results folder, and
+    ``lightx2v_ports``: the controller opens LightX2V's per-stage API ports of the group
+    (its request scripts' table: contracts/lightx2v.py) and moves its front door to the
+    encoder's."""
+    files, theirs = role_files(group, config_dir)
     raw: dict[str, dict[str, Any]] = {}
+    if theirs:  # LightX2V's stage files: completed for diffring (launcher/lightx2v_files.py)
+        raw = role_data(group, files)
+        files = {"controller": ROOT / "configs" / "disagg" / TASK_SPECS[group].family /
+                 f"{group}_controller.json", **files}
     for role, path in files.items():
         try:
-            ServiceConfig.load(str(path))  # the file as written must be valid on its own
-            raw[role] = json.loads(path.read_text())
+            if theirs:
+                ServiceConfig.from_dict(raw[role], role)
+            else:
+                ServiceConfig.load(str(path))  # the file as written must be valid on its own
+                raw[role] = json.loads(path.read_text())
         except ConfigError as exc:
             raise GroupError(f"{path}: {exc}") from None
-    changed = bool(port_offset) or output_dir is not None
+    if lightx2v_ports:
+        server = raw["controller"].setdefault("server", {})
+        server["lightx2v_ports"] = dict(LIGHTX2V_PORTS[group])
+        server["port"] = LIGHTX2V_PORTS[group]["encoder"]
+    changed = bool(port_offset) or output_dir is not None or theirs or lightx2v_ports
     configs = dict(files)
     if changed:
         out_dir = log_dir / "config"
@@ -120,7 +153,7 @@ def prepare(
     loaded: dict[str, ServiceConfig] = {}
     for role, path in configs.items():
         try:
-            loaded[role] = ServiceConfig.load(str(path))
+            loaded[role] = ServiceConfig.load(str(path), role)
         except ConfigError as exc:
             hint = " (PORT_OFFSET too large?)" if port_offset else ""
             raise GroupError(f"{path}: {exc}{hint}") from None

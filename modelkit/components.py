@@ -78,16 +78,18 @@ def qwen_scheduler() -> Any:
     )
 
 
-def wan_vae(seed: int) -> Any:
+def wan_vae(seed: int, num_res_blocks: int = 1) -> Any:
     from diffusers import AutoencoderKLWan
 
     seeded(seed, "wan.vae")
-    # Real: base_dim 96. Same depth, strides, temporal causality and latent channels.
+    # Real: base_dim 96, num_res_blocks 2 (the original-layout test folders take the real
+    # block count: diffusers' converter of the original file follows it). Same depth,
+    # strides, temporal causality and latent channels.
     model: Any = AutoencoderKLWan(
         base_dim=4,
         z_dim=16,
         dim_mult=[1, 2, 4, 4],
-        num_res_blocks=1,
+        num_res_blocks=num_res_blocks,
         attn_scales=[],
         temperal_downsample=[False, True, True],
     )
@@ -144,7 +146,7 @@ def wan_text_encoder(seed: int, vocab_size: int) -> Any:
     return UMT5EncoderModel(config).eval()
 
 
-def wan_transformer(seed: int, i2v: bool) -> Any:
+def wan_transformer(seed: int, i2v: bool, image_dim: int = WAN_CLIP_DIM) -> Any:
     from diffusers import WanTransformer3DModel
 
     seeded(seed, "wan.transformer.i2v" if i2v else "wan.transformer.t2v")
@@ -163,7 +165,7 @@ def wan_transformer(seed: int, i2v: bool) -> Any:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         eps=1e-6,
-        image_dim=WAN_CLIP_DIM if i2v else None,
+        image_dim=image_dim if i2v else None,
         # Real Wan2.1 I2V checkpoints set this to the model width (5120 for 14B).
         added_kv_proj_dim=inner if i2v else None,
         rope_max_seq_len=1024,
@@ -171,15 +173,17 @@ def wan_transformer(seed: int, i2v: bool) -> Any:
     return model.eval()
 
 
-def clip_vision(seed: int) -> tuple[Any, Any]:
+def clip_vision(seed: int, hidden: int = WAN_CLIP_DIM, heads: int = 4) -> tuple[Any, Any]:
+    """Real: ViT-H/14, 1280 wide in 16 heads of 80 (the original-layout test folders keep
+    that head width: Wan's CLIP file does not say its head count)."""
     from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
 
     seeded(seed, "wan.image_encoder")
     config = CLIPVisionConfig(
-        hidden_size=WAN_CLIP_DIM,
+        hidden_size=hidden,
         intermediate_size=37,
         num_hidden_layers=3,  # the pipeline reads the penultimate layer
-        num_attention_heads=4,
+        num_attention_heads=heads,
         image_size=32,
         patch_size=8,
         hidden_act="gelu",

@@ -63,20 +63,24 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Folders
 # ---------------------------------------------------------------------------------------------
-def _build_wan(dest: Path, seed: int, i2v: bool) -> None:
+def _build_wan(dest: Path, seed: int, i2v: bool, published: bool = False) -> None:
+    """``published``: the VAE with the published two residual blocks per level and the CLIP
+    with 80-wide heads, as the original Wan2.1 files imply (modelkit/original.py)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     tokenizer = build_t5_tokenizer()
+    clip = {"hidden": 160, "heads": 2} if published else {}
     common: dict[str, Any] = {
         "tokenizer": tokenizer,
         "text_encoder": c.wan_text_encoder(seed, c.round_up(len(tokenizer), 64)),
-        "vae": c.wan_vae(seed),
+        "vae": c.wan_vae(seed, num_res_blocks=2 if published else 1),
         "scheduler": c.wan_scheduler(),
-        "transformer": c.wan_transformer(seed, i2v),
+        "transformer": c.wan_transformer(seed, i2v, **(
+            {"image_dim": clip["hidden"]} if published else {})),
     }
     pipe: Any
     if i2v:
-        image_encoder, image_processor = c.clip_vision(seed)
+        image_encoder, image_processor = c.clip_vision(seed, **clip)
         pipe = WanImageToVideoPipeline(
             image_encoder=image_encoder, image_processor=image_processor, **common
         )
@@ -88,6 +92,17 @@ def _build_wan(dest: Path, seed: int, i2v: bool) -> None:
         # the PIL class used here, which would pin loaders to the PIL backend even where
         # torchvision is installed (diffusers and our stage would then resize differently).
         c.patch_model_index(dest, image_processor=["transformers", "CLIPImageProcessor"])
+
+
+def build_published_wan(dest: Path, seed: int, i2v: bool) -> Path:
+    """A tiny Wan2.1 folder (diffusers' layout) whose VAE and CLIP keep the structure of the
+    published original files (see :func:`_build_wan`), built in place."""
+    import torch
+
+    with _in_place(dest, dest.name, keep=lambda: (dest / "model_index.json").is_file()) as tmp, \
+            torch.no_grad():
+        _build_wan(tmp, seed, i2v, published=True)
+    return dest
 
 
 def _build_qwen(dest: Path, seed: int, edit: bool, zero_cond_t: bool = False) -> None:

@@ -52,7 +52,12 @@ def _parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespac
     p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--service", choices=SERVICES, help="role; defaults to the file's disagg_mode")
-    p.add_argument("--config", help="JSON config file (LightX2V field names)")
+    p.add_argument("--config", "--config_json", help="JSON config file (diffring's keys, or a "
+                   "LightX2V stage config: its keys are mapped, --check lists how)")
+    p.add_argument("--model_cls", "--model-cls", help="model family (LightX2V's flag; wins "
+                   "over the file's model_cls)")
+    p.add_argument("--task", help="task within the family (LightX2V's flag: t2v, i2v, t2i, "
+                   "i2i, i2i_plus; wins over the file's task)")
     p.add_argument("--host", help="front-door bind address (controller, all)")
     p.add_argument("--port", type=int, help="front-door port (controller, all)")
     p.add_argument("--metric_port", "--metric-port", type=int, help="Prometheus metrics port")
@@ -74,7 +79,9 @@ def build_config(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, Se
     """Merge command line > environment > file > defaults into (service, config)."""
     import dataclasses
 
-    cfg = ServiceConfig.load(args.config or env.get("DIFFRING_CONFIG"))
+    given = {k: v for k, v in (("model_cls", args.model_cls), ("task", args.task)) if v}
+    cfg = ServiceConfig.load(args.config or env.get("DIFFRING_CONFIG"), role=args.service,
+                             overrides=given)
     service = args.service or _MODE_ALIASES.get(cfg.disagg_mode or "", cfg.disagg_mode)
     if service not in SERVICES:
         raise DiffringError(
@@ -125,7 +132,8 @@ def _addresses(service: str, cfg: ServiceConfig, env: dict[str, str]) -> dict[st
         return out
     from tensorplane.engine import MooncakeSettings
 
-    host = MooncakeSettings.resolve(cfg.mooncake_config_path, env).local_hostname
+    host = MooncakeSettings.resolve(cfg.mooncake_config_path, env,
+                                     service=cfg.mooncake).local_hostname
     if host.count(":") == 1:  # host:port (etcd / http metadata)
         host = host.split(":")[0]
     out["mooncake local_hostname"] = host

@@ -124,12 +124,15 @@ class MooncakeSettings:
         *,
         defaults: Mapping[str, str] | None = None,
         infiniband_dir: str = INFINIBAND_SYSFS,
+        service: Mapping[str, str] | None = None,
     ) -> MooncakeSettings:
-        """Merge the sources, highest first: ``overrides`` (command line / stage config; a
-        ``None`` value means "not given"), ``MOONCAKE_*`` variables in ``env``, the JSON file
-        at ``file_path`` (or ``env['MOONCAKE_CONFIG_PATH']``), ``defaults`` (what the service
-        knows, e.g. its own address as ``local_hostname``), then the class defaults. An empty
-        environment variable counts as unset. ``protocol='auto'`` is made concrete here.
+        """Merge the sources, highest first: ``overrides`` (command line; a ``None`` value
+        means "not given"), ``MOONCAKE_*`` variables in ``env``, ``service`` (the ``mooncake``
+        section of the service's own config, where LightX2V's ``disagg_config`` keys land),
+        the JSON file at ``file_path`` (or ``env['MOONCAKE_CONFIG_PATH']``), ``defaults``
+        (what the service knows, e.g. its own address as ``local_hostname``), then the class
+        defaults. An empty environment variable counts as unset. ``protocol='auto'`` is made
+        concrete here.
 
         ``env`` is passed in (read once at the entry point), never read from ``os.environ``.
         """
@@ -145,6 +148,11 @@ class MooncakeSettings:
         if path is not None:
             for key, value in _read_config_file(path, names).items():
                 values[key], source[key] = value, path
+        unknown = sorted(set(service or {}) - names)
+        if unknown:
+            raise MooncakeConfigError(f"unknown Mooncake setting(s): {', '.join(unknown)}")
+        for key, value in (service or {}).items():
+            values[key], source[key] = value, "service config"
         for key, var in _ENV_VARS.items():
             if env.get(var):
                 values[key], source[key] = env[var], var

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -280,21 +280,27 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random-weight models of every pipeline, built once per run (offline): with
     pytest-xdist, in the run's common temp folder, by whichever worker comes first (the
     others wait on the lock, then find the build up to date: build_all is idempotent)."""
-    import fcntl
-
-    env = os.environ.get("DIFFRING_TINY_MODELS")
-    if env:
-        out = Path(env)
-    elif os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.getbasetemp().parent / "tiny-models"
-    else:
-        out = tmp_path_factory.mktemp("tiny-models")
     from modelkit.tiny import build_all
 
+    env = os.environ.get("DIFFRING_TINY_MODELS")
+    return built_once(tmp_path_factory, "tiny-models", lambda out: build_all(out, seed=0),
+                      Path(env) if env else None)
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+               build: Callable[[Path], object], out: Path | None = None) -> Path:
+    """``build(folder)`` once per run: with pytest-xdist in the run's common temp folder, by
+    whichever worker comes first (the others wait on the lock, then find the build up to
+    date: ``build`` must be idempotent)."""
+    import fcntl
+
+    if out is None:
+        out = (tmp_path_factory.getbasetemp().parent / name
+               if os.environ.get("PYTEST_XDIST_WORKER") else tmp_path_factory.mktemp(name))
     out.mkdir(parents=True, exist_ok=True)
     with (out.parent / f"{out.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        build_all(out, seed=0)
+        build(out)
     return out
 
 
@@ -454,3 +460,91 @@ def launcher_env(tmp_path: Path, model: Path, offset: int) -> dict[str, str]:
         STOP_TIMEOUT="20",
     )
     return env
+
+# -- LightX2V's shapes: its published disaggregation stage configs (configs/disagg/{wan,qwen}/
+# of its repository), key for key, and its request scripts' payloads ----------------------
+def lightx2v_stage_configs() -> dict[str, dict[str, Any]]:
+    """``<prefix>_disagg_<role>.json`` name -> the object LightX2V publishes there."""
+    def disagg(room: int, sender: int, receiver: int, phase2: tuple[int, int] | None = None,
+               device_name: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {"bootstrap_addr": "127.0.0.1", "bootstrap_room": room,
+                             "sender_engine_rank": sender, "receiver_engine_rank": receiver,
+                             "protocol": "rdma", "local_hostname": "localhost",
+                             "metadata_server": "P2PHANDSHAKE"}
+        if device_name:
+            d["device_name"] = ""
+        if phase2 is not None:
+            d["decoder_engine_rank"], d["decoder_bootstrap_room"] = phase2
+        return d
+
+    def wan(steps: int, shift: int, i2v: bool) -> dict[str, dict[str, Any]]:
+        base: dict[str, Any] = {"infer_steps": steps, "target_video_length": 81,
+                                "text_len": 512, "target_height": 480, "target_width": 832}
+        dit = {"self_attn_1_type": "sage_attn2", "cross_attn_1_type": "sage_attn2",
+               "cross_attn_2_type": "sage_attn2", "sample_guide_scale": 5,
+               "sample_shift": shift, "enable_cfg": True}
+        tail: dict[str, Any] = {"cpu_offload": False, "fps": 16}
+        if i2v:
+            tail["clip_embed_dim"] = 329216
+        room = 2 if i2v else 0
+        name = "wan_i2v" if i2v else "wan_t2v"
+        return {
+            f"{name}_disagg_encoder": {**base, **dit, **tail, "disagg_mode": "encoder",
+                                       "disagg_config": disagg(room, 0, 1)},
+            f"{name}_disagg_transformer": {**base, **dit, **tail, "disagg_mode": "transformer",
+                                           "disagg_config": disagg(room, 0, 1,
+                                                                   (2, room + 1))},
+            f"{name}_disagg_decode": {**base, **tail, "disagg_mode": "decode",
+                                      "disagg_config": disagg(room + 1, 1, 2)},
+        }
+
+    def qwen(task: str) -> dict[str, dict[str, Any]]:
+        t2i = task == "t2i"
+        steps = 50 if t2i else 40
+        size = {"target_height": 1536, "target_width": 2752} if t2i else {
+            "target_height": 1664, "target_width": 1664}
+        geo = {"vae_z_dim": 16, "vae_stride": [1, 8, 8], "target_video_length": 1, **size}
+        template = {"prompt_template_encode": "<|im_start|>system\nDescribe ...<|im_end|>\n"
+                    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+                    "prompt_template_encode_start_idx": 34 if t2i else 64}
+        cfg = {"enable_cfg": True, "sample_guide_scale": 4.0}
+        text = {"text_encoder_dim": 3584, "text_len": 4096, "infer_steps": steps}
+        extra: dict[str, Any] = ({"aspect_ratio": "16:9", "max_custom_size": 3072} if t2i else
+                                 {"resize_mode": "adaptive"})
+        edit: dict[str, Any] = {} if t2i else {"CONDITION_IMAGE_SIZE": 147456,
+                                               "USE_IMAGE_ID_IN_PROMPT": True}
+        room = 0 if t2i else 1
+        name = f"qwen_image_{task}_disagg"
+        transformer = {"task": task, "disagg_mode": "transformer", **text, **extra, **template,
+                       "attn_type": "flash_attn2" if t2i else "flash_attn3", **cfg, **edit,
+                       **geo, "disagg_config": disagg(room, 0, 1, (2, 2), device_name=True)}
+        if t2i:
+            transformer["dit_original_ckpt"] = "/path/to/qwen-2512/dit.safetensors"
+        decode: dict[str, Any] = {"task": task, "disagg_mode": "decode", "infer_steps": steps,
+                                  "vae_scale_factor": 8, **geo}
+        if t2i:
+            decode["max_custom_size"] = 3072
+        return {
+            f"{name}_encoder": {"task": task, "disagg_mode": "encoder",
+                                "text_encoder_type": "lightllm_kernel", **text, **extra,
+                                **template, "attn_type": "flash_attn3", **cfg, **edit, **geo,
+                                "disagg_config": disagg(room, 0, 1, device_name=True)},
+            f"{name}_transformer": transformer,
+            f"{name}_decode": {**decode, "disagg_config": disagg(2, 1, 2)},
+        }
+
+    return {**wan(50, 5, False), **wan(40, 3, True), **qwen("t2i"), **qwen("i2i")}
+
+
+@pytest.fixture(scope="session")
+def wan_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<task>-diffusers`` and ``<task>-original`` for wan_t2v and wan_i2v: the same tiny
+    random weights in diffusers' layout and in the original Wan2.1 layout (written through
+    the published key mappings: modelkit/original.py), built once per run."""
+    from modelkit.original import build_wan_pair
+
+    def build(out: Path) -> None:
+        for task in ("wan_t2v", "wan_i2v"):
+            build_wan_pair(out, task)
+
+    return built_once(tmp_path_factory, "wan-pairs", build)

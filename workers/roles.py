@@ -385,6 +385,8 @@ def transformer_options(cfg: ServiceConfig) -> dict[str, Any]:
     """The DiT stage's settings from a service's config (every rank of a group takes them)."""
     return {
         "attention": cfg.attention_backend,
+        "attention_fallback": cfg.attention_fallback,
+        "dit_file": cfg.dit_original_ckpt,
         "compile": cfg.compile,
         "cfg_batch": cfg.cfg_batch,
         "options": cfg.transformer,

@@ -184,12 +184,14 @@ class StageWorker(StageHost):
             )
         self.progress.start()
         own = default_advertised_host(self.cfg, controller=False)
+        dit = self.cfg.dit_original_ckpt if self.role.value == "transformer" else None
         self.model_folder = check_stage_folder(Path(self.model_path()), self.cfg.pipeline,
-                                             self.role.value)
+                                             self.role.value, dit)
         log.info("worker %s: model folder %s is %s", self.name, self.model_path(),
                  self.model_folder.describe())
         settings = MooncakeSettings.resolve(
-            self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own}
+            self.cfg.mooncake_config_path, self.env, defaults={"local_hostname": own},
+            service=self.cfg.mooncake,
         )
         self.engine = TransferEngine(settings)
         self.engine.start()

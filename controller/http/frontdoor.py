@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +28,20 @@ from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
 from contracts.input_images import pack_images
 from contracts.pipelines import TaskSpec, task_spec
 from contracts.priority import check_priority
-from contracts.request import GenerationRequest
+from contracts.request import RESIZE_MODES, GenerationRequest
 from controller.errors import QueueFull
-from controller.http import dit_offers, views
+from controller.http import dit_offers, image_sources, resize, views
 from controller.http.decoding import ImageDecoder
 from controller.http.dit_offers import check_offers, lora_fields
 from controller.http.events import EventHub
 from controller.http.schemas import (
     TASK_ID_RE,
-    ImageTaskRequest,
     TaskRequest,
     VideoTaskRequest,
     http_error,
     safe_relative_path,
-    size_for_aspect,
 )
+from controller.http.sizes import plain_defaults, size_fields
 from controller.http.thumbs import make_thumbnail, thumbnail_file
 from controller.ownership.coordinator import Coordinator
 from controller.tasks.store import StoreConflict, StoreError
@@ -63,12 +62,16 @@ class FrontDoor:
         service: str,
         server: ServerConfig | None = None,
         decoder: ImageDecoder | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.co = coordinator
         self.pipeline = coordinator.config.pipeline
         self.status_extra = status_extra
         self.service = service
         self.server = server or ServerConfig()
+        self.defaults: Mapping[str, Any] = defaults or {}
+        """The service's ``request_defaults``: what a request that leaves a field unset gets
+        (LightX2V's model knobs; :mod:`controller.http.sizes`)."""
         self.decoder = decoder or ImageDecoder()
         """Input images are decoded in worker processes (:mod:`controller.http.decoding`)."""
         # Staging and store look-ups run here, off the event loop.
@@ -82,7 +85,7 @@ class FrontDoor:
 
     # -- request building -----------------------------------------------------------------
     def _generation_request(self, body: TaskRequest) -> dict[str, Any]:
-        for name in ("last_frame_path", "resize_mode", "i2i_denoise_strength"):
+        for name in ("last_frame_path", "i2i_denoise_strength"):
             if getattr(body, name, None) not in (None, ""):
                 raise http_error(422, f"{name} is not supported by diffring; leave it unset")
         spec = task_spec(self.pipeline)
@@ -94,29 +97,17 @@ class FrontDoor:
             "infer_steps",
             "guidance_scale",
             "true_cfg_scale",
-            "height",
-            "width",
         ):
             value = getattr(body, name)
             if value is not None:
                 fields[name] = value
-        if body.target_shape is not None:
-            if len(body.target_shape) != 2:
-                raise http_error(422, "target_shape must be [height, width]")
-            fields["height"], fields["width"] = body.target_shape
+        fields.update(size_fields(body, spec, self.defaults))
         if isinstance(body, VideoTaskRequest):
             if body.target_video_length is not None:
                 fields["num_frames"] = body.target_video_length
             if body.target_fps is not None:
                 fields["fps"] = body.target_fps
-        if isinstance(body, ImageTaskRequest) and body.aspect_ratio:
-            if "height" in fields or "width" in fields:
-                raise http_error(422, "give aspect_ratio or an explicit size, not both")
-            h = spec.defaults.get("height") or 1328
-            w = spec.defaults.get("width") or 1328
-            fields["height"], fields["width"] = size_for_aspect(
-                body.aspect_ratio, int(h) * int(w), spec.size_multiple
-            )
+        plain_defaults(fields, self.defaults)
         try:
             req = GenerationRequest.from_dict(fields)
         except (InvalidRequestError, TypeError) as exc:
@@ -158,6 +149,9 @@ class FrontDoor:
         ):
             raise http_error(409, f"task {task_id} exists already; choose another task_id")
         image = await self._decode_images(values) if values else None
+        mode = getattr(body, "resize_mode", None) or self.defaults.get("resize_mode")
+        if image is not None and mode and spec.name == "wan_i2v":
+            image, request = await self._resized(mode, image, request)
         task = Task(
             task_id=task_id,
             kind=kind,
@@ -232,6 +226,7 @@ class FrontDoor:
         out = []
         for index, value in enumerate(values):
             try:
+                value = await image_sources.resolve(value, self.server, self._off_loop)
                 out.append(await self.decoder.decode(
                     value, self.server.max_image_bytes, self.server.max_image_pixels))
             except HTTPException as exc:
@@ -243,6 +238,25 @@ class FrontDoor:
                     detail = f"{where}: {detail}"
                 raise http_error(exc.status_code, detail) from None
         return pack_images(out)
+
+    async def _resized(self, mode: str, image: bytes, request: dict[str, Any]
+                       ) -> tuple[bytes, dict[str, Any]]:
+        """LightX2V's ``resize_mode`` (controller/http/resize.py): the output size from the
+        input image, the image cropped to its aspect ratio (in a decoding process)."""
+        if mode not in RESIZE_MODES:
+            raise http_error(422, f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got "
+                                  f"{mode!r}")
+        size = (request["height"], request["width"]) if request.get("height") else None
+        out = await self.decoder.run(resize.apply, mode, image, size)
+        if len(out) == 2:
+            raise http_error(out[0], out[1])
+        cropped, height, width = out
+        try:
+            request = GenerationRequest.from_dict({**request, "height": height,
+                                                   "width": width}).to_dict()
+        except InvalidRequestError as exc:
+            raise http_error(422, str(exc)) from None
+        return cropped, request
 
     async def _durable(self, task: Task) -> None:
         """Answer only once the accepted task is in the store (a restart keeps it)."""

@@ -34,7 +34,8 @@ class TaskRequest(BaseModel):
     prompt: str = Field(..., min_length=1, max_length=100_000)
     negative_prompt: str | None = Field(None, max_length=100_000)
     image_path: str | list[str] | None = Field(
-        None, description="input image for i2v / i2i: base64 or a data: URL; qwen_i2i_plus "
+        None, description="input image for i2v / i2i: base64 or a data: URL (or an http(s) "
+        "URL of an allowed host, a file under the input folder, where configured); qwen_i2i_plus "
         "takes a list of them (Picture 1, Picture 2, ..., at most server.max_input_images)"
     )
     last_frame_path: str | None = Field(None, description="not supported by diffring")
@@ -44,6 +45,9 @@ class TaskRequest(BaseModel):
     infer_steps: int | None = Field(None, ge=1, le=1000)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     target_shape: list[int] | None = Field(None, description="[height, width]")
+    size: str | list[int] | None = Field(
+        None, description="output size as LightX2V's OpenAI route reads it, 'WxH', or "
+        "[height, width] (as target_shape)")
     height: int | None = None
     width: int | None = None
     guidance_scale: float | None = Field(None, ge=0)
@@ -88,7 +92,10 @@ class TaskRequest(BaseModel):
 class VideoTaskRequest(TaskRequest):
     target_video_length: int | None = Field(None, ge=1, le=1025)
     target_fps: int | None = Field(None, ge=1, le=240)
-    resize_mode: str | None = Field(None, description="not supported by diffring")
+    resize_mode: str | None = Field(
+        None, description="wan i2v: the output size from the input image, LightX2V's modes "
+        "(adaptive, keep_ratio_fixed_area, fixed_min_area, fixed_max_area, fixed_min_side, "
+        "fixed_shape); the image is cropped to its aspect ratio")
 
 
 class ImageTaskRequest(TaskRequest):
@@ -181,7 +188,8 @@ def decode_image(
         scheme = value.split("://", 1)[0]
         raise http_error(
             422,
-            f"image_path scheme {scheme!r} is not allowed; send the image as base64 or a data: URL",
+            f"image_path scheme {scheme!r} is not allowed; send the image as base64 or a data: "
+            "URL (http(s) URLs of the hosts in server.image_url_hosts are fetched)",
         )
     # Base64 first, whatever the value starts with: the base64 of every JPEG starts with
     # "/9j/", so a leading "/" says nothing. Line breaks (base64 -w 76) are dropped.
@@ -194,8 +202,9 @@ def decode_image(
         if _PATH_LIKE.search(value):
             raise http_error(
                 422,
-                "image_path is not base64 and looks like a file path; the controller does "
-                "not read local files: send the image as base64 or a data: URL",
+                "image_path is not base64 and looks like a file path; the controller reads "
+                "files only under server.input_dir, which is not set: send the image as "
+                "base64 or a data: URL",
             ) from None
         raise http_error(422, "image_path is not valid base64") from None
     if len(data) > max_bytes:

@@ -83,9 +83,13 @@ def build_app(front: FrontDoor) -> FastAPI:
     app.mount("/ui/static", StaticFiles(directory=routes_ui.UI_DIR), name="ui-static")
     add_docs(app)
     # Whole request bodies are read into memory: refuse what cannot be a valid request
-    # (the largest images it may carry, base64-encoded, plus room for the other fields)
     # before that.
-    images = front.server.max_input_images if task_spec(front.pipeline).multi_image else 1
-    limit = images * ((front.server.max_image_bytes + 2) // 3 * 4) + (2 << 20)
-    app.add_middleware(BodyLimit, max_bytes=limit)
+    app.add_middleware(BodyLimit, max_bytes=body_limit(front))
     return app
+
+
+def body_limit(front: FrontDoor) -> int:
+    """The largest request body ``front`` reads: the largest images it may carry,
+    base64-encoded, plus room for the other fields."""
+    images = front.server.max_input_images if task_spec(front.pipeline).multi_image else 1
+    return images * ((front.server.max_image_bytes + 2) // 3 * 4) + (2 << 20)

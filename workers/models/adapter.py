@@ -86,6 +86,9 @@ class StageAdapter(ABC):
         self._loaded = False
         self.model_folder: ModelFolder | None = None
         """What the model folder is; checked in :meth:`load` unless the caller did."""
+        self.dit_file: str | None = None
+        """A single-file DiT replacing the folder's (``dit_original_ckpt``; the transformer
+        stage's constructor takes it)."""
         self.on_component: Callable[[str], None] | None = None
         """Called with a component's name after it loaded (the worker's start-up boundary:
         a stop asked for during a long load ends it there)."""
@@ -103,7 +106,7 @@ class StageAdapter(ABC):
         if self.model_folder is None:  # a worker checked it at start, before Mooncake
             # The folder must be a checkpoint of this task's pipeline (JSON only, before
             # any weight is read).
-            self.model_folder = check_model_folder(self.model_dir, self.task)
+            self.model_folder = check_model_folder(self.model_dir, self.task, self.dit_file)
         self._resolve_settings()
         self._check_budget()
         self._load()
@@ -118,7 +121,7 @@ class StageAdapter(ABC):
             return
         from .memory import apply_budget, check_budget, estimate_weights
 
-        folders = [self.model_dir / c for c, kind in
+        folders = [self.source_dir / c for c, kind in
                    STAGE_COMPONENTS[self.spec.name][self.role.value].items() if kind == WEIGHTS]
         weights = estimate_weights(folders, self.dtype.itemsize)
         check_budget(self.role.value, self.options, weights, self.working_bytes())
@@ -174,11 +177,19 @@ class StageAdapter(ABC):
         if not self._loaded:
             raise ModelLoadError(f"{self.role} stage of {self.task}: call load() first")
 
+    @property
+    def source_dir(self) -> Path:
+        """Where the components are read from: the folder, or its diffusers-layout view
+        (a folder in another layout: :mod:`workers.models.layouts`)."""
+        found = self.model_folder
+        return found.source if found is not None and found.source is not None else \
+            self.model_dir
+
     def _component(self, loader: Callable[[str], T], component: str) -> T:
-        loaded = load_component(loader, self.model_dir, component, self.task, self.role)
+        loaded = load_component(loader, self.source_dir, component, self.task, self.role)
         if self.on_component is not None:
             self.on_component(component)
         return loaded
 
     def _config(self, component: str) -> dict[str, Any]:
-        return read_component_config(self.model_dir, component, self.task, self.role)
+        return read_component_config(self.source_dir, component, self.task, self.role)

@@ -171,14 +171,21 @@ class TransformerAdapter(StageAdapter):
         options: StageOptions | None = None,
         budget_shapes: Sequence[str] = (),
         group: Any = None,
+        attention_fallback: str | None = None,
+        dit_file: str | None = None,
     ) -> None:
         super().__init__(model_dir, task, device, dtype, options)
+        self.dit_file = dit_file
         self.group = group
         self.cfg_split: Any = None
         """Set by :func:`~workers.models.dit.parallel.attach_group` in a CFG-2 group."""
         self.budget_shapes = tuple(budget_shapes)
         check_backend_name(attention)
         self.attention = attention
+        if attention_fallback is not None:
+            check_backend_name(attention_fallback)
+        self.attention_fallback = attention_fallback
+        """The backend run where ``attention`` cannot (None: refuse to load)."""
         self.compile = compile
         self.cfg_batch = cfg_batch
 

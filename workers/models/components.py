@@ -24,6 +24,7 @@ from contracts.pipelines import (
 )
 from contracts.request import GenerationRequest
 
+from .layouts import source_of
 from .model_folder import ModelFolder, check_model_folder, read_json
 
 if TYPE_CHECKING:
@@ -123,6 +124,10 @@ def component_problem(folder: Path, kind: str) -> str | None:
         return "no config.json"
     if kind == CONFIG:
         return None
+    source = source_of(folder)
+    if source is not None:  # a view's component: its weights are in the listed files
+        absent = [f for f in source["files"] if not Path(f).is_file()]
+        return f"{absent[0]} missing" if absent else None
     for index in folder.glob("*.index.json"):
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
@@ -137,18 +142,21 @@ def component_problem(folder: Path, kind: str) -> str | None:
     return None
 
 
-def check_stage_folder(model_dir: Path, task: str, role: str) -> ModelFolder:
-    """Fail fast (seconds, not the minutes of a load) when the folder lacks something the
-    ``role`` stage of ``task`` reads, or is a checkpoint ``task`` does not serve
-    (:func:`~workers.models.model_folder.check_model_folder`); the error names folder and
-    component, or the pipeline class. Returns what the folder is."""
+def check_stage_folder(model_dir: Path, task: str, role: str,
+                       dit_file: str | Path | None = None) -> ModelFolder:
+    """Fail fast (seconds, not the minutes of a load) when the folder is in no layout
+    diffring serves, lacks something the ``role`` stage of ``task`` reads, or is a checkpoint
+    ``task`` does not serve (:func:`~workers.models.model_folder.check_model_folder`); the
+    error names folder and component, or the pipeline class. Returns what the folder is.
+    ``dit_file``: the transformer's single-file DiT (``dit_original_ckpt``)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist (task {task})")
-    found = check_model_folder(model_dir, task)
+    found = check_model_folder(model_dir, task, dit_file)
+    source = found.source or model_dir
     for component, kind in STAGE_COMPONENTS[task_spec(task).name][role].items():
         if kind != FILE:
-            component_dir(model_dir, component, task, role)  # the loader's own message
-        problem = component_problem(model_dir / component, kind)
+            component_dir(source, component, task, role)  # the loader's own message
+        problem = component_problem(source / component, kind)
         if problem is not None:
             raise ModelLoadError(
                 f"model folder {model_dir}: the {component!r} component is incomplete "

@@ -10,25 +10,35 @@ import torch
 
 from contracts.errors import InvalidRequestError, ModelLoadError
 
+from .layouts import source_of
 from .memory import Placement, place
 
 
 def load_diffusers_model(cls: Any, path: str, placement: Placement) -> Any:
     """A diffusers model (DiT or VAE) in eval mode, placed on the stage's device with its
-    memory options (:func:`workers.models.memory.place`)."""
-    model = cls.from_pretrained(path, dtype=placement.dtype, local_files_only=True)
-    return place(model.eval(), placement)
+    memory options (:func:`workers.models.memory.place`). A view's component (a folder in
+    another layout) is converted from its files (:mod:`workers.models.convert`)."""
+    return place(_load(cls, path, placement).eval(), placement)
 
 
 def load_transformers_model(cls: Any, path: str, placement: Placement) -> Any:
     """A transformers model (text / image encoder) in eval mode, placed likewise."""
-    model = cls.from_pretrained(path, dtype=placement.dtype, local_files_only=True)
-    return place(model.eval(), placement)
+    return place(_load(cls, path, placement).eval(), placement)
 
 
-def load_scheduler(path: str) -> Any:
+def _load(cls: Any, path: str, placement: Placement) -> Any:
+    source = source_of(Path(path))
+    if source is not None:
+        from .convert import load_converted
+
+        return load_converted(cls, Path(path), source, placement.dtype)
+    return cls.from_pretrained(path, dtype=placement.dtype, local_files_only=True)
+
+
+def load_scheduler(path: str, **overrides: Any) -> Any:
     """The scheduler class named in ``scheduler_config.json`` (what diffusers' pipelines load;
-    Wan2.1 ships UniPC, Qwen-Image FlowMatchEuler)."""
+    Wan2.1 ships UniPC, Qwen-Image FlowMatchEuler). ``overrides``: config values to change
+    (``flow_shift``), diffusers' way: the scheduler built with them instead of the file's."""
     import diffusers
     from diffusers import SchedulerMixin
 
@@ -40,7 +50,7 @@ def load_scheduler(path: str) -> Any:
     cls = getattr(diffusers, str(class_name), None)
     if not (isinstance(cls, type) and issubclass(cls, SchedulerMixin)):
         raise ModelLoadError(f"{config_file} names {class_name!r}, not a diffusers scheduler")
-    return cls.from_pretrained(path, local_files_only=True)
+    return cls.from_pretrained(path, local_files_only=True, **overrides)
 
 
 def fresh_scheduler(template: Any) -> Any:

@@ -129,8 +129,14 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def _tensors(folder: Path) -> Iterator[tuple[str, int, int]]:
-    """(name, number of elements, ndim) of every tensor of a component, from its headers."""
-    for file in sorted(folder.glob("*.safetensors")):
+    """(name, number of elements, ndim) of every tensor of a component, from its headers (a
+    view's component: the safetensors files its weights come from)."""
+    from .layouts import source_of
+
+    source = source_of(folder)
+    files = (sorted(folder.glob("*.safetensors")) if source is None else
+             [Path(f) for f in source["files"] if f.endswith(".safetensors")])
+    for file in files:
         for name, info in _safetensors_header(file).items():
             n = 1
             for d in info["shape"]:

@@ -26,6 +26,8 @@ from typing import Any
 from contracts.errors import ModelLoadError
 from contracts.pipelines import TaskSpec, served_classes, task_spec
 
+from .layouts import detect_layout, view_of
+
 # The DiT class of each family: a folder of a served pipeline class with another DiT class is
 # not the checkpoint the stages were written for.
 _DIT_CLASS = {"wan": "WanTransformer3DModel", "qwen": "QwenImageTransformer2DModel"}
@@ -39,10 +41,17 @@ class ModelFolder:
     """``model_index.json``'s ``_class_name``; None when the folder has no model index."""
     variant: str
     """Which checkpoints of the class this is, in words (e.g. Edit-2511's ``zero_cond_t``)."""
+    layout: str = "diffusers"
+    """The folder's layout (:mod:`workers.models.layouts`): ``diffusers`` or
+    ``wan_original``, with ``+ single-file DiT`` when ``dit_original_ckpt`` replaces its DiT."""
+    source: Path | None = None
+    """Where the stages read the components from: the diffusers-layout view of a folder in
+    another layout (None: the folder itself)."""
 
     def describe(self) -> str:
         name = self.pipeline_class or "no model_index.json"
-        return f"{name}: {self.variant}" if self.variant else name
+        found = f"{name}: {self.variant}" if self.variant else name
+        return found if self.layout == "diffusers" else f"{found} ({self.layout} layout)"
 
 
 def read_json(file: Path) -> dict[str, Any] | None:
@@ -76,7 +85,8 @@ def _class_problem(model_dir: Path, found: object, spec: TaskSpec) -> str | None
                 f"diffring does not serve; it serves {_served_list()}. Point model_path at a "
                 f"{spec.pipeline_class} folder for {spec.name}")
     return (f"model folder {model_dir} is a {found} checkpoint (model_index.json), served by "
-            f"diffring as {other.name} (model_cls {other.model_cls!r}, task {other.task!r}); "
+            f"diffring as {other.name} (model_cls {other.model_cls!r}, task {other.task!r}), "
+            f"started by scripts/server/disagg/{other.family}/start_{other.name}_disagg.sh; "
             f"this service is configured for {spec.name}, which serves "
             f"{spec.pipeline_class} folders. Set task to {other.task!r}, or point model_path "
             f"at a {spec.pipeline_class} folder")
@@ -125,22 +135,33 @@ def _dit_variant(model_dir: Path, dit: dict[str, Any], spec: TaskSpec) -> tuple[
     return None, ""
 
 
-def check_model_folder(model_dir: Path, task: str) -> ModelFolder:
-    """Refuse (:class:`ModelLoadError`) a folder whose pipeline ``task`` does not serve;
-    return what it is. JSON only: seconds before any weight is read."""
+def check_model_folder(model_dir: Path, task: str, dit_file: str | Path | None = None
+                       ) -> ModelFolder:
+    """Refuse (:class:`ModelLoadError`) a folder in no layout diffring serves, or whose
+    pipeline ``task`` does not serve; return what it is and where its components are read
+    from. ``dit_file``: a single-file DiT that replaces the folder's (``dit_original_ckpt``).
+    JSON and tensor headers only: seconds before any weight is read."""
     spec = task_spec(task)
     if spec.pipeline_class is None:  # the synthetic pipeline reads its own settings file
         return ModelFolder(None, "")
-    index = read_json(model_dir / "model_index.json")
+    layout = detect_layout(model_dir)
+    source = None
+    if layout != "diffusers" or dit_file is not None:
+        source = view_of(model_dir, layout, None if dit_file is None else Path(dit_file))
+        if dit_file is not None:
+            layout += " + single-file DiT"
+    read_from = source or model_dir
+    index = read_json(read_from / "model_index.json")
     if index is not None:
         problem = _class_problem(model_dir, index.get("_class_name"), spec)
         problem = problem or _index_variant(model_dir, index)
         if problem is not None:
             raise ModelLoadError(problem)
     variant = ""
-    dit = read_json(model_dir / "transformer" / "config.json")
+    dit = read_json(read_from / "transformer" / "config.json")
     if dit is not None:
         problem, variant = _dit_variant(model_dir, dit, spec)
         if problem is not None:
             raise ModelLoadError(problem)
-    return ModelFolder(None if index is None else str(index["_class_name"]), variant)
+    return ModelFolder(None if index is None else str(index["_class_name"]), variant, layout,
+                       source)

@@ -39,6 +39,8 @@ class LocalPipeline:
         prompt_cache_bytes: int = 0,
         stage_options: Mapping[str, StageOptions] | None = None,
         budget_shapes: Sequence[str] = (),
+        attention_fallback: str | None = None,
+        dit_file: str | None = None,
     ) -> None:
         """``stage_options``: each stage's memory and precision options by role name
         ("encoder", "transformer", "decoder"; a missing one: all off). One process has one
@@ -52,6 +54,7 @@ class LocalPipeline:
         self.transformer = TransformerAdapter.for_task(
             model_dir, task, device, dtype, attention=attention, compile=compile,
             cfg_batch=cfg_batch, options=opts.get("transformer"), budget_shapes=budget_shapes,
+            attention_fallback=attention_fallback, dit_file=dit_file,
         )
         self.decoder = DecoderAdapter.for_task(
             model_dir, task, device, dtype, video=video, options=opts.get("decoder"))

@@ -15,8 +15,8 @@
 # so a Ctrl+C in the terminal reaches only the launcher.
 #
 # Environment (all optional except the model path):
-#   model_path               model folder (diffusers format); LightX2V's variable for the
-#                            example (WAN_T2V_MODEL_PATH, WAN_I2V_MODEL_PATH,
+#   model_path               model folder (diffusers or original Wan2.1 layout); LightX2V's
+#                            variable for the example (WAN_T2V_MODEL_PATH, WAN_I2V_MODEL_PATH,
 #                            QWEN_IMAGE_MODEL_PATH) is accepted too; model_path wins
 #   ENCODER_GPU, TRANSFORMER_GPU, DECODER_GPU
 #                            a GPU index (N -> --device cuda:N), cuda:N, or cpu. LightX2V's
@@ -34,6 +34,11 @@
 #                            (default 15); METRICS_REQUIRED=1 makes a silent one fatal
 #   STOP_TIMEOUT             seconds each shutdown phase may take before SIGKILL (default 30)
 #   MOONCAKE_CONFIG_PATH     default configs/mooncake_config.json
+#   LIGHTX2V_PORTS=1         also open LightX2V's per-stage API ports (its request scripts'
+#                            table; the front door moves to the encoder's port), so that
+#                            its three-POST request scripts work unchanged
+#   CONFIG_DIR may hold LightX2V's own stage configs (<prefix>_disagg_{encoder,transformer,
+#                            decode}.json): they are read as they are (docs/from-lightx2v.md)
 #   DIFFRING_CLUSTER_TOKEN   shared secret; unset: a fresh one per run, saved (mode 600) in
 #                            LOG_DIR/cluster_token for workers started by hand
 # Relative paths are taken from the directory the script was started in.
@@ -71,6 +76,7 @@ diffring_run_group() {
     [[ "${METRICS_REQUIRED:-0}" != 1 ]] || args+=(--metrics-required)
     [[ -z "${STOP_TIMEOUT:-}" ]] || args+=(--stop-timeout "$STOP_TIMEOUT")
     [[ -z "${MOONCAKE_CONFIG_PATH:-}" ]] || args+=(--mooncake-config "$MOONCAKE_CONFIG_PATH")
+    [[ "${LIGHTX2V_PORTS:-0}" != 1 ]] || args+=(--lightx2v-ports)
     # The launcher imports the repository's packages: found from here even when the script is
     # started elsewhere and the project is not installed into $py.
     PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m launcher "${args[@]}"

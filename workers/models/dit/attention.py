@@ -98,9 +98,26 @@ def _quiet_set_backend(model: Any, name: str) -> None:
 
 
 def apply_attention_backend(
-    model: Any, backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
-) -> None:
-    """Switch every attention module of a loaded DiT to ``backend``."""
+    model: Any, backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+    fallback: str | None = None,
+) -> str:
+    """Switch every attention module of a loaded DiT to ``backend`` and return it; where
+    ``backend`` cannot run here (its package or a CUDA GPU missing, a head size it lacks),
+    to ``fallback`` with a warning (None: the error)."""
+    try:
+        _apply(model, backend, device, dtype, head_dim)
+        return backend
+    except ModelLoadError as exc:
+        if fallback is None or fallback == backend:
+            raise
+        logger.warning("attention backend %r cannot run here (%s); running %r instead "
+                       "(attention_fallback)", backend, exc, fallback)
+    _apply(model, fallback, device, dtype, head_dim)
+    return fallback
+
+
+def _apply(model: Any, backend: str, device: torch.device, dtype: torch.dtype,
+           head_dim: int) -> None:
     check_backend_name(backend)
     if backend == "sdpa":
         # Explicit, so a DIFFUSERS_ATTN_BACKEND in the environment cannot change the kernel.

@@ -94,9 +94,9 @@ class QwenTransformer(TransformerAdapter):
         )
         self.scheduler: Any = self._component(load_scheduler, "scheduler")
         config = self.transformer.config
-        apply_attention_backend(
-            self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim
-        )
+        self.attention = apply_attention_backend(
+            self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim,
+            fallback=self.attention_fallback)
 
     def _output_size(
         self, req: GenerationRequest, image_latents: torch.Tensor | None

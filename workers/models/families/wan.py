@@ -208,12 +208,15 @@ class WanTransformer(TransformerAdapter):
             lambda p: load_diffusers_model(WanTransformer3DModel, p, self.placement),
             "transformer",
         )
-        self.scheduler: Any = self._component(load_scheduler, "scheduler")
+        shift = self.options.flow_shift
+        self.scheduler: Any = self._component(
+            lambda p: load_scheduler(p, **({} if shift is None else {"flow_shift": shift})),
+            "scheduler")
         config = self.transformer.config
         self.patch = tuple(config.patch_size)
-        apply_attention_backend(
-            self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim
-        )
+        self.attention = apply_attention_backend(
+            self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim,
+            fallback=self.attention_fallback)
 
     def _check_geometry(self, req: GenerationRequest) -> tuple[int, int, int]:
         assert req.height is not None and req.width is not None and req.num_frames is not None
