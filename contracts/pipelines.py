@@ -102,7 +102,8 @@ _SYNTHETIC_DEFAULTS: Mapping[str, Any] = {
 
 # Size limits: the Wan2.1 checkpoints are trained at 480P and 720P; up to 1080p (twice
 # 720P's area) is served. Qwen-Image is trained around 1328x1328 (1.8 megapixels); up to
-# 2048x2048 is served. Steps: Qwen-Image's scheduler (flow matching with ``shift_terminal``,
+# 3072 a side and 4.7 megapixels is served: LightX2V's published Qwen-Image configs ask for
+# 2752x1536 (4.2 megapixels), and their users' configs must run as they are. Steps: Qwen-Image's scheduler (flow matching with ``shift_terminal``,
 # 0.02 in the published folders) stretches its sigmas so that the last one lands on
 # ``shift_terminal``, dividing by the first one's distance from it: with one step that is
 # 0 / 0 and every timestep is NaN. Wan's UniPC runs one step.
@@ -117,7 +118,7 @@ def _qwen(task: str, needs_image: bool, pipeline_class: str, multi_image: bool =
           **defaults: Any) -> TaskSpec:
     return TaskSpec(f"qwen_{task}", "qwen", "qwen_image", task, "image", needs_image, 16, 1,
                     {**_QWEN_DEFAULTS, **defaults}, pipeline_class, multi_image,
-                    min_steps=2, max_side=2048, max_pixels=2048 * 2048)
+                    min_steps=2, max_side=3072, max_pixels=3072 * 1536)
 
 
 # Qwen-Image-Edit-2509 and -2511 are a pipeline of their own (``qwen_i2i_plus``, config
