@@ -11,7 +11,7 @@ need_apt=()
 # Mooncake's wheel links libibverbs.so.1; pyverbs backs the rdma ring transport.
 dpkg -s libibverbs1 >/dev/null 2>&1 || need_apt+=(libibverbs1)
 dpkg -s python3-pyverbs >/dev/null 2>&1 || need_apt+=(python3-pyverbs)
-# The ring protocol's model check (tests/test_ring_model.py): spin, and gcc for spin's
+# The ring protocol's model check (tests/integration/test_ring_model.py): spin, and gcc for spin's
 # preprocessing and for compiling the verifier it generates.
 dpkg -s spin >/dev/null 2>&1 || need_apt+=(spin)
 dpkg -s gcc >/dev/null 2>&1 || need_apt+=(gcc)
