@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import ConfigError, DiffringError
-from controller.tasks.store_sql import DB_NAME, Op
 from controller.tasks import store_sql
+from controller.tasks.store_sql import DB_NAME, Op
 
 log = logging.getLogger("diffring.controller.store")
 
