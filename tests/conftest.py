@@ -1,48 +1,28 @@
-"""Shared fixtures: processes started by a test are stopped by it, by pid."""
+"""The suite's fixtures and hooks: the tiny models and input images, a controller, the port
+range of each pytest-xdist worker, the order of the modules, and the guards every test runs
+under (coordinators closed, no process started by a unit test). Plain helpers are in
+``tests/support/``; processes started by a test are stopped by it, by pid."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The repository on the path before anything of it is imported (a plain ``pytest`` command
+# does not put the working directory there).
+if str(Path(__file__).resolve().parent.parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-TOKEN = "test-cluster-token"
-
-from launcher import PORT_RANGE_ENV, free_ports, parse_port_range  # noqa: E402
-from rings.soak import stop_process as stop  # noqa: E402
-
-if TYPE_CHECKING:
-    from controller.ownership.coordinator import Coordinator
-    from controller.ownership.registry import WorkerInfo
-
-TEST_PORTS = "20000-31999"
-"""The ports the suite's groups take (``DIFFRING_PORT_RANGE``, unless the caller set its own):
-below the kernel's usual ephemeral range (32768-60999, where bind-to-0 and outgoing
-connections take theirs) and above Mooncake's (15000-16999), split between the pytest-xdist
-workers. A loaded CI run once had a controller answer another worker's health check: both
-had been given the same port."""
-
-
-def ephemeral_start() -> int | None:
-    """The first port of the kernel's ephemeral range (None: not Linux)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except OSError:
-        return None
+from launcher import PORT_RANGE_ENV, parse_port_range
+from rings.soak import stop_process
+from tests.support.controller import Controller, controller_config, start_controller
+from tests.support.coordinators import coordinators
+from tests.support.ports import TEST_PORTS, ephemeral_start
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -66,11 +46,6 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"{PORT_RANGE_ENV}={spec}: under 64 ports per worker")
     lo += index * width
     os.environ[PORT_RANGE_ENV] = f"{lo}-{lo + width - 1}"
-
-
-coordinators: list[Coordinator] = []
-"""Coordinators made in-process by a test: each has a task-store writer thread, closed after
-the test by :func:`_close_coordinators` (closing twice is harmless)."""
 
 
 @pytest.fixture(autouse=True)
@@ -116,155 +91,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep theirs
 
 
-class Clock:
-    """A monotonic clock a test drives instead of sleeping: ``clock()`` reads it,
-    ``clock.advance(s)`` moves it on (leases and liveness then expire on the test's word)."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> float:
-        self.now += seconds
-        return self.now
-
-
-def make_coordinator(output_dir: Path | None, ring: Any, *, pipeline: str = "qwen_t2i",
-                     census: Any = None, clock: Any = None, **config: Any) -> Coordinator:
-    """An in-process coordinator over ``ring`` with its task store in
-    ``<output_dir>/.journal`` (none without ``output_dir``), closed after the test."""
-    from controller.config import CoordinatorConfig
-    from controller.ownership.coordinator import Coordinator
-    from controller.tasks.table import open_table
-
-    co = Coordinator(
-        CoordinatorConfig(pipeline=pipeline, output_dir=output_dir or Path("/nonexistent"),
-                          **config),
-        open_table(output_dir / ".journal" if output_dir else None),
-        ring,
-        census=census,
-        clock=clock or time.monotonic,
-    )
-    coordinators.append(co)
-    return co
-
-
-def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
-    """A decoder's completion of a PNG (a coroutine: the result file is written off the loop)."""
-    return asyncio.run(co.on_complete(w, tid, attempt, "png", "image/png", data))
-
-
-def run_controller_to_exit(
-    tmp: Path, cfg: dict[str, Any], timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    """Run a controller that is expected to refuse to start; its exit status and output."""
-    path = tmp / f"refused-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps(cfg))
-    return subprocess.run(
-        [sys.executable, "run_service.py", "--service", "controller", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=timeout,
-    )
-
-
-def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 120
-              ) -> None:
-    """Until something listens on ``port`` (a generous bound: a process starting on a loaded
-    2-core machine may take tens of seconds); raise if ``proc`` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
-@dataclass
-class Controller:
-    proc: subprocess.Popen[str]
-    config_path: Path
-    config: dict[str, Any]
-    ports: dict[str, int]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def controller_config(
-    tmp: Path, slots: int = 8, slot_size: int = 4096, **disagg: Any
-) -> dict[str, Any]:
-    ctl, req, p1, p2, http = free_ports(5)
-    return {
-        "disagg_mode": "controller",
-        "disagg_config": {
-            "control_port": ctl,
-            "rdma_request_handshake_port": req,
-            "rdma_phase1_handshake_port": p1,
-            "rdma_phase2_handshake_port": p2,
-            "rdma_buffer_slots": slots,
-            "rdma_buffer_slot_size": slot_size,
-            "cluster_token": TOKEN,
-            **disagg,
-        },
-        "server": {"host": "127.0.0.1", "port": http},
-    }
-
-
-def start_controller(
-    tmp: Path, cfg: dict[str, Any], extra_args: list[str] | None = None
-) -> Controller:
-    path = tmp / f"controller-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps(cfg))
-    log_path = path.with_suffix(".log")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "run_service.py"),
-            "--service",
-            "controller",
-            "--config",
-            str(path),
-        ]
-        + (extra_args or []),
-        stdout=log_path.open("w"),
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=str(ROOT),
-        env=env,
-    )
-    d = cfg["disagg_config"]
-    ports = {
-        "request": d["rdma_request_handshake_port"],
-        "phase1": d["rdma_phase1_handshake_port"],
-        "phase2": d["rdma_phase2_handshake_port"],
-    }
-    try:
-        for port in ports.values():
-            wait_port(port, proc)
-        wait_port(d["control_port"], proc)  # opened after the rings (and the task store)
-    except Exception:
-        stop(proc)
-        raise RuntimeError(f"controller did not start:\n{log_path.read_text()}") from None
-    return Controller(proc, path, cfg, ports, log_path)
-
-
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[Controller]:
     ctl = start_controller(tmp_path, controller_config(tmp_path, slots=3, slot_size=512))
     try:
         yield ctl
     finally:
-        stop(ctl.proc)
+        stop_process(ctl.proc)
 
 
 @pytest.fixture(scope="session")
@@ -319,17 +152,3 @@ def input_png_2() -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def wait_log(svc: Any, text: str, timeout: float = 120) -> None:
-    """Wait until ``text`` is in the log of ``svc`` (a started service: ``log()`` and
-    ``proc``); raise, with the log, if the process exits first or ``timeout`` passes (a
-    generous bound: this waits for an event, it does not time one)."""
-    deadline = time.monotonic() + timeout
-    while text not in svc.log():
-        if svc.proc.poll() is not None:
-            raise AssertionError(f"exited with {svc.proc.returncode} before logging "
-                                 f"{text!r}:\n{svc.log()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {text!r} after {timeout:g} s:\n{svc.log()[-3000:]}")
-        time.sleep(0.05)

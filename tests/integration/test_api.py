@@ -16,41 +16,32 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher import LocalGroup, free_ports, group_config, wait_task
-from tests.conftest import run_controller_to_exit, wait_log
+from tests.support.controller import run_controller_to_exit
+from tests.support.groups import start_group
+from tests.support.http import post
+from tests.support.waits import wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
 SMALL = {"height": 32, "width": 48, "infer_steps": 2}
 
 
-def controller_only(pipeline: str, models: Path, wd: Path, **overrides: Any
-                    ) -> Iterator[LocalGroup]:
-    """A controller with NO workers: tasks queue up and stay queued."""
-    group = LocalGroup(group_config(pipeline, str(models / pipeline), wd, **overrides), wd)
-    try:
-        group.start("controller")
-        group.wait_http()
-        yield group
-    finally:
-        group.stop()
-
-
 @pytest.fixture(scope="module")
 def t2i(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
-    yield from controller_only(
-        "qwen_t2i", tiny_models, tmp_path_factory.mktemp("api-t2i"),
+    """A controller with NO workers: tasks queue up and stay queued."""
+    with start_group(
+        "qwen_t2i", tiny_models, tmp_path_factory.mktemp("api-t2i"), workers=(),
         disagg_config={"rdma_buffer_slots": 4, "rdma_buffer_slot_size": 2048},
         release_ahead=None,  # every task to the ring at once: a full ring answers 429
-    )
+    ) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
 def i2i(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
-    yield from controller_only("qwen_i2i", tiny_models, tmp_path_factory.mktemp("api-i2i"))
-
-
-def post(group: LocalGroup, kind: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{group.url}/v1/tasks/{kind}/", json=body, timeout=30)
+    with start_group("qwen_i2i", tiny_models, tmp_path_factory.mktemp("api-i2i"),
+                     workers=()) as group:
+        yield group
 
 
 def detail(r: httpx.Response) -> str:
@@ -65,12 +56,12 @@ def cancel_all(group: LocalGroup) -> None:
 
 # -- accepted tasks, status, list, queue, cancel ----------------------------------------------
 def test_create_status_list_queue_and_cancel(t2i: LocalGroup) -> None:
-    r = post(t2i, "image", {"prompt": "a red cube", "task_id": "api-1", **SMALL,
-                            "save_result_path": "cubes/red.png"})
+    r = post(t2i.url, "image", {"prompt": "a red cube", "task_id": "api-1", **SMALL,
+                                "save_result_path": "cubes/red.png"})
     assert r.status_code == 200, r.text
     assert r.json() == {"task_id": "api-1", "task_status": "pending",
                         "save_result_path": "cubes/red.png"}
-    r2 = post(t2i, "image", {"prompt": "a blue cube", "task_id": "api-2", **SMALL})
+    r2 = post(t2i.url, "image", {"prompt": "a blue cube", "task_id": "api-2", **SMALL})
     assert r2.status_code == 200
     st = httpx.get(f"{t2i.url}/v1/tasks/api-2/status").json()
     assert st["status"] == "pending" and st["stage"] == "queued"
@@ -121,35 +112,35 @@ def test_health_and_docs(t2i: LocalGroup) -> None:
     ],
 )
 def test_bad_input_is_422_with_reason(t2i: LocalGroup, body: dict[str, Any], needle: str) -> None:
-    r = post(t2i, "image", body)
+    r = post(t2i.url, "image", body)
     assert r.status_code == 422, r.text
     assert needle in detail(r)
 
 
 def test_video_length_must_be_4k_plus_1(tiny_models: Path, tmp_path: Path) -> None:
-    for group in controller_only("wan_t2v", tiny_models, tmp_path):
-        r = post(group, "video", {"prompt": "x", "target_video_length": 10})
+    with start_group("wan_t2v", tiny_models, tmp_path, workers=()) as group:
+        r = post(group.url, "video", {"prompt": "x", "target_video_length": 10})
         assert r.status_code == 422 and "4k+1" in detail(r)
-        r = post(group, "image", {"prompt": "x"})
+        r = post(group.url, "image", {"prompt": "x"})
         assert r.status_code == 400 and "serves wan_t2v" in detail(r)
 
 
 def test_duplicate_task_id_is_409(t2i: LocalGroup) -> None:
-    assert post(t2i, "image", {"prompt": "x", "task_id": "dup", **SMALL}).status_code == 200
-    r = post(t2i, "image", {"prompt": "y", "task_id": "dup", **SMALL})
+    assert post(t2i.url, "image", {"prompt": "x", "task_id": "dup", **SMALL}).status_code == 200
+    r = post(t2i.url, "image", {"prompt": "y", "task_id": "dup", **SMALL})
     assert r.status_code == 409 and "dup" in detail(r)
     cancel_all(t2i)
 
 
 @pytest.mark.parametrize("path", ["../x.png", "/etc/passwd", "a/../../b.png", "C:\\x.png"])
 def test_escaping_result_path_is_400(t2i: LocalGroup, path: str) -> None:
-    r = post(t2i, "image", {"prompt": "x", "save_result_path": path, **SMALL})
+    r = post(t2i.url, "image", {"prompt": "x", "save_result_path": path, **SMALL})
     assert r.status_code == 400
     assert "output folder" in detail(r) or "must be relative" in detail(r)
 
 
 def test_request_too_large_for_slot_is_413(t2i: LocalGroup) -> None:
-    r = post(t2i, "image", {"prompt": "x" * 5000, **SMALL})
+    r = post(t2i.url, "image", {"prompt": "x" * 5000, **SMALL})
     assert r.status_code == 413
     assert "limit 2024 bytes" in detail(r) and "payload of" in detail(r)
 
@@ -169,7 +160,7 @@ def test_full_request_ring_is_429_and_nothing_half_accepted(t2i: LocalGroup) -> 
     ring = httpx.get(f"{t2i.url}/v1/tasks/queue/status").json()["rings"]["request"]
     free = ring["slot_count"] - ring["depth"]
     before = httpx.get(f"{t2i.url}/v1/tasks/").json()["total"]
-    codes = [post(t2i, "image", {"prompt": f"p{i}", "task_id": f"fill-{i}", **SMALL})
+    codes = [post(t2i.url, "image", {"prompt": f"p{i}", "task_id": f"fill-{i}", **SMALL})
              for i in range(free + 2)]
     assert [c.status_code for c in codes] == [200] * free + [429, 429]
     assert int(codes[-1].headers["Retry-After"]) >= 1
@@ -191,10 +182,10 @@ def test_image_inputs_are_checked(i2i: LocalGroup, input_png: bytes) -> None:
         ({"image_path": base64.b64encode(b"not an image").decode()}, 422, "does not decode"),
     ]
     for extra, code, needle in cases:
-        r = post(i2i, "image", {**base, **extra})
+        r = post(i2i.url, "image", {**base, **extra})
         assert r.status_code == code and needle in detail(r), (extra, r.text)
     data_url = "data:image/png;base64," + base64.b64encode(input_png).decode()
-    r = post(i2i, "image", {**base, "image_path": data_url, "task_id": "img-ok"})
+    r = post(i2i.url, "image", {**base, "image_path": data_url, "task_id": "img-ok"})
     assert r.status_code == 200, r.text
     httpx.delete(f"{i2i.url}/v1/tasks/img-ok")
 
@@ -234,8 +225,8 @@ def test_group_sync_cancel_running_and_metrics(tiny_models: Path, tmp_path: Path
 
         # A longer task, cancelled while its DiT is held after step 2: the worker hears of
         # it, and once released stops at the step boundary it is at.
-        r = post(group, "image", {"prompt": "long", "task_id": "long", **SMALL,
-                                  "infer_steps": 8})
+        r = post(group.url, "image", {"prompt": "long", "task_id": "long", **SMALL,
+                                      "infer_steps": 8})
         assert r.status_code == 200
         wait_log(dit, "fault point dit.step fired", timeout=300)
         deadline = time.monotonic() + 120

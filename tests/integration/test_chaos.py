@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration  # starts processes or servers
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration  # starts processes or servers
 
 
 def test_chaos_quick(tiny_models: Path, tmp_path: Path) -> None:

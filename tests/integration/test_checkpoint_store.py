@@ -27,9 +27,7 @@ from tensorplane.descriptor import TensorDescriptor
 from tensorplane.engine import MooncakeSettings, TransferEngine
 from tensorplane.handoff import pull_tensors, stage_tensors
 from tensorplane.pool import StagingPool
-from tests import conftest
-from tests.conftest import Clock
-from tests.unit.test_recovery import Rings
+from tests.support.coordinators import Clock, Rings, complete, coordinators
 from workers.models.loop_state import LoopState, from_wire, to_wire
 
 pytestmark = pytest.mark.integration  # a Mooncake engine (its servers) in this process
@@ -71,7 +69,7 @@ class Setup:
             open_table(tmp / ".journal"), self.rings.local["request"],
             census=lambda: census(self.rings.local), checkpoints=self.store,
             rings=self.rings.local, clock=self.clock)
-        conftest.coordinators.append(self.co)
+        coordinators.append(self.co)
         self.enc = self.co.on_register("encoder", "e", 1, PIPE, "s1")
         self.dit = self.co.on_register("transformer", "t", 2, PIPE, "s2", checkpoints=True)
         self.dec = self.co.on_register("decoder", "d", 3, PIPE, "s3")
@@ -218,7 +216,7 @@ def test_decoder_lost_after_the_handoff_reruns_only_the_decoder(
     finally:
         pool.close()
     assert s.co.on_claim(s.dec, "c", 2)[0]
-    assert conftest.complete(s.co, s.dec, "c", 2, b"PNG")
+    assert complete(s.co, s.dec, "c", 2, b"PNG")
     assert s.store.get("c") is None and len(s.store) == 0  # dropped with the task
 
 

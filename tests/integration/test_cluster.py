@@ -26,10 +26,10 @@ import pytest
 from contracts.errors import ControlRefused, PreflightFailed
 from contracts.messages import Op
 from launcher import MULTI_HOST, LocalGroup, group_config, submit
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
-ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = "wan_i2v"  # image-conditioned: the controller's own Mooncake segment is used too
 SMALL = {"height": 32, "width": 32, "target_video_length": 5, "infer_steps": 2,
          "target_fps": 8}
@@ -198,8 +198,7 @@ def test_wrong_advertised_address_is_refused(tiny_models: Path, tmp_path: Path) 
 def test_controller_connect_back(controller: Any) -> None:
     """The control-channel op itself: reachable endpoints pass, a closed port is refused
     with the address and the reason."""
-    from conftest import TOKEN
-
+    from tests.support.controller import TOKEN
     from workers.control import ControlClient
 
     port = controller.config["disagg_config"]["control_port"]

@@ -11,26 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from rings.layout import RingLayout
-from rings.ring import Ring
-from rings.transports import connect
-from tests.conftest import (
-    ROOT,
+from rings.soak import stop_process as stop
+from tests.support.controller import (
     TOKEN,
     Controller,
     controller_config,
+    ring_of,
     run_controller_to_exit,
     start_controller,
-    stop,
 )
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
-
-
-def ring_of(ctl: Controller, name: str) -> Ring:
-    d = ctl.config["disagg_config"]
-    layout = RingLayout(name, d["rdma_buffer_slots"], d["rdma_buffer_slot_size"])
-    return Ring(connect("tcp", "127.0.0.1", ctl.ports[name], layout=layout, ring=name, token=TOKEN))
 
 
 def inspect_cli(ctl: Controller, *args: str) -> subprocess.CompletedProcess[str]:

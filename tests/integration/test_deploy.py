@@ -30,11 +30,11 @@ from contracts.config import ServiceConfig
 from contracts.metrics import LIVE_PATH, READY_PATH
 from contracts.pipelines import check_device
 from launcher import MULTI_HOST, LocalGroup, free_ports, group_config, submit, wait_task
-from tests.conftest import wait_log
+from tests.support.paths import ROOT
+from tests.support.waits import wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
-ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.33.0"
 WORKERS = ("encoder", "transformer", "decoder")

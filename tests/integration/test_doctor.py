@@ -20,10 +20,10 @@ import pytest
 from contracts.config import DEFAULT_TOKEN, ServiceConfig
 from doctor import Check, format_report, run_checks
 from launcher import free_ports
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
-ROOT = Path(__file__).resolve().parents[2]
 GOOD_TOKEN = "0123456789abcdef0123456789abcdef"
 
 

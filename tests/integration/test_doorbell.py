@@ -22,15 +22,15 @@ from controller.doorbell import Doorbell, published
 from launcher import LocalGroup, group_config
 from rings.layout import HOLDER_LOCAL, RingLayout
 from rings.ring import Ring
+from rings.soak import stop_process as stop
 from rings.verbs import LocalVerbs, Region
-from tests.conftest import (
+from tests.support.controller import (
     TOKEN,
     Controller,
     controller_config,
+    ring_of,
     start_controller,
-    stop,
 )
-from tests.integration.test_controller_rings import ring_of
 from workers.control import DoorbellClient
 from workers.models.synthetic import write_config
 
@@ -142,7 +142,7 @@ def test_a_wait_that_crosses_its_wake_up_is_served() -> None:
     from controller.control import ControlServer
     from rings import wire
     from rings.handshake import recv_frame
-    from tests.conftest import make_coordinator
+    from tests.support.coordinators import make_coordinator
 
     rings = {n: local_ring(n) for n in ("request", "phase1", "phase2")}
     bell = Doorbell({n: r.verbs for n, r in rings.items()})

@@ -5,9 +5,7 @@ Every group is started and stopped here by pid (launcher.LocalGroup).
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import io
 import shutil
 import signal
 from collections.abc import Iterator
@@ -20,53 +18,15 @@ import numpy as np
 import pytest
 
 from launcher import LocalGroup, group_config, submit
-from tests.conftest import wait_log
+from tests.support.groups import local_group
+from tests.support.http import KIND, REQUESTS, body, pixels, result
+from tests.support.waits import wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers
-
-REQUESTS: dict[str, dict[str, Any]] = {
-    "wan_t2v": {"height": 32, "width": 32, "target_video_length": 5, "infer_steps": 2,
-                "target_fps": 8},
-    "wan_i2v": {"height": 32, "width": 32, "target_video_length": 5, "infer_steps": 2,
-                "target_fps": 8},
-    "qwen_t2i": {"height": 32, "width": 48, "infer_steps": 2},
-    "qwen_i2i": {"height": 32, "width": 32, "infer_steps": 2},
-}
-KIND = {"wan_t2v": "video", "wan_i2v": "video", "qwen_t2i": "image", "qwen_i2i": "image"}
-
-
-def body(pipeline: str, image: bytes | None, seed: int = 7, **extra: Any) -> dict[str, Any]:
-    out = {"prompt": f"a tiny test of {pipeline}", "seed": seed, **REQUESTS[pipeline], **extra}
-    if pipeline in ("wan_i2v", "qwen_i2i"):
-        assert image is not None
-        out["image_path"] = base64.b64encode(image).decode()
-    return out
-
-
-def pixels(data: bytes, extension: str) -> np.ndarray:
-    if extension == "png":
-        from PIL import Image
-
-        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    from workers.models.media import read_mp4
-
-    return read_mp4(data)
-
-
-def fetch(url: str, task_id: str) -> bytes:
-    r = httpx.get(f"{url}/v1/tasks/{task_id}/result", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.content
-
 
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
-
-
-def start_group(pipeline: str, tiny_models: Path, workdir: Path, **overrides: Any) -> LocalGroup:
-    return LocalGroup(group_config(pipeline, str(tiny_models / pipeline), workdir, **overrides),
-                      workdir)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +37,13 @@ def baseline_runs(tiny_models: Path, input_png: bytes, tmp_path_factory: pytest.
     out: dict[str, tuple[bytes, dict[str, Any]]] = {}
     for pipeline in REQUESTS:
         wd = tmp_path_factory.mktemp(f"all-{pipeline}")
-        group = start_group(pipeline, tiny_models, wd)
+        group = local_group(pipeline, tiny_models, wd)
         try:
             group.start("all")
             group.wait_http(timeout=180)
             st = submit(group.url, KIND[pipeline], body(pipeline, input_png), timeout=300)
             assert st["status"] == "completed", st
-            out[pipeline] = (fetch(group.url, st["task_id"]),
+            out[pipeline] = (result(group.url, st["task_id"]),
                              httpx.get(f"{group.url}/v1/service/status", timeout=30).json())
         finally:
             group.stop()
@@ -112,7 +72,7 @@ def t2i_group(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
     """One qwen_t2i group of 2 encoders, 3 transformers and 2 decoders for the tests that
     only post to it (its start-up is most of what each of them would cost on its own)."""
     wd = tmp_path_factory.mktemp("t2i-group")
-    with start_group("qwen_t2i", tiny_models, wd) as group:
+    with local_group("qwen_t2i", tiny_models, wd) as group:
         group.start_all(encoders=2, transformers=3, decoders=2)
         yield group
 
@@ -129,14 +89,14 @@ def test_disaggregated_equals_baseline(pipeline: str, tiny_models: Path, input_p
         if pipeline == "qwen_t2i":
             group = request.getfixturevalue("t2i_group")
         else:
-            group = stack.enter_context(start_group(pipeline, tiny_models, workdir))
+            group = stack.enter_context(local_group(pipeline, tiny_models, workdir))
             group.start_all()
         st = submit(group.url, KIND[pipeline], body(pipeline, input_png), timeout=300)
         assert st["status"] == "completed", st
         assert st["attempt"] == 1
         assert list(st["stage_times"]) == ["queued", "encoding", "phase1", "denoising",
                                            "phase2", "decoding", "completed"]
-        data = fetch(group.url, st["task_id"])
+        data = result(group.url, st["task_id"])
     ext = "mp4" if KIND[pipeline] == "video" else "png"
     got, want = pixels(data, ext), pixels(baselines[pipeline], ext)
     assert got.shape == want.shape
@@ -159,7 +119,7 @@ def test_many_to_many(tiny_models: Path, t2i_group: LocalGroup) -> None:
     def one(seed: int) -> tuple[int, dict[str, Any], bytes]:
         st = submit(url, "image", body(pipeline, None, seed=seed, task_id=f"mn-{seed}"),
                     timeout=240)
-        return seed, st, fetch(url, st["task_id"]) if st["status"] == "completed" else b""
+        return seed, st, result(url, st["task_id"]) if st["status"] == "completed" else b""
 
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(one, range(100, 100 + n)))
@@ -215,7 +175,7 @@ def test_sigterm_during_startup_stops_the_worker(tiny_models: Path, workdir: Pat
     """While importing the model stack (the handler is in place, the imports begin) or while
     waiting for an absent controller, a SIGTERM stops the worker promptly and cleanly (a
     lost one: the worker goes on retrying for reconnect_timeout_s, then fails)."""
-    group = start_group("wan_t2v", tiny_models, workdir)
+    group = local_group("wan_t2v", tiny_models, workdir)
     try:
         svc = group.start("transformer")
         wait_log(svc, phase, timeout=300)
@@ -229,7 +189,7 @@ def test_sigterm_during_startup_stops_the_worker(tiny_models: Path, workdir: Pat
 def test_transformer_registers_after_its_warm_up(tiny_models: Path, workdir: Path) -> None:
     """With warmup_shapes the transformer runs them before it joins: the controller lists it
     only once the warm-up (the compile, with compile on) is done."""
-    with start_group("wan_t2v", tiny_models, workdir, warmup_shapes=["32x32x5"]) as group:
+    with local_group("wan_t2v", tiny_models, workdir, warmup_shapes=["32x32x5"]) as group:
         group.start("controller")
         group.wait_http()
         dit = group.start("transformer")

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from launcher import submit, wait_task
-from tests.integration.test_e2e import fetch, pixels, start_group
+from tests.support.groups import local_group
+from tests.support.http import pixels, result
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -26,7 +27,7 @@ _PLUS_REFERENCE: dict[int, np.ndarray] = {}
 def plus_reference(tiny_models: Path, images: list[bytes]) -> np.ndarray:
     """diffusers' QwenImageEditPlusPipeline on the tiny Edit-2511 folder, uint8 pixels."""
     from contracts.request import GenerationRequest
-    from tests.integration.test_models import diffusers_reference
+    from tests.support.models import diffusers_reference
     from workers.models.media import to_uint8
 
     if len(images) not in _PLUS_REFERENCE:
@@ -50,7 +51,7 @@ def test_edit_plus_equals_diffusers_with_one_and_two_images(
     gives QwenImageEditPlusPipeline's pixels with one and with two pictures."""
     cases = {1: [input_png], 2: [input_png, input_png_2]}
     got = {}
-    with start_group(PLUS, tiny_models, tmp_path) as group:
+    with local_group(PLUS, tiny_models, tmp_path) as group:
         if service == "baseline":
             group.start("all")
             group.wait_http(timeout=180)
@@ -60,7 +61,7 @@ def test_edit_plus_equals_diffusers_with_one_and_two_images(
             st = submit(group.url, "image", {**PLUS_BODY, "image_path": b64_images(images)},
                         timeout=600)
             assert st["status"] == "completed", st
-            got[n] = pixels(fetch(group.url, st["task_id"]), "png")
+            got[n] = pixels(result(group.url, st["task_id"]), "png")
     for n, images in cases.items():
         want = plus_reference(tiny_models, images)
         assert np.array_equal(got[n], want), f"{n} image(s): max abs diff " \
@@ -74,7 +75,7 @@ def test_edit_plus_images_are_kept_for_a_retry(tiny_models: Path, input_png: byt
     stage): the controller stages the pack it kept again for attempt 2, on another encoder,
     and the result is still diffusers' (nothing of the pack was lost or reordered)."""
     images = [input_png, input_png_2]
-    with start_group(PLUS, tiny_models, tmp_path) as group:
+    with local_group(PLUS, tiny_models, tmp_path) as group:
         group.start("controller")
         group.wait_http()
         doomed = group.start("encoder", {"faults": "worker.stage:exit"})
@@ -88,5 +89,5 @@ def test_edit_plus_images_are_kept_for_a_retry(tiny_models: Path, input_png: byt
         group.start("encoder")
         st = wait_task(group.url, "kept", timeout=600)
         assert st["status"] == "completed" and st["attempt"] == 2, st
-        got = pixels(fetch(group.url, "kept"), "png")
+        got = pixels(result(group.url, "kept"), "png")
     assert np.array_equal(got, plus_reference(tiny_models, images))

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from launcher import submit, wait_task
-from tests.conftest import wait_log
-from tests.integration.test_e2e import body, fetch, start_group
+from tests.support.groups import local_group
+from tests.support.http import body, result
+from tests.support.waits import wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -24,7 +25,7 @@ def test_dead_producer_fails_task_clearly_and_workers_keep_serving(
     """The encoder dies after publishing Phase1: the transformer's pull fails with an error
     naming task, tensor and peer; the task goes back in play and completes on attempt 2."""
     pipeline = "wan_t2v"
-    with start_group(pipeline, tiny_models, tmp_path) as group:
+    with local_group(pipeline, tiny_models, tmp_path) as group:
         group.start("controller")
         group.wait_http()
         encoder = group.start("encoder")
@@ -72,7 +73,7 @@ def test_killed_transformer_task_is_requeued(tiny_models: Path, tmp_path: Path) 
     pipeline = "qwen_t2i"
     gate = tmp_path / "step-3-gate"
     gate.touch()  # never removed: the victim dies held
-    with start_group(pipeline, tiny_models, tmp_path) as group:
+    with local_group(pipeline, tiny_models, tmp_path) as group:
         victim = start_with_held_dit(group, gate, 3)
         r = httpx.post(f"{group.url}/v1/tasks/image/",
                        json=body(pipeline, None, task_id="long", infer_steps=8), timeout=30)
@@ -92,7 +93,7 @@ def test_controller_restart_loses_no_task(tiny_models: Path, tmp_path: Path) -> 
     """SIGKILL the controller mid-task: the journal brings every task back, the workers
     reconnect by themselves, the unfinished task completes, the finished one stays served."""
     pipeline = "qwen_t2i"
-    with start_group(pipeline, tiny_models, tmp_path) as group:
+    with local_group(pipeline, tiny_models, tmp_path) as group:
         # The transformer holds after the second step of its second task ("during") until
         # the new controller is up: the controller dies mid-task however slow the machine is.
         gate = tmp_path / "held-during-restart"
@@ -100,7 +101,7 @@ def test_controller_restart_loses_no_task(tiny_models: Path, tmp_path: Path) -> 
         dit = start_with_held_dit(group, gate, 4)
         before = submit(group.url, "image", body(pipeline, None, seed=1, task_id="before"))
         assert before["status"] == "completed"
-        first = fetch(group.url, "before")
+        first = result(group.url, "before")
         r = httpx.post(f"{group.url}/v1/tasks/image/",
                        json=body(pipeline, None, task_id="during", infer_steps=8), timeout=30)
         assert r.status_code == 200
@@ -118,4 +119,4 @@ def test_controller_restart_loses_no_task(tiny_models: Path, tmp_path: Path) -> 
         st = wait_task(group.url, "during", timeout=600)
         assert st["status"] == "completed" and st["attempt"] == 2, st
         assert httpx.get(f"{group.url}/v1/tasks/before/status").json()["status"] == "completed"
-        assert fetch(group.url, "before") == first
+        assert result(group.url, "before") == first

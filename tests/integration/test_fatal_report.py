@@ -14,13 +14,13 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from launcher import LocalGroup, group_config
 from rings import wire
+from tests.support.waits import wait_for
 from workers.models.synthetic import write_config
 
 pytestmark = pytest.mark.integration  # starts processes or servers
@@ -135,14 +135,6 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never saw {what} within {timeout} s")
-        time.sleep(0.1)
-
-
 @pytest.mark.timeout(600)
 def test_fatal_report_sent_once_at_start_and_mid_run(tmp_path: Path) -> None:
     model = tmp_path / "synthetic"
@@ -176,11 +168,10 @@ def test_fatal_report_sent_once_at_start_and_mid_run(tmp_path: Path) -> None:
             assert mid_run.count("fatal") == 1, mid_run.ops
             assert "fault point worker.loop fired" in mid_run.errors[0]
             controller = group.services[0]
-            _wait_for("the mid-run report in the controller's log",
-                      lambda: "reported a fatal error: fault point worker.loop fired"
-                      in controller.log(), 60)
-            _wait_for("the start-up report in the controller's log",
-                      lambda: "failed before registering" in controller.log(), 60)
+            wait_for(lambda: "reported a fatal error: fault point worker.loop fired"
+                     in controller.log(), "the mid-run report in the controller's log", 60)
+            wait_for(lambda: "failed before registering" in controller.log(),
+                     "the start-up report in the controller's log", 60)
     finally:
         at_start.close()
         mid_run.close()

@@ -15,10 +15,9 @@ from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ConfigError, ConnectionLost, FaultInjected
 from run_service import _parse, build_config
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from contracts.config import ServerConfig
 from controller.app import LocalQueue
 from controller.http.frontdoor import FrontDoor
 from controller.http.webapp import build_app
-from tests.conftest import make_coordinator
+from tests.support.coordinators import make_coordinator
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

@@ -23,20 +23,14 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
-from launcher import LocalGroup, Service, group_config, wait_task
-from tests.integration.test_group_faults import (
-    awaiting_a_dit,
-    gone,
-    rank_pids,
-    start_group,
-    wait_exit,
-)
+from launcher import LocalGroup, Service, wait_task
+from tests.support.groups import gone, rank_pids, start_dit_group, start_group, wait_exit
+from tests.support.http import post_ok, result, status
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration  # starts processes
 PIPELINE = "wan_t2v"
@@ -52,9 +46,9 @@ EVERY_STEP = {"checkpoint_every_steps": 1}
 def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
     workdir = tmp_path_factory.mktemp("group-checkpoints")
     # A lease outlives the few seconds a test keeps rank 0 frozen (SIGSTOP) at a step.
-    cfg = group_config(PIPELINE, str(tiny_models / PIPELINE), workdir, lease_timeout_s=30.0,
-                       heartbeat_interval_s=0.5, video_threads=1, preempt_after_s=0.3)
-    with awaiting_a_dit(cfg, workdir) as group:
+    with start_group(PIPELINE, tiny_models, workdir, workers=("encoder", "decoder"),
+                     lease_timeout_s=30.0, heartbeat_interval_s=0.5, video_threads=1,
+                     preempt_after_s=0.3) as group:
         yield group
 
 
@@ -89,32 +83,6 @@ def reference(tiny_models: Path) -> Callable[[int], bytes]:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def post(group: LocalGroup, task_id: str, **fields: Any) -> None:
-    r = httpx.post(f"{group.url}/v1/tasks/video/",
-                   json={**BODY, "task_id": task_id, **fields}, timeout=30)
-    assert r.status_code == 200, r.text
-
-
-def result(group: LocalGroup, task_id: str) -> bytes:
-    r = httpx.get(f"{group.url}/v1/tasks/{task_id}/result", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.content
-
-
-def status(group: LocalGroup, task_id: str) -> dict[str, Any]:
-    out: dict[str, Any] = httpx.get(f"{group.url}/v1/tasks/{task_id}/status",
-                                    timeout=30).json()
-    return out
-
-
-def wait_for(ok: Callable[[], bool], what: str, timeout: float = 300) -> None:
-    """Until ``ok()`` (the timeout is a failure bound, not a pause)."""
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
-        time.sleep(0.02)
-
-
 def first_start(svc: Service) -> list[int]:
     """The pids of the group's first start, by rank (the supervisor logs each start)."""
     wait_for(lambda: "start 0:" in svc.log(), "group start")
@@ -173,10 +141,10 @@ def test_a_cfg_group_whose_rank_is_killed_resumes_from_its_last_checkpoint(
     group is restarted, its rank 0 fetches that checkpoint and hands it to rank 1, and the
     MP4 equals one process's byte for byte; the encoder ran once."""
     gate = tmp_path / "step-2-gate"
-    svc = start_group(cluster, "cfg=2", second_checkpoint_at_step_2(gate, "stop"),
-                      timeout_s=60, restarts=1, **EVERY_STEP)
+    svc = start_dit_group(cluster, "cfg=2", second_checkpoint_at_step_2(gate, "stop"),
+                          timeout_s=60, restarts=1, **EVERY_STEP)
     try:
-        post(cluster, "cfg-kill")
+        post_ok(cluster.url, "video", {**BODY, "task_id": "cfg-kill"})
         leader, follower = first_start(svc)
         open_gate_at_first_checkpoint(svc, "cfg-kill", gate)
         wait_for(lambda: stopped(leader), "rank 0 frozen after its second checkpoint")
@@ -197,7 +165,7 @@ def test_a_cfg_group_whose_rank_is_killed_resumes_from_its_last_checkpoint(
         == ("completed", 2, 1, last, 0), st
     assert f"task cfg-kill: resuming after step {last} of {STEPS}" in log
     assert ctl.count("task cfg-kill stage=encoding") == 1  # the resume needed no encoder
-    assert result(cluster, "cfg-kill") == reference(STEPS)
+    assert result(cluster.url, "cfg-kill") == reference(STEPS)
     assert all(gone(pid) for pid in rank_pids(svc))
 
 
@@ -211,13 +179,13 @@ def test_a_ulysses_group_whose_leader_is_killed_resumes_exactly(
     from workers.models.media import read_mp4
 
     gate = tmp_path / "step-2-gate"
-    svc = start_group(cluster, "ulysses=2", second_checkpoint_at_step_2(gate, "exit"),
-                      timeout_s=60, restarts=1, **EVERY_STEP)
+    svc = start_dit_group(cluster, "ulysses=2", second_checkpoint_at_step_2(gate, "exit"),
+                          timeout_s=60, restarts=1, **EVERY_STEP)
     try:
-        post(cluster, "uly-kill")
+        post_ok(cluster.url, "video", {**BODY, "task_id": "uly-kill"})
         open_gate_at_first_checkpoint(svc, "uly-kill", gate)
         st = wait_task(cluster.url, "uly-kill", timeout=300)
-        post(cluster, "uly-whole")
+        post_ok(cluster.url, "video", {**BODY, "task_id": "uly-whole"})
         whole = wait_task(cluster.url, "uly-whole", timeout=300)
         log = svc.log()
     finally:
@@ -232,8 +200,8 @@ def test_a_ulysses_group_whose_leader_is_killed_resumes_exactly(
     assert (st["status"], st["attempt"], st["resumed_from"], st["failures"]) == (
         "completed", 2, last, 0), st
     assert whole["status"] == "completed" and whole["attempt"] == 1, whole
-    resumed = result(cluster, "uly-kill")
-    assert resumed == result(cluster, "uly-whole")
+    resumed = result(cluster.url, "uly-kill")
+    assert resumed == result(cluster.url, "uly-whole")
     diff = np.abs(read_mp4(resumed).astype(int) - read_mp4(reference(STEPS)).astype(int))
     assert diff.max() <= 1, f"max abs pixel difference {diff.max()}"
     print(f"ulysses=2 resumed against one process: max abs pixel difference {diff.max()}")
@@ -247,9 +215,9 @@ def test_sigterm_on_the_supervisor_hands_the_task_back_at_the_next_step(
     checkpoints, tells rank 1 through the step gate, both leave the loop before step 4, the
     task is handed back uncharged and the group exits 0. A one-process DiT finishes the task
     from step 3 with the bytes of an uninterrupted run."""
-    svc = start_group(cluster, "cfg=2", "dit.step@0:stop:nth=3", timeout_s=60, restarts=0,
-                      checkpoint_every_steps=100)  # no periodic one: only the drain's
-    post(cluster, "cfg-drain")
+    svc = start_dit_group(cluster, "cfg=2", "dit.step@0:stop:nth=3", timeout_s=60, restarts=0,
+                          checkpoint_every_steps=100)  # no periodic one: only the drain's
+    post_ok(cluster.url, "video", {**BODY, "task_id": "cfg-drain"})
     leader, _ = first_start(svc)
     wait_for(lambda: stopped(leader), "rank 0 frozen at its third step boundary")
     svc.proc.send_signal(signal.SIGTERM)
@@ -262,7 +230,7 @@ def test_sigterm_on_the_supervisor_hands_the_task_back_at_the_next_step(
     assert code == 0, log[-3000:]
     assert "handed back after step 3 of 8 (drain)" in log
     assert all(gone(pid) for pid in rank_pids(svc))
-    st = status(cluster, "cfg-drain")
+    st = status(cluster.url, "cfg-drain")
     assert (st["attempt"], st["failures"], st["resumed_from"], st["checkpoint_step"]) == (
         2, 0, 3, 3), st
     plain = cluster.start("transformer", {"transformer": EVERY_STEP})
@@ -274,7 +242,7 @@ def test_sigterm_on_the_supervisor_hands_the_task_back_at_the_next_step(
     assert (final["status"], final["attempt"], final["resumes"], final["failures"]) == (
         "completed", 2, 1, 0), final
     assert f"task cfg-drain: resuming after step 3 of {STEPS}" in plain_log
-    assert result(cluster, "cfg-drain") == reference(STEPS)
+    assert result(cluster.url, "cfg-drain") == reference(STEPS)
     print(f"group drained {drained_s:.2f} s after rank 0 went on")
 
 
@@ -287,13 +255,14 @@ def test_a_cfg_group_preempted_at_a_step_boundary_resumes_unchanged(
     gate, the group runs the urgent one, then resumes the low one from its checkpoint: both
     equal one process's bytes, nothing charged."""
     long = 20
-    svc = start_group(cluster, "cfg=2", "dit.step@0:stop:nth=2", timeout_s=60, restarts=0,
-                      checkpoint_every_steps=100)
+    svc = start_dit_group(cluster, "cfg=2", "dit.step@0:stop:nth=2", timeout_s=60, restarts=0,
+                          checkpoint_every_steps=100)
     try:
-        post(cluster, "cfg-low", infer_steps=long, priority="low")
+        post_ok(cluster.url, "video",
+                {**BODY, "task_id": "cfg-low", "infer_steps": long, "priority": "low"})
         leader, _ = first_start(svc)
         wait_for(lambda: stopped(leader), "rank 0 frozen after its second step")
-        post(cluster, "cfg-high", priority="high")
+        post_ok(cluster.url, "video", {**BODY, "task_id": "cfg-high", "priority": "high"})
         asked = re.compile(rf"task cfg-low \(low, step \d+/{long} on \S+\) asked to yield")
         wait_for(lambda: asked.search(cluster.services[0].log()) is not None,
                  "the controller asking the group to yield")
@@ -311,5 +280,5 @@ def test_a_cfg_group_preempted_at_a_step_boundary_resumes_unchanged(
         "completed", 1, 1, 0), low
     assert 2 <= low["resumed_from"] < long, low
     assert f"task cfg-low: resuming after step {low['resumed_from']} of {long}" in log
-    assert result(cluster, "cfg-high") == reference(STEPS)
-    assert result(cluster, "cfg-low") == reference(long)
+    assert result(cluster.url, "cfg-high") == reference(STEPS)
+    assert result(cluster.url, "cfg-low") == reference(long)

@@ -10,21 +10,18 @@ one-process pipeline: a CFG-2 group's are exact (tests/integration/test_group_la
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
 import re
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
-from launcher import LocalGroup, Service, group_config, wait_task
+from launcher import LocalGroup, wait_task
+from tests.support.groups import gone, rank_pids, start_dit_group, start_group, wait_exit
+from tests.support.http import pixels, post_ok, result
 
 pytestmark = pytest.mark.integration  # starts processes
 PIPELINE = "qwen_t2i"
@@ -34,26 +31,10 @@ SIZE = {"height": 32, "width": 48, "infer_steps": 3}
 PROMPT = "group e2e"
 
 
-@contextlib.contextmanager
-def awaiting_a_dit(cfg: dict[str, Any], workdir: Path) -> Iterator[LocalGroup]:
-    """A controller, an encoder and a decoder, stopped after; each test starts its DiT."""
-    group = LocalGroup(cfg, workdir)
-    try:
-        group.start("controller")
-        group.wait_http(timeout=120)
-        group.start("encoder")
-        group.start("decoder")
-        group.wait_workers({"encoder": 1, "decoder": 1}, timeout=300)
-        yield group
-    finally:
-        group.stop()
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
     workdir = tmp_path_factory.mktemp("group-cluster")
-    with awaiting_a_dit(group_config(PIPELINE, str(tiny_models / PIPELINE), workdir),
-                        workdir) as group:
+    with start_group(PIPELINE, tiny_models, workdir, workers=("encoder", "decoder")) as group:
         yield group
 
 
@@ -78,71 +59,23 @@ def expected(reference: Any, seed: int) -> np.ndarray:
     return frames
 
 
-def post(group: LocalGroup, task_id: str, seed: int) -> None:
-    r = httpx.post(f"{group.url}/v1/tasks/image/",
-                   json={"prompt": PROMPT, "seed": seed, "task_id": task_id, **SIZE}, timeout=30)
-    r.raise_for_status()
-
-
-def pixels(group: LocalGroup, task_id: str) -> np.ndarray:
-    from PIL import Image
-
-    r = httpx.get(f"{group.url}/v1/tasks/{task_id}/result", timeout=30)
-    assert r.status_code == 200, r.text
-    return np.asarray(Image.open(io.BytesIO(r.content)).convert("RGB"))
-
-
-def start_group(cluster: LocalGroup, layout: str, faults: str, timeout_s: float,
-                restarts: int, **transformer: Any) -> Service:
-    """A group of two CPU ranks; ``transformer``: more of its ``transformer`` section."""
-    svc = cluster.start("transformer", {
-        "devices": ["cpu", "cpu"],
-        "transformer": {"parallel": layout, "group_timeout_s": timeout_s,
-                        "group_restarts": restarts, **transformer},
-        "faults": faults,
-    })
-    cluster.wait_workers({"transformer": 1}, timeout=300)
-    return svc
-
-
-def rank_pids(svc: Service) -> set[int]:
-    """Every rank process the supervisor started (it logs each start's ranks)."""
-    return {int(p) for p in re.findall(r"rank \d \(cpu, pid (\d+)\)", svc.log())}
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie of an exited child is no longer running either.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1].startswith("Z")
-
-
-def wait_exit(cluster: LocalGroup, svc: Service, timeout: float) -> int:
-    """``svc``'s exit status once it exited; it then leaves the cluster's services (whose
-    checks count any exited one as a failure)."""
-    deadline = time.monotonic() + timeout
-    while svc.proc.poll() is None:
-        assert time.monotonic() < deadline, f"the group did not exit:\n{svc.log()[-3000:]}"
-        time.sleep(0.2)
-    cluster.services.remove(svc)
-    return svc.proc.returncode
+def body(task_id: str, seed: int) -> dict[str, Any]:
+    return {"prompt": PROMPT, "seed": seed, "task_id": task_id, **SIZE}
 
 
 @pytest.mark.timeout(900)
 def test_a_cfg_group_serves_exactly_and_survives_a_rank_killed_mid_denoise(
         cluster: LocalGroup, reference: Any) -> None:
     # Rank 1 is SIGKILLed before its 5th step: step 2 of the second task (3 steps each).
-    svc = start_group(cluster, "cfg=2", "group.step@1:exit:nth=5", timeout_s=60, restarts=1)
+    svc = start_dit_group(cluster, "cfg=2", "group.step@1:exit:nth=5", timeout_s=60, restarts=1)
     try:
-        post(cluster, "grp-ok", 11)
+        post_ok(cluster.url, "image", body("grp-ok", 11))
         st = wait_task(cluster.url, "grp-ok", timeout=300)
         assert st["status"] == "completed" and st["attempt"] == 1, st
-        assert np.array_equal(pixels(cluster, "grp-ok"), expected(reference, 11))
+        got = pixels(result(cluster.url, "grp-ok"), "png")
+        assert np.array_equal(got, expected(reference, 11))
 
-        post(cluster, "grp-kill", 12)
+        post_ok(cluster.url, "image", body("grp-kill", 12))
         st = wait_task(cluster.url, "grp-kill", timeout=600)
         log = svc.log()
         assert "fault point group.step fired (action exit, hit 5)" in log
@@ -150,7 +83,8 @@ def test_a_cfg_group_serves_exactly_and_survives_a_rank_killed_mid_denoise(
                          r"group \(1 of 1\)", log), log[-3000:]
         # The lease was dropped and the task retried, on the restarted group, uncharged.
         assert st["status"] == "completed" and st["attempt"] == 2 and st["failures"] == 0, st
-        assert np.array_equal(pixels(cluster, "grp-kill"), expected(reference, 12))
+        got = pixels(result(cluster.url, "grp-kill"), "png")
+        assert np.array_equal(got, expected(reference, 12))
         assert len(rank_pids(svc)) == 4  # two starts of two ranks
     finally:
         svc.proc.send_signal(signal.SIGTERM)  # drains the group: every rank stops
@@ -163,9 +97,9 @@ def test_a_cfg_group_serves_exactly_and_survives_a_rank_killed_mid_denoise(
 def test_a_rank_stopped_past_the_timeout_takes_the_group_down(
         cluster: LocalGroup, reference: Any) -> None:
     # Rank 1 SIGSTOPs itself before its 2nd step; no restart allowed.
-    svc = start_group(cluster, "ulysses=2", "group.step@1:stop:nth=2", timeout_s=10,
-                      restarts=0)
-    post(cluster, "grp-stop", 13)
+    svc = start_dit_group(cluster, "ulysses=2", "group.step@1:stop:nth=2", timeout_s=10,
+                          restarts=0)
+    post_ok(cluster.url, "image", body("grp-stop", 13))
     try:
         code = wait_exit(cluster, svc, 300)
     finally:
@@ -184,7 +118,8 @@ def test_a_rank_stopped_past_the_timeout_takes_the_group_down(
     try:
         st = wait_task(cluster.url, "grp-stop", timeout=600)
         assert st["status"] == "completed" and st["attempt"] == 2 and st["failures"] == 0, st
-        assert np.array_equal(pixels(cluster, "grp-stop"), expected(reference, 13))
+        got = pixels(result(cluster.url, "grp-stop"), "png")
+        assert np.array_equal(got, expected(reference, 13))
     finally:
         plain.proc.send_signal(signal.SIGTERM)
         wait_exit(cluster, plain, 120)

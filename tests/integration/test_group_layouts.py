@@ -31,9 +31,9 @@ import pytest
 
 from contracts.errors import ConfigError, InvalidRequestError, ModelLoadError
 from contracts.parallel import ParallelLayout, head_refusal
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes
-ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 
 TWO = ["wan_t2v:cfg=2", "wan_t2v:ulysses=2", "wan_t2v:ring=2", "qwen_t2i:cfg=2",
@@ -60,9 +60,9 @@ def run_group(world: int, cases: list[str], models: Path, tmp: Path,
     for rank in range(world):
         log = (tmp / f"rank{rank}.log").open("wb")
         procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "support" / "group_layouts.py"),
-             "--rank", str(rank), "--world", str(world), "--rendezvous", str(rendezvous),
-             "--models", str(models), "--out", str(out), "--cases", ";".join(cases), *extra],
+            [sys.executable, "-m", "tests.support.group_layouts", "--rank", str(rank),
+             "--world", str(world), "--rendezvous", str(rendezvous), "--models", str(models),
+             "--out", str(out), "--cases", ";".join(cases), *extra],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}))
     try:

@@ -24,7 +24,7 @@ from contracts.input_images import IMAGE_FORMATS
 from controller.app import LocalQueue
 from controller.http.frontdoor import FrontDoor
 from controller.http.webapp import build_app
-from tests.conftest import make_coordinator
+from tests.support.coordinators import make_coordinator
 from workers.models.media import decode_image
 
 pytestmark = [pytest.mark.integration,  # the front door's decoding processes

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import ROOT
+
 pytestmark = pytest.mark.integration  # starts processes or servers
 
-ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
 PACKAGES = tuple(CONFIG["root_packages"])

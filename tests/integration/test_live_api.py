@@ -8,8 +8,6 @@ jobs: tests/integration/test_live_openai_media.py.
 from __future__ import annotations
 
 import base64
-import contextlib
-import io
 import json
 import os
 import signal
@@ -25,12 +23,12 @@ import httpx
 import openai
 import pytest
 from httpx_sse import connect_sse
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher import LocalGroup, free_ports, group_config, wait_task
+from tests.support.groups import start_group
+from tests.support.http import openai_client, png, post_ok, result
 
-ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 # The openai package marks the video calls deprecated (the hosted API's schedule); the
 # protocol is what is tested here.
@@ -40,44 +38,10 @@ pytestmark = [  # starts processes or servers
 ]
 
 
-@contextlib.contextmanager
-def start_group(pipeline: str, models: Path, wd: Path, workers: bool = True
-                ) -> Iterator[tuple[LocalGroup, int]]:
-    """A group whose encoder serves metrics (its prompt-cache counts) on the returned port."""
-    cfg = group_config(pipeline, str(models / pipeline), wd)
-    group = LocalGroup(cfg, wd)
-    metric_port = free_ports(1)[0]
-    try:
-        group.start("controller")
-        group.wait_http()
-        if workers:
-            group.start("encoder", {"server": {**cfg["server"], "metric_port": metric_port}})
-            group.start("transformer")
-            group.start("decoder")
-            group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1})
-        yield group, metric_port
-    finally:
-        group.stop()
-
-
-def client(group: LocalGroup) -> openai.OpenAI:
-    # No key is checked by the front door; the package insists on one.
-    return openai.OpenAI(api_key="unused", base_url=f"{group.url}/v1", max_retries=0,
-                         timeout=300)
-
-
-def png(data: bytes) -> Image.Image:
-    img = Image.open(io.BytesIO(data))
-    assert img.format == "PNG"
-    return img
-
-
 def task_result(group: LocalGroup, body: dict[str, Any]) -> bytes:
-    r = httpx.post(f"{group.url}/v1/tasks/image/", json=body, timeout=30)
-    assert r.status_code == 200, r.text
-    st = wait_task(group.url, r.json()["task_id"], timeout=300)
+    st = wait_task(group.url, post_ok(group.url, "image", body), timeout=300)
     assert st["status"] == "completed", st
-    return httpx.get(f"{group.url}/v1/tasks/{st['task_id']}/result", timeout=30).content
+    return result(group.url, st["task_id"])
 
 
 def cache_counts(port: int) -> dict[str, float]:
@@ -93,8 +57,12 @@ def cache_counts(port: int) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def t2i(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[tuple[LocalGroup, int]]:
-    with start_group("qwen_t2i", tiny_models, tmp_path_factory.mktemp("live-t2i")) as g:
-        yield g
+    """A Qwen T2I group whose encoder serves metrics (its prompt-cache counts) on the port
+    given with it."""
+    port = free_ports(1)[0]
+    with start_group("qwen_t2i", tiny_models, tmp_path_factory.mktemp("live-t2i"),
+                     settings={"encoder": {"server": {"metric_port": port}}}) as group:
+        yield group, port
 
 
 SMALL = {"infer_steps": 2}
@@ -103,7 +71,7 @@ SMALL = {"infer_steps": 2}
 # -- OpenAI images (T2I) ------------------------------------------------------------------------
 def test_images_generate_b64_and_url_match_the_task_api(t2i: tuple[LocalGroup, int]) -> None:
     group, _ = t2i
-    oc = client(group)
+    oc = openai_client(group.url)
     r = oc.images.generate(prompt="a red cube", n=2, size="48x32", response_format="b64_json",
                            extra_body={"seed": 11, **SMALL})
     assert len(r.data or []) == 2 and r.size == "48x32"
@@ -121,7 +89,7 @@ def test_images_generate_b64_and_url_match_the_task_api(t2i: tuple[LocalGroup, i
 
 def test_openai_errors_have_openai_shape(t2i: tuple[LocalGroup, int]) -> None:
     group, _ = t2i
-    oc = client(group)
+    oc = openai_client(group.url)
     with pytest.raises(openai.BadRequestError) as bad:
         oc.images.generate(prompt="x", size="47x32")
     assert bad.value.status_code == 400 and "multiple of 16" in bad.value.message

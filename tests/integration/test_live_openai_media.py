@@ -16,25 +16,27 @@ import openai
 import pytest
 
 from launcher import LocalGroup, wait_task
-from tests.integration.test_live_api import SMALL, client, png, start_group
+from tests.support.groups import start_group
+from tests.support.http import openai_client, png
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")
 pytestmark = [  # starts processes or servers
     pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
+SMALL = {"infer_steps": 2}
 
 
 # -- OpenAI image edits (I2I) -----------------------------------------------------------------
 class TestEdits:
     @pytest.fixture(scope="class")
     def i2i(self, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[LocalGroup, int]]:
+            ) -> Iterator[LocalGroup]:
         with start_group("qwen_i2i", tiny_models, tmp_path_factory.mktemp("live-i2i")) as g:
             yield g
 
-    def test_images_edit(self, i2i: tuple[LocalGroup, int], input_png: bytes) -> None:
-        group, _ = i2i
-        oc = client(group)
+    def test_images_edit(self, i2i: LocalGroup, input_png: bytes) -> None:
+        group = i2i
+        oc = openai_client(group.url)
         r = oc.images.edit(image=("in.png", input_png, "image/png"), prompt="make it blue",
                            size="32x32", extra_body={"seed": 1, **SMALL})
         data = r.data or []
@@ -55,13 +57,13 @@ class TestEdits:
 class TestVideos:
     @pytest.fixture(scope="class")
     def t2v(self, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[LocalGroup, int]]:
+            ) -> Iterator[LocalGroup]:
         with start_group("wan_t2v", tiny_models, tmp_path_factory.mktemp("live-t2v")) as g:
             yield g
 
-    def test_video_job_lifecycle(self, t2v: tuple[LocalGroup, int]) -> None:
-        group, _ = t2v
-        oc = client(group)
+    def test_video_job_lifecycle(self, t2v: LocalGroup) -> None:
+        group = t2v
+        oc = openai_client(group.url)
         job = oc.videos.create(prompt="a tiny wave", size="32x32", seconds="1",  # type: ignore[arg-type]
                                extra_body={"fps": 4, "seed": 5, **SMALL})
         assert job.object == "video" and job.status in ("queued", "in_progress")
@@ -83,9 +85,9 @@ class TestVideos:
         with pytest.raises(openai.NotFoundError):
             oc.videos.download_content(job.id)
 
-    def test_delete_cancels_a_running_job(self, t2v: tuple[LocalGroup, int]) -> None:
-        group, _ = t2v
-        oc = client(group)
+    def test_delete_cancels_a_running_job(self, t2v: LocalGroup) -> None:
+        group = t2v
+        oc = openai_client(group.url)
         job = oc.videos.create(prompt="a long one", size="32x32",  # type: ignore[arg-type]
                                extra_body={"num_frames": 5, "fps": 4, "infer_steps": 400})
         deadline = time.monotonic() + 120
@@ -99,9 +101,9 @@ class TestVideos:
         st = wait_task(group.url, job.id, timeout=120)
         assert st["status"] == "cancelled" and st["step"] < 400
 
-    def test_video_errors(self, t2v: tuple[LocalGroup, int], input_png: bytes) -> None:
-        group, _ = t2v
-        oc = client(group)
+    def test_video_errors(self, t2v: LocalGroup, input_png: bytes) -> None:
+        group = t2v
+        oc = openai_client(group.url)
         with pytest.raises(openai.BadRequestError) as bad:
             oc.videos.create(prompt="x", input_reference=("in.png", input_png, "image/png"))
         assert bad.value.body["param"] == "input_reference"  # type: ignore[index]
@@ -114,8 +116,8 @@ class TestVideos:
 
     def test_i2v_input_reference_reaches_the_task(self, tiny_models: Path, input_png: bytes,
                                                   tmp_path: Path) -> None:
-        with start_group("wan_i2v", tiny_models, tmp_path, workers=False) as (group, _):
-            oc = client(group)
+        with start_group("wan_i2v", tiny_models, tmp_path, workers=()) as group:
+            oc = openai_client(group.url)
             job = oc.videos.create(prompt="it moves", size="32x32", seconds="1",  # type: ignore[arg-type]
                                    input_reference=("in.png", input_png, "image/png"),
                                    extra_body={"fps": 4})

@@ -10,7 +10,6 @@ and a cached request gives the pixels of the pipeline with the same cache config
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,16 @@ from contracts.errors import AdapterError, InvalidRequestError  # noqa: E402
 from contracts.request import GenerationRequest  # noqa: E402
 from contracts.stage_options import StageOptions  # noqa: E402
 from scripts.bench.lora_kit import make_adapter  # noqa: E402
-from tests.integration.test_models import (  # noqa: E402
+from tests.support.models import (  # noqa: E402
     IMAGE_INPUT_TASKS,
     diffusers_reference,
+    reference_cache,
     small_request,
     stage,
     wire,
+    with_adapters,
 )
+from tests.support.paths import ROOT  # noqa: E402
 from workers.models import TransformerAdapter  # noqa: E402
 
 # Builds the tiny models and starts processes (the benchmark).
@@ -99,15 +101,6 @@ def run(tiny_models: Path, dit: TransformerAdapter, req: GenerationRequest,
     return out
 
 
-def with_adapters(folder: Path, loras: list[tuple[str, float]]) -> Callable[[Any], None]:
-    def setup(pipe: Any) -> None:
-        for name, _ in loras:
-            pipe.load_lora_weights(str(folder / f"{name}.safetensors"), adapter_name=name)
-        pipe.set_adapters([n for n, _ in loras], adapter_weights=[w for _, w in loras])
-
-    return setup
-
-
 def refs(loras: list[tuple[str, float]]) -> list[dict[str, Any]]:
     return [{"name": n, "strength": w} for n, w in loras]
 
@@ -160,31 +153,6 @@ CACHES: dict[str, list[dict[str, Any]]] = {
 }
 
 
-def _reference_cache(cache: dict[str, Any], steps: int) -> Callable[[Any], None]:
-    """The same cache as a diffusers user writes it (not through the worker's builder)."""
-    import diffusers.hooks as hooks
-
-    params = {k: v for k, v in cache.items() if k != "kind"}
-    if "taylor_factors_dtype" in params:
-        params["taylor_factors_dtype"] = getattr(torch, params["taylor_factors_dtype"])
-    for k, v in params.items():
-        if k.endswith("_range") and isinstance(v, list):
-            params[k] = tuple(v)
-
-    def setup(pipe: Any) -> None:
-        if cache["kind"] == "mag_cache":
-            params.setdefault("num_inference_steps", steps)
-        if cache["kind"] == "pyramid_attention_broadcast":
-            params["current_timestep_callback"] = lambda: pipe.current_timestep
-        cls = {"first_block_cache": hooks.FirstBlockCacheConfig,
-               "mag_cache": hooks.MagCacheConfig,
-               "taylorseer_cache": hooks.TaylorSeerCacheConfig,
-               "pyramid_attention_broadcast": hooks.PyramidAttentionBroadcastConfig}
-        pipe.transformer.enable_cache(cls[cache["kind"]](**params))
-
-    return setup
-
-
 @pytest.mark.parametrize(("task", "cache"), [(t, c) for t, cs in CACHES.items() for c in cs],
                          ids=lambda v: v if isinstance(v, str) else v["kind"])
 def test_cache_matches_diffusers(tiny_models: Path, input_png: bytes,
@@ -198,7 +166,7 @@ def test_cache_matches_diffusers(tiny_models: Path, input_png: bytes,
     plain = diffusers_reference(tiny_models, plain_req, image, "float32")
     ours = run(tiny_models, dit, req, image)
     reference = diffusers_reference(tiny_models, req, image, "float32",
-                                    setup=_reference_cache(cache, steps))
+                                    setup=reference_cache(cache, steps))
     assert float(np.abs(ours - reference).max()) == 0.0
     assert float(np.abs(ours - plain).max()) > 1e-4, "the cache skipped nothing"
     # Its state went with it: the same request again gives the same pixels, a plain one the
@@ -412,14 +380,13 @@ def test_bench_lora_runs_on_cpu(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench.bench_lora", "--arch", "wan-1.3b", "--layers",
          "2", "--shape", "16x16x5", "--device", "cpu", "--out", str(out), "--models",
          str(tmp_path / "models"), "--steps", "1", "--cache-steps", "3", "--rank", "4",
          "--repeats", "1"],
-        cwd=root, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "bench_lora.json").read_text())

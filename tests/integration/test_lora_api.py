@@ -7,7 +7,6 @@ checks: tests/unit/test_dit_request.py.
 from __future__ import annotations
 
 import base64
-import io
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +16,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 from contracts.request import GenerationRequest
-from launcher import LocalGroup, group_config, wait_task
+from launcher import LocalGroup, wait_task
+from tests.support.groups import start_group
+from tests.support.http import pixels, post_ok, result
 
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")
 pytestmark = pytest.mark.integration  # a live group, the tiny models
@@ -44,24 +44,13 @@ def group(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
     make_adapter(dit, folder / "style.safetensors", rank=4, alpha=8, seed=1)
     make_adapter(dit, folder / "detail.safetensors", rank=2, seed=2, scale=0.3)
     (folder / "broken.safetensors").write_bytes(b"not a safetensors file at all")
-    cfg = group_config("qwen_t2i", str(tiny_models / "qwen_t2i"), wd,
-                       transformer={"lora_dir": str(folder)})
-    g = LocalGroup(cfg, wd)
-    try:
-        g.start_all()
+    with start_group("qwen_t2i", tiny_models, wd, transformer={"lora_dir": str(folder)}) as g:
         yield g, folder
-    finally:
-        g.stop()
-
-
-def _pixels(data: bytes) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
 def _reference(tiny_models: Path, folder: Path, loras: list[tuple[str, float]],
                cache: dict[str, Any] | None = None) -> np.ndarray:
-    from tests.integration.test_lora import _reference_cache, with_adapters
-    from tests.integration.test_models import diffusers_reference
+    from tests.support.models import diffusers_reference, reference_cache, with_adapters
     from workers.models.media import to_uint8
 
     req = GenerationRequest(task="qwen_t2i", prompt=PROMPT, **SMALL)
@@ -70,21 +59,19 @@ def _reference(tiny_models: Path, folder: Path, loras: list[tuple[str, float]],
         if loras:
             with_adapters(folder, loras)(pipe)
         if cache:
-            _reference_cache(cache, req.infer_steps or 0)(pipe)
+            reference_cache(cache, req.infer_steps or 0)(pipe)
 
     return to_uint8(diffusers_reference(tiny_models, req, None, "float32", setup=setup))
 
 
 def _run(g: LocalGroup, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(f"{g.url}/v1/tasks/image/", json={"prompt": PROMPT, **SMALL, **body},
-                   timeout=30)
-    assert r.status_code == 200, r.text
-    return wait_task(g.url, r.json()["task_id"], timeout=300)
+    task_id = post_ok(g.url, "image", {"prompt": PROMPT, **SMALL, **body})
+    return wait_task(g.url, task_id, timeout=300)
 
 
 def _result(g: LocalGroup, st: dict[str, Any]) -> np.ndarray:
     assert st["status"] == "completed", st
-    return _pixels(httpx.get(f"{g.url}/v1/tasks/{st['task_id']}/result", timeout=30).content)
+    return pixels(result(g.url, st["task_id"]), "png")
 
 
 def test_listing_and_refusals(group: tuple[LocalGroup, Path]) -> None:
@@ -143,6 +130,6 @@ def test_requests_carry_adapters_and_caches_end_to_end(
         "seed": SMALL["seed"], "infer_steps": SMALL["infer_steps"],
         "loras": [{"name": "detail", "strength": 0.5}], "cache": CACHE})
     assert out.data is not None and out.data[0].b64_json is not None
-    cached = _pixels(base64.b64decode(out.data[0].b64_json))
+    cached = pixels(base64.b64decode(out.data[0].b64_json), "png")
     assert np.array_equal(cached, _reference(tiny_models, folder, [("detail", 0.5)], CACHE))
     assert np.array_equal(_result(g, _run(g, {})), plain)

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 
 from contracts.input_images import pack_images  # noqa: E402
 from contracts.request import GenerationRequest  # noqa: E402
-from tests.integration.test_models import (  # noqa: E402
+from tests.support.models import (  # noqa: E402
     ADAPTERS,
     diffusers_reference,
     small_request,

@@ -29,7 +29,7 @@ from controller.ownership import results as results_mod
 from controller.ownership.coordinator import Coordinator
 from controller.tasks.store_check import completions
 from controller.tasks.tasks import Stage, Task
-from tests.conftest import make_coordinator
+from tests.support.coordinators import make_coordinator
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

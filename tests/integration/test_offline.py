@@ -13,10 +13,9 @@ import pytest
 from packaging.requirements import Requirement
 
 from scripts.offline import offline_bundle as ob
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_platform_tags_cover_older_manylinux() -> None:

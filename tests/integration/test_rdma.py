@@ -49,7 +49,7 @@ from rings.tcp import TcpVerbs
 from rings.tcp import connect as tcp_connect
 from rings.transports import connect as transports_connect
 from rings.verbs import CAS, FAA, RDMA_ONLY_OPTIONS, READ, WRITE, transport_options
-from tests.conftest import TOKEN
+from tests.support.controller import TOKEN
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

@@ -30,8 +30,9 @@ from contracts.messages import Fault, Op
 from controller.ownership.result_writes import ResultWrites
 from controller.tasks.tasks import Stage
 from launcher import LocalGroup, free_ports, group_config, wait_task
-from tests.conftest import complete
-from tests.unit.test_coordinator import make, task, workers
+from tests.support.coordinators import complete, queue_coordinator, task, workers
+from tests.support.groups import start_group
+from tests.support.http import post
 from workers.held import RETRY_FIRST_S, RETRY_MAX_S, Held, HeldResults
 from workers.models import Artifact
 from workers.roles import DecoderWorker
@@ -187,7 +188,7 @@ def disk_full(tmp_path: Path) -> Iterator[Path]:
 
 def test_the_controllers_write_fails_for_the_storage_and_nothing_is_charged(
         tmp_path: Path, disk_full: Path) -> None:
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     enc, dit, dec = workers(co)
     t = task("a")
     co.submit(t)
@@ -303,18 +304,7 @@ def _wait_status(group: LocalGroup, what: str, pred: Any, timeout: float = 300) 
 
 
 def _post(group: LocalGroup, task_id: str) -> httpx.Response:
-    return httpx.post(f"{group.url}/v1/tasks/image/", timeout=30,
-                      json={"prompt": f"held {task_id}", "task_id": task_id})
-
-
-def _start(group: LocalGroup, controller: dict[str, Any] | None = None,
-           decoder: dict[str, Any] | None = None) -> None:
-    group.start("controller", controller)
-    group.wait_http()
-    group.start("encoder")
-    group.start("transformer")
-    group.start("decoder", decoder)
-    group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1})
+    return post(group.url, "image", {"prompt": f"held {task_id}", "task_id": task_id})
 
 
 def _blocked_then_freed(group: LocalGroup, free: Any, metric_port: int | None = None) -> None:
@@ -362,12 +352,11 @@ def test_a_full_disk_holds_results_refuses_new_work_and_charges_nothing(
     flag.touch()
     spec = {"faults": f"{where}.{'before' if where == 'decoder' else 'result'}_write:raise:"
                       f"while={flag}"}
-    cfg = group_config(SYNTHETIC, str(tiny_models / SYNTHETIC), tmp_path)
     metric_port = free_ports(1)[0]
-    with LocalGroup(cfg, tmp_path) as group:
-        ctl = {"server": {**cfg["server"], "metric_port": metric_port}}
-        _start(group, {**ctl, **spec} if where == "controller" else ctl,
-               spec if where == "decoder" else None)
+    ctl = {"server": {"metric_port": metric_port}}
+    settings = {"controller": {**ctl, **spec}} if where == "controller" else {
+        "controller": ctl, "decoder": spec}
+    with start_group(SYNTHETIC, tiny_models, tmp_path, settings=settings) as group:
         _blocked_then_freed(group, flag.unlink, metric_port)
         controller_log = next(s for s in group.services if s.role == "controller").log()
     assert f"result writes blocked at {'controller' if where == 'controller' else 'decoder'}" in (
@@ -381,11 +370,9 @@ def test_past_the_bound_a_held_task_is_handed_back_uncharged_and_completes_later
     freed every task completes, none charged."""
     flag = tmp_path / "disk-full"
     flag.touch()
-    cfg = group_config(SYNTHETIC, str(tiny_models / SYNTHETIC), tmp_path)
-    with LocalGroup(cfg, tmp_path) as group:
-        _start(group, decoder={"faults": f"decoder.before_write:raise:while={flag}",
-                               "result_write_retry_s": 1.0, "max_held_results": 1,
-                               "encode_queue": 0})
+    bounded = {"faults": f"decoder.before_write:raise:while={flag}",
+               "result_write_retry_s": 1.0, "max_held_results": 1, "encode_queue": 0}
+    with start_group(SYNTHETIC, tiny_models, tmp_path, settings={"decoder": bounded}) as group:
         for tid in ("bound-1", "bound-2"):
             assert _post(group, tid).status_code == 200
         deadline = time.monotonic() + 300

@@ -21,6 +21,8 @@ from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher import LocalGroup, Service, free_ports, group_config, wait_task
+from tests.support.http import post_ok, result, status
+from tests.support.waits import wait_log
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -29,35 +31,16 @@ WAN = {"prompt": "a fox in the snow", "seed": 5, "height": 32, "width": 32,
 SYNTH = {"prompt": "a synthetic test", "seed": 3, "infer_steps": 8}
 
 
-def post(group: LocalGroup, kind: str, tid: str, body: dict[str, Any]) -> None:
-    r = httpx.post(f"{group.url}/v1/tasks/{kind}/", json={**body, "task_id": tid}, timeout=30)
-    assert r.status_code == 200, r.text
-
-
-def status(group: LocalGroup, tid: str) -> dict[str, Any]:
-    out: dict[str, Any] = httpx.get(f"{group.url}/v1/tasks/{tid}/status", timeout=30).json()
-    return out
-
-
 def wait_status(group: LocalGroup, tid: str, ok: Any, what: str, timeout: float = 300
                 ) -> dict[str, Any]:
     """Until ``ok(status)`` (a bound, not a pause: the event is what is waited for)."""
     deadline = time.monotonic() + timeout
     while True:
-        st = status(group, tid)
+        st = status(group.url, tid)
         if ok(st):
             return st
         if time.monotonic() > deadline:
             raise AssertionError(f"task {tid}: no {what} after {timeout} s: {st}")
-        time.sleep(0.05)
-
-
-def wait_log(svc: Service, line: str, timeout: float = 300) -> None:
-    """Until ``svc`` logged ``line`` (a bound, not a pause), or it died."""
-    deadline = time.monotonic() + timeout
-    while line not in svc.log():
-        if svc.proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"{svc.role}: no {line!r}:\n{svc.log()[-3000:]}")
         time.sleep(0.05)
 
 
@@ -66,12 +49,6 @@ def wait_dead(svc: Service, timeout: float = 300) -> int:
         return svc.proc.wait(timeout)
     except Exception:
         raise AssertionError(f"{svc.role} never died:\n{svc.log()[-3000:]}") from None
-
-
-def result(group: LocalGroup, tid: str) -> bytes:
-    r = httpx.get(f"{group.url}/v1/tasks/{tid}/result", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.content
 
 
 def test_dit_killed_resumes_from_its_last_checkpoint_byte_identical(
@@ -99,16 +76,17 @@ def test_dit_killed_resumes_from_its_last_checkpoint_byte_identical(
         faulty = group.start("transformer", {
             **ckpt, "faults": f"dit.step:hold={gate}:nth=2,dit.checkpointed:exit:nth=2"})
         group.wait_workers({"encoder": 1, "decoder": 1, "transformer": 1}, timeout=600)
-        post(group, "video", "resumed", WAN)
-        wait_log(faulty, "task resumed: checkpoint of step 1/8 kept")
+        post_ok(group.url, "video", {**WAN, "task_id": "resumed"})
+        wait_log(faulty, "task resumed: checkpoint of step 1/8 kept", timeout=300)
         gate.unlink()
         assert wait_dead(faulty) == -signal.SIGKILL
         healthy = group.start("transformer", ckpt)
         final = wait_task(group.url, "resumed", timeout=600)
-        post(group, "video", "plain", WAN)  # the same request, never interrupted
+        # The same request, never interrupted.
+        post_ok(group.url, "video", {**WAN, "task_id": "plain"})
         plain = wait_task(group.url, "plain", timeout=600)
         controller_log = group.services[0].log()
-        resumed_bytes, plain_bytes = result(group, "resumed"), result(group, "plain")
+        resumed_bytes, plain_bytes = result(group.url, "resumed"), result(group.url, "plain")
         healthy_log = healthy.log()
     assert final["status"] == "completed" and plain["status"] == "completed", final
     kept = [int(step) for step in re.findall(
@@ -135,17 +113,17 @@ def test_decoder_lost_after_the_handoff_reruns_only_the_decoder(
         faulty = group.start("decoder", {"faults": "worker.stage:exit"})
         group.wait_workers({"encoder": 1, "decoder": 1, "transformer": 1}, timeout=300)
         os.kill(faulty.proc.pid, signal.SIGSTOP)  # claims nothing until the latents are kept
-        post(group, "image", "dec", SYNTH)
+        post_ok(group.url, "image", {**SYNTH, "task_id": "dec"})
         wait_status(group, "dec", lambda st: st["checkpoint_step"] == 8
                     and st["stage"] == "phase2", "final latents kept")
         os.kill(faulty.proc.pid, signal.SIGCONT)
         assert wait_dead(faulty) == -signal.SIGKILL
         group.start("decoder")
         final = wait_task(group.url, "dec", timeout=300)
-        post(group, "image", "ref", SYNTH)
+        post_ok(group.url, "image", {**SYNTH, "task_id": "ref"})
         ref = wait_task(group.url, "ref", timeout=300)
         controller_log = group.services[0].log()
-        same = result(group, "dec") == result(group, "ref")
+        same = result(group.url, "dec") == result(group.url, "ref")
         dit_log = dit.log()
     assert final["status"] == "completed" and ref["status"] == "completed", final
     assert (final["attempt"], final["resumes"], final["resumed_from"], final["failures"]) == (
@@ -171,15 +149,15 @@ def test_sigterm_hands_the_task_back_at_the_next_step_boundary(
         group.start("decoder")
         draining = group.start("transformer", {**ckpt, "faults": "dit.step:signal=TERM:nth=3"})
         group.wait_workers({"encoder": 1, "decoder": 1, "transformer": 1}, timeout=300)
-        post(group, "image", "drained", {**SYNTH, "infer_steps": 40})
+        post_ok(group.url, "image", {**SYNTH, "task_id": "drained", "infer_steps": 40})
         assert draining.proc.wait(timeout=120) == 0, draining.log()[-3000:]
         st = wait_status(group, "drained", lambda s: s["attempt"] == 2, "hand-back")
         assert (st["failures"], st["resumed_from"], st["checkpoint_step"]) == (0, 3, 3), st
         group.start("transformer", ckpt)
         final = wait_task(group.url, "drained", timeout=300)
-        post(group, "image", "whole", {**SYNTH, "infer_steps": 40})
+        post_ok(group.url, "image", {**SYNTH, "task_id": "whole", "infer_steps": 40})
         whole = wait_task(group.url, "whole", timeout=300)
-        same = result(group, "drained") == result(group, "whole")
+        same = result(group.url, "drained") == result(group.url, "whole")
         drained_log = draining.log()
         controller_log = group.services[0].log()
     assert final["status"] == "completed" and whole["status"] == "completed", final
@@ -205,18 +183,19 @@ def test_a_high_priority_request_preempts_a_low_one_that_resumes_unchanged(
         group.start("decoder")
         group.start("transformer", {"transformer": {"checkpoint_every_steps": 100}})
         group.wait_workers({"encoder": 1, "decoder": 1, "transformer": 1}, timeout=300)
-        post(group, "image", "long", {**SYNTH, "infer_steps": 80, "priority": "low"})
+        post_ok(group.url, "image",
+                {**SYNTH, "task_id": "long", "infer_steps": 80, "priority": "low"})
         stream = pool.submit(events, group.url, "long")
         wait_status(group, "long", lambda s: s["stage"] == "denoising" and s["step"] >= 2,
                     "denoising")
         r = httpx.post(f"{group.url}/v1/images/generations", timeout=300, json={
             "prompt": "urgent", "size": "16x16", "infer_steps": 2, "priority": "high"})
         assert r.status_code == 200, r.text
-        at_urgent_done = status(group, "long")
+        at_urgent_done = status(group.url, "long")
         final = wait_task(group.url, "long", timeout=300)
-        post(group, "image", "same", {**SYNTH, "infer_steps": 80})
+        post_ok(group.url, "image", {**SYNTH, "task_id": "same", "infer_steps": 80})
         same = wait_task(group.url, "same", timeout=300)
-        equal = result(group, "long") == result(group, "same")
+        equal = result(group.url, "long") == result(group.url, "same")
         bad = httpx.post(f"{group.url}/v1/tasks/image/", timeout=30,
                          json={**SYNTH, "priority": "urgent"})
         seen = stream.result(timeout=60)

@@ -13,7 +13,7 @@ import pytest
 
 from rings.layout import SeatKind, SlotState
 from scripts.chaos import check_ring_model as runner
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

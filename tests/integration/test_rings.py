@@ -40,7 +40,7 @@ from rings.ring import Ring
 from rings.soak import RING, start_ring_host, stop_process
 from rings.transports import connect
 from rings.verbs import CAS, FAA, WRITE, LocalVerbs, Verbs
-from tests.conftest import TOKEN
+from tests.support.controller import TOKEN
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 

@@ -22,10 +22,10 @@ import pytest
 
 from contracts.config import ServiceConfig
 from launcher import port_busy, role_files
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "configs" / "disagg"
 GROUPS = {"wan_t2v": "wan", "wan_i2v": "wan", "qwen_t2i": "qwen", "qwen_i2i": "qwen",
           "qwen_i2i_plus": "qwen"}

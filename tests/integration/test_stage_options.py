@@ -21,7 +21,8 @@ torch.set_num_threads(1)
 from contracts.config import ServiceConfig  # noqa: E402
 from contracts.errors import ConfigError, ModelLoadError, StageError  # noqa: E402
 from contracts.stage_options import StageOptions  # noqa: E402
-from tests.integration.test_models import diffusers_reference, small_request, wire  # noqa: E402
+from tests.support.models import diffusers_reference, small_request, wire  # noqa: E402
+from tests.support.paths import ROOT  # noqa: E402
 from workers.models import DecoderAdapter, EncoderAdapter, TransformerAdapter  # noqa: E402
 from workers.models.memory import (  # noqa: E402
     check_budget,
@@ -337,14 +338,13 @@ def test_bench_dit_runs_on_cpu(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench.bench_dit", "suite", "--arch", "wan-1.3b",
          "--layers", "1", "--shape", "16x16x5", "--device", "cpu", "--out", str(out),
          "--models", str(tmp_path / "models"), "--variants", "bf16,offload_block",
          "--steps", "1", "--repeats", "1"],
-        cwd=root, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads((out / "bench_dit.json").read_text())["warm"]}

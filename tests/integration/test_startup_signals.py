@@ -22,7 +22,7 @@ from contracts import faults
 from contracts.errors import ConfigError
 from contracts.pipelines import TASK_SPECS
 from launcher import LocalGroup, Service, group_config
-from tests.conftest import wait_log
+from tests.support.waits import wait_log
 from workers.startup import StartupAborted, StopSignal
 
 pytestmark = pytest.mark.integration  # starts processes or servers

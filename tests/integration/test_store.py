@@ -16,10 +16,9 @@ from controller.tasks.store import StoreConflict, StoreError, StoreLocked, TaskS
 from controller.tasks.store_check import check
 from controller.tasks.table import TaskTable, open_table
 from controller.tasks.tasks import Stage, Task
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def new_task(tid: str) -> Task:

@@ -36,7 +36,9 @@ from rings.soak import (
 )
 from rings.transports import connect
 from rings.verbs import FAA, RDMA_ONLY_OPTIONS, READ, WRITE
-from tests.conftest import ROOT, TOKEN
+from tests.support.controller import TOKEN
+from tests.support.paths import ROOT
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.integration  # starts processes or servers
 
@@ -295,7 +297,8 @@ def _stall_peer(port: int, mode: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "tests" / "support" / "stall_peer.py"),
+            "-m",
+            "tests.support.stall_peer",
             str(port),
             str(SLOTS),
             str(SLOT_SIZE),
@@ -304,19 +307,12 @@ def _stall_peer(port: int, mode: str) -> tuple[subprocess.Popen[str], str]:
         ],
         stdout=subprocess.PIPE,
         text=True,
+        cwd=ROOT,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("TICKET" if mode.endswith("-ticket") else "CLAIMED"), line
     return proc, line
-
-
-def _wait_for(pred, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("victim", ["producer", "consumer"])
@@ -344,7 +340,7 @@ def test_sigkilled_peer_is_repaired_and_ring_flows(victim: str, tmp_path: Path) 
         for p in prods:
             p.start()
         if victim == "consumer":
-            _wait_for(lambda: snapshot(inspector)["published"] == SLOTS)
+            wait_for(lambda: snapshot(inspector)["published"] == SLOTS, "a full ring", 120)
             stall, line = _stall_peer(port, "pop")
             stalled_id = int(line.split()[2])
         cons = [
@@ -371,7 +367,7 @@ def test_sigkilled_peer_is_repaired_and_ring_flows(victim: str, tmp_path: Path) 
                 and (snap["head"], snap["tail"]) == stuck_at
             )
 
-        _wait_for(stuck)
+        wait_for(stuck, "the ring stuck behind the stalled claim", 120)
         before = snapshot(inspector)
         time.sleep(0.5)
         after = snapshot(inspector)
@@ -468,7 +464,7 @@ def test_sigkilled_ticket_holder_is_repaired_and_ring_flows(victim: str, tmp_pat
         for p in prods:
             p.start()
         if victim == "consumer":
-            _wait_for(lambda: snapshot(inspector)["published"] == SLOTS)
+            wait_for(lambda: snapshot(inspector)["published"] == SLOTS, "a full ring", 120)
             stall, line = _stall_peer(port, "pop-ticket")
             assert line.split()[1:] == ["0", str(stamp(0, SlotState.PUBLISHED))]
         cons = [
@@ -491,7 +487,7 @@ def test_sigkilled_ticket_holder_is_repaired_and_ring_flows(victim: str, tmp_pat
                 and snap["claimed"] == 0
             )
 
-        _wait_for(stuck)
+        wait_for(stuck, "the ring stuck behind the stalled claim", 120)
         time.sleep(0.5)
         assert stuck(), snapshot(inspector)
         assert stall is not None

@@ -14,10 +14,9 @@ import pytest
 from contracts.cluster_token import DEFAULT_TOKEN, is_loopback, require_token
 from contracts.config import ServiceConfig
 from contracts.errors import ConfigError
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration  # starts processes or servers
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("host", "loopback"), [

@@ -1,7 +1,7 @@
 """One rank of a CPU transformer group that runs a list of layouts
 (tests/integration/test_group_layouts.py).
 
-    python tests/support/group_layouts.py --rank R --world G --rendezvous DIR --models DIR --out DIR
+    python -m tests.support.group_layouts --rank R --world G --rendezvous DIR --models DIR --out DIR
         --cases CASE[;CASE...]      CASE = pipeline:layout, e.g. wan_t2v:cfg=2,ulysses=2
         [--timeout S] [--then-hang]
 
@@ -35,14 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from contracts.parallel import ParallelLayout  # noqa: E402
-from contracts.request import GenerationRequest  # noqa: E402
+from contracts.parallel import ParallelLayout
+from contracts.request import GenerationRequest
 
 REQUESTS: dict[str, dict[str, Any]] = {
     # Wan: 2 x 2 x 3 = 12 video tokens (even over 2 and 4 ranks).

@@ -1,6 +1,6 @@
 """A ring peer that stops dead at a precise step (for stall-repair tests).
 
-    python tests/support/stall_peer.py PORT SLOTS SLOT_SIZE MODE TOKEN
+    python -m tests.support.stall_peer PORT SLOTS SLOT_SIZE MODE TOKEN   (from the repository root)
 
 MODE is one of
   push, pop                  stop right after the claim CAS won (a pop also has read the slot)
@@ -18,10 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rings import payload as pl
 from rings.layout import OFF_HEAD, OFF_TAIL, POS_SHIFT, RingLayout, SlotState, unpack_stamp

@@ -7,32 +7,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.app import LocalQueue
 from controller.errors import QueueFull
 from controller.metrics import ControllerMetrics
 from controller.ownership.coordinator import Coordinator
-from controller.ownership.registry import WorkerInfo
-from controller.tasks.tasks import Stage, Task
-from tests.conftest import Clock, complete, make_coordinator
-
-REQ = {"task": "qwen_t2i", "prompt": "x"}
-
-
-def make(tmp_path: Path | None = None, slots: int = 8, lease: float = 15.0,
-         clock: Clock | None = None) -> Coordinator:
-    return make_coordinator(tmp_path, LocalQueue(slots, 1024), lease_timeout_s=lease,
-                            max_pending=16, clock=clock)
-
-
-def task(tid: str) -> Task:
-    return Task(task_id=tid, kind="image", pipeline="qwen_t2i", request=dict(REQ),
-                save_result_path="")
-
-
-def workers(co: Coordinator) -> tuple[WorkerInfo, WorkerInfo, WorkerInfo]:
-    return (co.on_register("encoder", "e", 1, "qwen_t2i", "s1"),
-            co.on_register("transformer", "t", 2, "qwen_t2i", "s2"),
-            co.on_register("decoder", "d", 3, "qwen_t2i", "s3"))
+from controller.tasks.tasks import Stage
+from tests.support.coordinators import Clock, complete, queue_coordinator, task, workers
 
 
 def watch(co: Coordinator) -> tuple[list[str], CollectorRegistry]:
@@ -45,7 +24,7 @@ def watch(co: Coordinator) -> tuple[list[str], CollectorRegistry]:
 
 
 def test_full_lifecycle_and_idempotent_completion(tmp_path: Path) -> None:
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     enc, dit, dec = workers(co)
     t = task("a")
     co.submit(t)
@@ -66,7 +45,7 @@ def test_full_lifecycle_and_idempotent_completion(tmp_path: Path) -> None:
 def test_next_stage_may_claim_before_the_handoff_message(tmp_path: Path) -> None:
     """The transformer publishes to phase2, then reports the handoff; the decoder can claim
     the ring item in between. That claim must win, and the late handoff be ignored."""
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     enc, dit, dec = workers(co)
     t = task("race")
     co.submit(t)
@@ -81,7 +60,7 @@ def test_next_stage_may_claim_before_the_handoff_message(tmp_path: Path) -> None
 
 
 def test_stale_and_cancelled_claims_are_refused(tmp_path: Path) -> None:
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     enc, dit, _dec = workers(co)
     t = task("s")
     co.submit(t)
@@ -100,7 +79,7 @@ def test_a_cancelled_task_fires_cancelled_once(tmp_path: Path) -> None:
     """A queued task cancelled by the client is over at once; each later claim of its
     leftover ring item is refused, and says nothing more: one "cancelled" event, counted
     once in ``diffring_task_events_total``."""
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     events, registry = watch(co)
     enc, _, _ = workers(co)
     enc2 = co.on_register("encoder", "e2", 4, "qwen_t2i", "s4")
@@ -117,7 +96,7 @@ def test_a_task_cancelled_between_stages_fires_cancelled_at_the_refused_claim(
         tmp_path: Path) -> None:
     """Cancelled while encoding (a worker held it), it ends when the next stage claims it:
     that refused claim fires "cancelled", and only that one."""
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     events, registry = watch(co)
     enc, dit, _ = workers(co)
     dit2 = co.on_register("transformer", "t2", 5, "qwen_t2i", "s5")
@@ -134,7 +113,7 @@ def test_a_task_cancelled_between_stages_fires_cancelled_at_the_refused_claim(
 
 
 def test_running_task_cancel_reaches_the_worker(tmp_path: Path) -> None:
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     enc, dit, _ = workers(co)
     t = task("c")
     co.submit(t)
@@ -150,7 +129,7 @@ def test_running_task_cancel_reaches_the_worker(tmp_path: Path) -> None:
 
 def test_expired_leases_in_a_row_quarantine_the_task_as_poison(tmp_path: Path) -> None:
     clock = Clock()
-    co = make(tmp_path, lease=10.0, clock=clock)
+    co = queue_coordinator(tmp_path, lease=10.0, clock=clock)
     enc, _, _ = workers(co)
     t = task("l")
     co.submit(t)
@@ -166,7 +145,7 @@ def test_expired_leases_in_a_row_quarantine_the_task_as_poison(tmp_path: Path) -
 
 
 def test_heartbeat_frees_outputs_nobody_will_pull(tmp_path: Path) -> None:
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     enc, _, _ = workers(co)
     t = task("h")
     co.submit(t)
@@ -180,7 +159,7 @@ def test_heartbeat_frees_outputs_nobody_will_pull(tmp_path: Path) -> None:
 def test_heartbeat_frees_a_superseded_attempt_but_not_the_current_one(tmp_path: Path) -> None:
     """An encoder holds attempt 1's outputs (their DiT died before pulling them) beside
     attempt 2's, which the next DiT is about to read: only attempt 1's are to be freed."""
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     enc, dit, _ = workers(co)
     t = task("s")
     co.submit(t)
@@ -195,7 +174,7 @@ def test_heartbeat_frees_a_superseded_attempt_but_not_the_current_one(tmp_path: 
 
 
 def test_full_ring_refuses_without_keeping_anything(tmp_path: Path) -> None:
-    co = make(tmp_path, slots=2)
+    co = queue_coordinator(tmp_path, slots=2)
     co.submit(task("1"))
     co.submit(task("2"))
     with pytest.raises(QueueFull):
@@ -203,13 +182,13 @@ def test_full_ring_refuses_without_keeping_anything(tmp_path: Path) -> None:
     assert [t.task_id for t in co.table] == ["1", "2"]
     co.close()
     # ... and the journal does not resurrect it after a restart.
-    again = make(tmp_path, slots=8)
+    again = queue_coordinator(tmp_path, slots=8)
     assert again.restore() == 2 and sorted(t.task_id for t in again.table) == ["1", "2"]
     again.close()
 
 
 def test_journal_restores_finished_and_requeues_unfinished(tmp_path: Path) -> None:
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     enc, dit, dec = workers(co)
     done, running = task("done"), task("running")
     co.submit(done)
@@ -222,7 +201,7 @@ def test_journal_restores_finished_and_requeues_unfinished(tmp_path: Path) -> No
     co.on_claim(enc, "running", 1)
     # The controller dies here. A new one reads the journal:
     co.close()
-    co2 = make(tmp_path)
+    co2 = queue_coordinator(tmp_path)
     assert co2.restore() == 1
     r = co2.table.get("running")
     assert r is not None and r.stage == Stage.QUEUED and r.attempt == 2
@@ -233,7 +212,7 @@ def test_journal_restores_finished_and_requeues_unfinished(tmp_path: Path) -> No
     assert co2.table.counts()["completed"] == 1
     co2.close()
     # Restarting twice still loses nothing, and keeps one row per task.
-    co3 = make(tmp_path)
+    co3 = queue_coordinator(tmp_path)
     assert co3.restore() == 1
     assert co3.table.page(None, 0, 10)[0] == 2
     r3 = co3.table.get("running")
@@ -244,7 +223,7 @@ def test_journal_restores_finished_and_requeues_unfinished(tmp_path: Path) -> No
 def test_work_is_announced_and_only_live_tasks_are_scanned(tmp_path: Path) -> None:
     """Every push the controller makes or hears of is announced (the doorbell rings on it);
     heartbeats and the in-flight count look at unfinished tasks only."""
-    co = make(tmp_path)
+    co = queue_coordinator(tmp_path)
     rung: list[str] = []
     co.on_work = rung.append
     enc, dit, dec = workers(co)

@@ -12,7 +12,7 @@ import pytest
 from contracts.errors import ConfigError
 from launcher import PORT_RANGE_ENV, free_ports
 from launcher import ports as launcher_ports
-from tests.conftest import TEST_PORTS, ephemeral_start
+from tests.support.ports import TEST_PORTS, ephemeral_start
 
 
 @pytest.fixture

@@ -16,24 +16,9 @@ from contracts.messages import Fault
 from contracts.priority import check_priority
 from controller.ownership.coordinator import Coordinator
 from controller.ownership.priorities import DEFERRED, MAX_DEFERRALS
-from controller.ownership.reconcile import census
 from controller.ownership.registry import WorkerInfo
 from controller.tasks.tasks import Stage, Task
-from tests.conftest import Clock, make_coordinator
-from tests.unit.test_recovery import Rings
-
-PIPE = "qwen_t2i"
-
-
-def task(tid: str, priority: str = "normal") -> Task:
-    return Task(task_id=tid, kind="image", pipeline=PIPE, request={"task": PIPE, "prompt": "x"},
-                save_result_path="", priority=priority)
-
-
-def make(tmp: Path, rings: Rings, clock: Clock, **kw: object) -> Coordinator:
-    return make_coordinator(tmp, rings.local["request"], pipeline=PIPE, lease_timeout_s=10.0,
-                            max_pending=64, census=lambda: census(rings.local), clock=clock,
-                            **kw)
+from tests.support.coordinators import PIPE, Clock, Rings, ring_coordinator, task
 
 
 def popped(rings: Rings, ring: str = "request") -> list[str]:
@@ -50,7 +35,8 @@ def encoded(co: Coordinator, enc: WorkerInfo, tid: str) -> None:
 
 def test_released_by_class_then_age_and_kept_shallow(tmp_path: Path) -> None:
     rings, clock = Rings(), Clock()
-    co = make(tmp_path, rings, clock, release_ahead=1)  # no worker yet: 1 ahead per class
+    # No worker yet: 1 ahead per class.
+    co = ring_coordinator(tmp_path, rings, clock=clock, release_ahead=1)
     for tid, prio in (("l1", "low"), ("l2", "low"), ("n1", "normal"), ("h1", "high"),
                       ("h2", "high"), ("n2", "normal")):
         co.submit(task(tid, prio))
@@ -74,7 +60,7 @@ def test_released_by_class_then_age_and_kept_shallow(tmp_path: Path) -> None:
 
 def test_without_release_ahead_every_task_goes_at_once(tmp_path: Path) -> None:
     rings, clock = Rings(slots=2), Clock()
-    co = make(tmp_path, rings, clock)
+    co = ring_coordinator(tmp_path, rings, clock=clock)
     co.submit(task("a", "low"))
     co.submit(task("b", "high"))
     assert popped(rings) == ["a", "b"]
@@ -82,7 +68,7 @@ def test_without_release_ahead_every_task_goes_at_once(tmp_path: Path) -> None:
 
 def test_a_dit_claim_is_deferred_while_a_higher_task_waits_encoded(tmp_path: Path) -> None:
     rings, clock = Rings(), Clock()
-    co = make(tmp_path, rings, clock)
+    co = ring_coordinator(tmp_path, rings, clock=clock)
     enc = co.on_register("encoder", "e", 1, PIPE, "s1")
     dit = co.on_register("transformer", "t", 2, PIPE, "s2")
     for tid, prio in (("low", "low"), ("high", "high")):
@@ -100,7 +86,7 @@ def test_an_old_attempts_item_is_refused_at_once_not_deferred(tmp_path: Path) ->
     """The claim of an item whose attempt has ended is refused (the worker frees what it
     pulled) even while a more urgent task waits: never put back in the ring for later."""
     rings, clock = Rings(), Clock()
-    co = make(tmp_path, rings, clock)
+    co = ring_coordinator(tmp_path, rings, clock=clock)
     enc = co.on_register("encoder", "e", 1, PIPE, "s1")
     dit = co.on_register("transformer", "t", 2, PIPE, "s2")
     for tid, prio in (("low", "low"), ("high", "high")):
@@ -115,7 +101,7 @@ def test_deferrals_are_bounded(tmp_path: Path) -> None:
     """An urgent task whose item is lost (reconciliation puts it back later) cannot keep a
     DiT turning its ring: the claim goes through after MAX_DEFERRALS."""
     rings, clock = Rings(), Clock()
-    co = make(tmp_path, rings, clock)
+    co = ring_coordinator(tmp_path, rings, clock=clock)
     enc = co.on_register("encoder", "e", 1, PIPE, "s1")
     dit = co.on_register("transformer", "t", 2, PIPE, "s2")
     for tid, prio in (("low", "low"), ("lost", "high")):
@@ -145,7 +131,7 @@ def running(co: Coordinator, enc: WorkerInfo, dit: WorkerInfo, tid: str, prio: s
 
 def test_preemption_yields_the_lowest_uncharged_and_bounded(tmp_path: Path) -> None:
     rings, clock = Rings(), Clock()
-    co = make(tmp_path, rings, clock, preempt_after_s=5.0, max_preemptions=1)
+    co = ring_coordinator(tmp_path, rings, clock=clock, preempt_after_s=5.0, max_preemptions=1)
     events: list[tuple[str, str]] = []
     co.listeners.append(lambda e, t: events.append((e, t.task_id)))
     enc = co.on_register("encoder", "e", 1, PIPE, "s1")
@@ -181,7 +167,7 @@ def test_preemption_yields_the_lowest_uncharged_and_bounded(tmp_path: Path) -> N
 def test_no_preemption_with_a_free_dit_an_equal_class_or_no_checkpoints(
         tmp_path: Path) -> None:
     rings, clock = Rings(), Clock()
-    co = make(tmp_path, rings, clock, preempt_after_s=1.0)
+    co = ring_coordinator(tmp_path, rings, clock=clock, preempt_after_s=1.0)
     enc = co.on_register("encoder", "e", 1, PIPE, "s1")
     plain = co.on_register("transformer", "t1", 2, PIPE, "s2")  # does not checkpoint
     low = running(co, enc, plain, "low", "low")

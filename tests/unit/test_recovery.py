@@ -2,9 +2,10 @@
 dropped items, late results, which lost attempts count (controller.ownership.coordinator,
 controller.ownership.recovery, controller.ownership.budget, controller.ownership.reconcile).
 
-Time is the test's: every coordinator here runs on a :class:`~tests.conftest.Clock` that the
-test moves on, so a lease or a grace period expires exactly when the test says, never by
-sleeping (nor by chance on a slow machine)."""
+Time is the test's: every coordinator here runs on a
+:class:`~tests.support.coordinators.Clock` that the test moves on, so a lease or a grace
+period expires exactly when the test says, never by sleeping (nor by chance on a slow
+machine)."""
 
 from __future__ import annotations
 
@@ -17,45 +18,16 @@ from contracts.messages import Fault
 from controller.ownership.coordinator import Coordinator
 from controller.ownership.reconcile import census, ring_items
 from controller.ownership.registry import WorkerInfo
-from controller.tasks.tasks import Stage, Task
-from rings.layout import HOLDER_LOCAL, RingLayout
-from rings.ring import Ring
-from rings.verbs import LocalVerbs, Region
-from tests.conftest import Clock, complete, make_coordinator
-
-PIPE = "qwen_t2i"
-
-
-def task(tid: str) -> Task:
-    return Task(task_id=tid, kind="image", pipeline=PIPE, request={"task": PIPE, "prompt": "x"},
-                save_result_path="")
-
-
-class Rings:
-    """The controller's three rings in one process: its own handles and a peer's."""
-
-    def __init__(self, slots: int = 16) -> None:
-        self.regions = {n: Region(RingLayout(n, slots, 1024)) for n in ("request", "phase1",
-                                                                         "phase2")}
-        self.local = {n: Ring(LocalVerbs(r, HOLDER_LOCAL)) for n, r in self.regions.items()}
-
-    def peer(self, name: str, peer_id: int = 7) -> Ring:
-        return Ring(LocalVerbs(self.regions[name], peer_id))
-
-
-def make(tmp: Path, rings: Rings | None = None, lease: float = 10.0, clock: Clock | None = None,
-         **kw: object) -> Coordinator:
-    rings = rings or Rings()
-    return make_coordinator(tmp, rings.local["request"], pipeline=PIPE, lease_timeout_s=lease,
-                            max_pending=64, census=lambda: census(rings.local),
-                            clock=clock or Clock(), **kw)
-
-
-
-def workers(co: Coordinator) -> tuple[WorkerInfo, WorkerInfo, WorkerInfo]:
-    return (co.on_register("encoder", "e", 1, PIPE, "s1"),
-            co.on_register("transformer", "t", 2, PIPE, "s2"),
-            co.on_register("decoder", "d", 3, PIPE, "s3"))
+from controller.tasks.tasks import Stage
+from tests.support.coordinators import (
+    PIPE,
+    Clock,
+    Rings,
+    complete,
+    ring_coordinator,
+    task,
+    workers,
+)
 
 
 def through(co: Coordinator, ws: tuple[WorkerInfo, ...], tid: str, attempt: int) -> None:
@@ -69,7 +41,7 @@ def test_item_popped_and_never_claimed_is_put_back_after_the_grace(tmp_path: Pat
     """Window 2: the encoder pops the request and dies before its claim reaches us."""
     rings = Rings()
     clock = Clock()
-    co = make(tmp_path, rings, lease=10.0, clock=clock)
+    co = ring_coordinator(tmp_path, rings, lease=10.0, clock=clock)
     t = task("gap")
     co.submit(t)
     assert ("gap", 1) in ring_items(rings.local["request"])[0]
@@ -89,7 +61,7 @@ def test_item_popped_and_never_claimed_is_put_back_after_the_grace(tmp_path: Pat
 
 def test_claim_inside_the_grace_keeps_the_task(tmp_path: Path) -> None:
     rings = Rings()
-    co = make(tmp_path, rings)
+    co = ring_coordinator(tmp_path, rings)
     enc, _, _ = workers(co)
     co.submit(task("slow"))
     now = 1000.0
@@ -102,7 +74,7 @@ def test_claim_inside_the_grace_keeps_the_task(tmp_path: Path) -> None:
 def test_phase_item_lost_is_put_back(tmp_path: Path) -> None:
     """The transformer pops the encoder's phase1 item and dies before claiming."""
     rings = Rings()
-    co = make(tmp_path, rings, lease=1.0)
+    co = ring_coordinator(tmp_path, rings, lease=1.0)
     enc, _, _ = workers(co)
     t = task("p1")
     co.submit(t)
@@ -122,7 +94,7 @@ def test_phase_item_lost_is_put_back(tmp_path: Path) -> None:
 def test_corrupt_slot_is_reported_and_reconciled(tmp_path: Path) -> None:
     """A peer holding the token overwrites a published request item: it names no task."""
     rings = Rings()
-    co = make(tmp_path, rings, lease=1.0)
+    co = ring_coordinator(tmp_path, rings, lease=1.0)
     enc, _, _ = workers(co)
     t = task("bad")
     co.submit(t)
@@ -142,7 +114,7 @@ def test_corrupt_slot_is_reported_and_reconciled(tmp_path: Path) -> None:
 
 
 def test_dropped_item_that_names_its_task_is_retried_at_once(tmp_path: Path) -> None:
-    co = make(tmp_path)
+    co = ring_coordinator(tmp_path)
     enc, dit, _ = workers(co)
     t = task("kind")
     co.submit(t)
@@ -161,7 +133,7 @@ def test_system_faults_never_use_up_a_task(tmp_path: Path) -> None:
     items, dead producers and dropped items; the task still completes, charged nothing."""
     rings = Rings()
     clock = Clock()
-    co = make(tmp_path, rings, clock=clock)
+    co = ring_coordinator(tmp_path, rings, clock=clock)
     ws = workers(co)
     enc, dit, dec = ws
     t = task("unlucky")
@@ -171,7 +143,7 @@ def test_system_faults_never_use_up_a_task(tmp_path: Path) -> None:
     # dies with a killed process; here the old coordinator lets go of it).
     co.close()
     rings = Rings()
-    co = make(tmp_path, rings, clock=clock)
+    co = ring_coordinator(tmp_path, rings, clock=clock)
     assert co.restore() == 1
     ws = enc, dit, dec = workers(co)
     t = co.table.get("unlucky")  # type: ignore[assignment]
@@ -198,7 +170,7 @@ def test_system_faults_never_use_up_a_task(tmp_path: Path) -> None:
     # 6: another controller restart, then the item is popped and never claimed.
     co.close()
     rings = Rings()
-    co = make(tmp_path, rings, clock=clock)
+    co = ring_coordinator(tmp_path, rings, clock=clock)
     co.restore()
     enc, dit, dec = workers(co)
     t = co.table.get("unlucky")  # type: ignore[assignment]
@@ -214,7 +186,7 @@ def test_system_faults_never_use_up_a_task(tmp_path: Path) -> None:
 
 
 def test_task_failures_count_and_are_bounded(tmp_path: Path) -> None:
-    co = make(tmp_path, max_task_failures=3)
+    co = ring_coordinator(tmp_path, max_task_failures=3)
     enc, dit, _ = workers(co)
     t = task("raises")
     co.submit(t)
@@ -235,7 +207,7 @@ def test_task_failures_count_and_are_bounded(tmp_path: Path) -> None:
 
 def test_transfer_failure_counts_while_the_producer_lives_and_is_refunded_when_it_dies(
         tmp_path: Path) -> None:
-    co = make(tmp_path)
+    co = ring_coordinator(tmp_path)
     enc, dit, _ = workers(co)
     t = task("xfer")
     co.submit(t)
@@ -250,7 +222,7 @@ def test_transfer_failure_counts_while_the_producer_lives_and_is_refunded_when_i
 def test_worker_that_comes_back_was_not_killed(tmp_path: Path) -> None:
     """A dropped control connection looks like a death until the same worker registers
     again: then it is taken off the task's killers, so drops never make poison."""
-    co = make(tmp_path, poison_worker_deaths=2)
+    co = ring_coordinator(tmp_path, poison_worker_deaths=2)
     t = task("flaky")
     co.submit(t)
     for attempt in (1, 2, 3):
@@ -265,7 +237,7 @@ def test_a_slow_worker_that_heartbeats_again_was_not_killed(tmp_path: Path) -> N
     """A starved machine: the worker's heartbeats come late, its leases expire, but it is
     alive; that never makes the task poison."""
     clock = Clock()
-    co = make(tmp_path, clock=clock, poison_worker_deaths=2)
+    co = ring_coordinator(tmp_path, clock=clock, poison_worker_deaths=2)
     enc, _, _ = workers(co)
     t = task("starved")
     co.submit(t)
@@ -279,7 +251,7 @@ def test_a_slow_worker_that_heartbeats_again_was_not_killed(tmp_path: Path) -> N
 
 
 def test_poison_needs_deaths_in_a_row(tmp_path: Path) -> None:
-    co = make(tmp_path, poison_worker_deaths=3)
+    co = ring_coordinator(tmp_path, poison_worker_deaths=3)
     t = task("p")
     co.submit(t)
     names = iter(f"dit-{i}" for i in range(10))
@@ -299,7 +271,7 @@ def test_late_result_of_an_expired_lease_is_refused(tmp_path: Path) -> None:
     """A decoder SIGSTOPped past its lease wakes and sends its result: refused; the new
     attempt's result is the one completion."""
     clock = Clock()
-    co = make(tmp_path, clock=clock)
+    co = ring_coordinator(tmp_path, clock=clock)
     enc, dit, dec = workers(co)
     t = task("zombie")
     co.submit(t)

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
+from tests.support.paths import ROOT
 
 # -- the published sizes --------------------------------------------------------------------
 
