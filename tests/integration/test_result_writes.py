@@ -31,6 +31,7 @@ from controller.ownership.result_writes import ResultWrites
 from controller.tasks.tasks import Stage
 from launcher import LocalGroup, free_ports, group_config, wait_task
 from tests.support.coordinators import complete, queue_coordinator, task, workers
+from tests.support.fakes import FakeControl
 from tests.support.groups import start_group
 from tests.support.http import post
 from workers.held import RETRY_FIRST_S, RETRY_MAX_S, Held, HeldResults
@@ -208,26 +209,11 @@ def test_the_controllers_write_fails_for_the_storage_and_nothing_is_charged(
 
 
 # -- the decoder worker, in-process ------------------------------------------------------------
-class FakeControl:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Op, dict[str, Any]]] = []
-        self.storage_error: str | None = None
-
-    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
-        self.calls.append((op, fields))
-        if op == Op.COMPLETE and self.storage_error:
-            return {"accepted": False, "storage_error": self.storage_error}
-        return {"accepted": True}
-
-    def ops(self) -> list[Op]:
-        return [op for op, _ in self.calls]
-
-
 def decoder(tmp_path: Path, **cfg: Any) -> tuple[DecoderWorker, FakeControl]:
     worker = DecoderWorker(ServiceConfig(output_dir=str(tmp_path / "out"), encode_queue=0,
                                          **cfg), "token", {})
     control = FakeControl()
-    worker.link.control = control  # type: ignore[assignment]
+    worker.link.control = control
     return worker, control
 
 
@@ -257,10 +243,12 @@ def test_the_decoder_holds_a_result_its_disk_refuses(tmp_path: Path, disk_full: 
 
 def test_the_decoder_holds_a_result_the_controller_cannot_write(tmp_path: Path) -> None:
     worker, control = decoder(tmp_path)
-    control.storage_error = "cannot write /srv/a.png: [Errno 28] No space left on device"
+    control.answers[Op.COMPLETE] = {
+        "accepted": False,
+        "storage_error": "cannot write /srv/a.png: [Errno 28] No space left on device"}
     publish_and_release(worker, "a")
     assert control.ops() == [Op.COMPLETE] and worker.held.count == 1
-    control.storage_error = None
+    del control.answers[Op.COMPLETE]
     worker.held.retry_due(time.monotonic() + RETRY_MAX_S)
     assert control.ops() == [Op.COMPLETE, Op.COMPLETE] and worker.held.count == 0
 

@@ -20,6 +20,7 @@ import pytest
 from contracts.config import ServiceConfig
 from contracts.errors import StageError
 from contracts.messages import Op
+from tests.support.fakes import FakeControl
 from workers.encode_pool import EncodePool
 from workers.models import Artifact
 from workers.roles import DecoderWorker
@@ -29,21 +30,16 @@ REQUEST = {"task": "wan_t2v", "prompt": "x", "height": 32, "width": 32, "num_fra
            "fps": 8}
 
 
-class FakeControl:
-    def __init__(self, out_dir: Path) -> None:
-        self.calls: list[tuple[Op, dict[str, Any]]] = []
-        self.out_dir = out_dir
+class Control(FakeControl):
+    """Also notes what is on disk when the controller hears of a completion."""
+
+    def __init__(self) -> None:
+        super().__init__({Op.COMPLETE: self._read_file})
         self.files_at_complete: list[bytes] = []
 
-    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
-        if op == Op.COMPLETE:
-            # What is on disk when the controller hears of the completion.
-            self.files_at_complete.append(Path(fields["worker_path"]).read_bytes())
-        self.calls.append((op, fields))
-        return {"accepted": True}
-
-    def ops(self) -> list[Op]:
-        return [op for op, _ in self.calls]
+    def _read_file(self, fields: dict[str, Any]) -> dict[str, Any]:
+        self.files_at_complete.append(Path(fields["worker_path"]).read_bytes())
+        return {}
 
 
 class FakeStage:
@@ -71,7 +67,7 @@ class FakeStage:
 def decoder(tmp_path: Path) -> Any:
     cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=1)
     worker = DecoderWorker(cfg, "token", {})
-    worker.link.control = FakeControl(tmp_path)  # type: ignore[assignment]
+    worker.link.control = Control()
     worker.stage = FakeStage()
     worker.encoder_pool = EncodePool(cfg.encode_queue)
     worker.fetch_inputs = lambda job: {}  # type: ignore[method-assign]
@@ -167,7 +163,7 @@ def test_drain_reports_what_is_in_flight(decoder: Any) -> None:
 def test_foreground_when_disabled(tmp_path: Path) -> None:
     cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=0)
     worker = DecoderWorker(cfg, "token", {})
-    worker.link.control = FakeControl(tmp_path)  # type: ignore[assignment]
+    worker.link.control = Control()
     stage = FakeStage()
     stage.release.set()
 

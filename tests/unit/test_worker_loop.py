@@ -1,11 +1,11 @@
-"""The worker's pull loop in-process, with a fake control channel: heartbeats while draining,
-items it cannot run, a lost control channel, failure triage."""
+"""The worker's pull loop in-process, with a fake control channel and transport
+(tests/support/fakes.py): heartbeats while draining, items it cannot run, a lost control
+channel, failure triage, staging the same attempt twice."""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
 
@@ -17,32 +17,11 @@ from rings.layout import RingLayout
 from rings.ring import Ring
 from rings.verbs import LocalVerbs, Region
 from tensorplane.errors import ChecksumMismatch, PoolExhausted, TransferFailed
+from tests.support.fakes import FakeControl, FakeTransport
 from workers.triage import check_item, describe_failure
 from workers.worker import Idle, StageWorker, State
 
 CFG = ServiceConfig(model_cls="qwen_image", task="t2i")
-
-
-class FakeControl:
-    """Records every call; answers like a controller that grants every claim."""
-
-    where = "fake:0"
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.lock = threading.Lock()
-
-    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
-        with self.lock:
-            self.calls.append((op.value, fields))
-        return {"ok": True, "proceed": True, "cancel": [], "drop": []}
-
-    def ops(self, op: str) -> list[dict[str, Any]]:
-        with self.lock:
-            return [f for o, f in self.calls if o == op]
-
-    def close(self) -> None:
-        pass
 
 
 class Worker(StageWorker):
@@ -52,7 +31,7 @@ class Worker(StageWorker):
 def worker() -> tuple[Worker, FakeControl, Ring]:
     w = Worker(CFG, "token", {})
     fake = FakeControl()
-    w.link.control = fake  # type: ignore[assignment]
+    w.link.control = fake
     region = Region(RingLayout("phase1", 4, 1024))
     w.link.in_ring = Ring(LocalVerbs(region, 3))
     return w, fake, Ring(LocalVerbs(region, 4))
@@ -68,7 +47,7 @@ def test_drain_does_not_turn_heartbeats_into_a_busy_loop() -> None:
     try:
         wait_heartbeats(fake, 1)
         w.drain()  # a task is still running: heartbeats must go on, at their interval
-        before = len(fake.ops("heartbeat"))
+        before = len(fake.sent(Op.HEARTBEAT))
         t0 = time.monotonic()
         wait_heartbeats(fake, before + 4)  # they go on ...
         took = time.monotonic() - t0
@@ -81,7 +60,7 @@ def test_drain_does_not_turn_heartbeats_into_a_busy_loop() -> None:
 
 def wait_heartbeats(fake: FakeControl, n: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while len(fake.ops("heartbeat")) < n:
+    while len(fake.sent(Op.HEARTBEAT)) < n:
         assert time.monotonic() < deadline, f"fewer than {n} heartbeats in {timeout} s"
         time.sleep(0.01)
 
@@ -95,11 +74,11 @@ def test_items_it_cannot_run_are_reported_not_run() -> None:
     producer.push({**good, "tensors": [{"name": "x"}]})
     producer.push(good)
     assert [w.claim() for _ in range(3)] == [Idle.SKIPPED] * 3
-    dropped = fake.ops("dropped")
+    dropped = fake.sent(Op.DROPPED)
     assert [d["task_id"] for d in dropped] == ["t", None, "t"]
     assert "unexpected 'task' item" in dropped[0]["reason"]
     assert "malformed tensor descriptor" in dropped[2]["reason"]
-    assert fake.ops("claim") == []
+    assert fake.sent(Op.CLAIM) == []
     job = w.claim()
     assert not isinstance(job, Idle) and job.task_id == "t"
 
@@ -110,7 +89,7 @@ def test_corrupt_slot_is_reported_with_its_slot() -> None:
     lay = producer.layout
     producer.verbs.write(lay.payload_offset(0) + 30, b"\x00garbage")
     assert w.claim() is Idle.SKIPPED
-    (report,) = fake.ops("dropped")
+    (report,) = fake.sent(Op.DROPPED)
     assert report["task_id"] is None and report["slot"] == 0 and report["ring"] == "phase1"
     assert "corrupt payload" in report["reason"]
 
@@ -182,13 +161,11 @@ def test_the_same_attempt_staged_again_frees_the_first_copy() -> None:
     attempt it already staged outputs for; the first copy must not stay in the pool."""
     import torch
 
-    from tensorplane.engine import MooncakeSettings, TransferEngine
     from tensorplane.pool import StagingPool
     from workers.roles import EncoderWorker
     from workers.worker import Job
 
-    engine = TransferEngine(MooncakeSettings(protocol="tcp"))
-    engine.start()
+    engine = FakeTransport()
     pool = StagingPool(1 << 20)
     pool.start(engine)
     try:

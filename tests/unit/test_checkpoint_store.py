@@ -1,8 +1,9 @@
 """Window 8 of the ownership argument (controller.ownership.coordinator), in this process: denoising
 checkpoints kept by the controller from the lease holder only, the route of a task that has
 one (resume item, or kept final latents for the decoder), zombies, yields, restarts, the
-bound. A real Mooncake engine (TCP on loopback) moves the tensors between a "DiT" pool and
-the controller's store; rings are in-process; time is the test's clock."""
+bound. An in-process transport (FakeTransport, tests/support/fakes.py) moves the tensors
+between a "DiT" pool and the controller's store, as Mooncake does between processes; rings
+are in-process; time is the test's clock."""
 
 from __future__ import annotations
 
@@ -24,22 +25,19 @@ from controller.tasks.checkpoints import CheckpointStore
 from controller.tasks.table import open_table
 from controller.tasks.tasks import Stage, Task
 from tensorplane.descriptor import TensorDescriptor
-from tensorplane.engine import MooncakeSettings, TransferEngine
 from tensorplane.handoff import pull_tensors, stage_tensors
 from tensorplane.pool import StagingPool
 from tests.support.coordinators import Clock, Rings, complete, coordinators
+from tests.support.fakes import FakeTransport
 from workers.models.loop_state import LoopState, from_wire, to_wire
-
-pytestmark = pytest.mark.integration  # a Mooncake engine (its servers) in this process
 
 PIPE = "qwen_t2i"
 PROMPT = np.arange(4096, dtype=np.float32).reshape(1, 64, 64)
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[TransferEngine]:
-    eng = TransferEngine(MooncakeSettings(protocol="tcp"), timeout_s=5.0)
-    eng.start()
+@pytest.fixture
+def engine() -> Iterator[FakeTransport]:
+    eng = FakeTransport()
     try:
         yield eng
     finally:
@@ -47,7 +45,7 @@ def engine() -> Iterator[TransferEngine]:
 
 
 @pytest.fixture
-def dit_pool(engine: TransferEngine) -> Iterator[StagingPool]:
+def dit_pool(engine: FakeTransport) -> Iterator[StagingPool]:
     pool = StagingPool(4 << 20)
     pool.start(engine)
     try:
@@ -57,7 +55,7 @@ def dit_pool(engine: TransferEngine) -> Iterator[StagingPool]:
 
 
 class Setup:
-    def __init__(self, tmp: Path, engine: TransferEngine, store_mb: int = 2) -> None:
+    def __init__(self, tmp: Path, engine: FakeTransport, store_mb: int = 2) -> None:
         self.rings = Rings()
         self.clock = Clock()
         self.engine = engine
@@ -131,7 +129,7 @@ def resumed_state(s: Setup, worker: WorkerInfo, tid: str, attempt: int
 
 
 @pytest.fixture
-def setup(tmp_path: Path, engine: TransferEngine) -> Iterator[Setup]:
+def setup(tmp_path: Path, engine: FakeTransport) -> Iterator[Setup]:
     s = Setup(tmp_path, engine)
     try:
         yield s
@@ -246,7 +244,7 @@ def test_unusable_checkpoint_is_dropped_and_the_task_starts_over(
 
 
 def test_a_full_store_refuses_and_keeps_the_older(
-        tmp_path: Path, engine: TransferEngine, dit_pool: StagingPool) -> None:
+        tmp_path: Path, engine: FakeTransport, dit_pool: StagingPool) -> None:
     s = Setup(tmp_path, engine, store_mb=1)
     try:
         s.submit("f")
@@ -267,7 +265,7 @@ def test_a_full_store_refuses_and_keeps_the_older(
 
 
 def test_a_restarted_controller_resumes_from_the_files(
-        tmp_path: Path, engine: TransferEngine, dit_pool: StagingPool) -> None:
+        tmp_path: Path, engine: FakeTransport, dit_pool: StagingPool) -> None:
     s = Setup(tmp_path, engine)
     s.submit("g")
     s.to_dit("g")
@@ -295,7 +293,7 @@ def test_a_restarted_controller_resumes_from_the_files(
         again.close()
 
 
-def test_store_reads_back_what_it_wrote_exactly(tmp_path: Path, engine: TransferEngine,
+def test_store_reads_back_what_it_wrote_exactly(tmp_path: Path, engine: FakeTransport,
                                                 dit_pool: StagingPool) -> None:
     """A torn or foreign file is not resumed from: the task starts over."""
     s = Setup(tmp_path, engine)
