@@ -38,14 +38,14 @@ def body(pipeline: str, image: bytes | None, seed: int = 7, **extra: Any) -> dic
     return out
 
 
-def post(url: str, kind: str, body: dict[str, Any]) -> httpx.Response:
+def post(url: str, kind: str, request: dict[str, Any]) -> httpx.Response:
     """A task posted to ``/v1/tasks/<kind>/``: the answer as it came, unchecked."""
-    return httpx.post(f"{url}/v1/tasks/{kind}/", json=body, timeout=30)
+    return httpx.post(f"{url}/v1/tasks/{kind}/", json=request, timeout=30)
 
 
-def post_ok(url: str, kind: str, body: dict[str, Any]) -> str:
+def post_ok(url: str, kind: str, request: dict[str, Any]) -> str:
     """A task posted to ``/v1/tasks/<kind>/``, which must be accepted (200): its id."""
-    r = post(url, kind, body)
+    r = post(url, kind, request)
     assert r.status_code == 200, r.text
     task_id: str = r.json()["task_id"]
     return task_id
