@@ -103,10 +103,11 @@ _SYNTHETIC_DEFAULTS: Mapping[str, Any] = {
 # Size limits: the Wan2.1 checkpoints are trained at 480P and 720P; up to 1080p (twice
 # 720P's area) is served. Qwen-Image is trained around 1328x1328 (1.8 megapixels); up to
 # 3072 a side and 4.7 megapixels is served: LightX2V's published Qwen-Image configs ask for
-# 2752x1536 (4.2 megapixels), and their users' configs must run as they are. Steps: Qwen-Image's scheduler (flow matching with ``shift_terminal``,
-# 0.02 in the published folders) stretches its sigmas so that the last one lands on
-# ``shift_terminal``, dividing by the first one's distance from it: with one step that is
-# 0 / 0 and every timestep is NaN. Wan's UniPC runs one step.
+# 2752x1536 (4.2 megapixels), and their users' configs must run as they are. Steps:
+# Qwen-Image's scheduler (flow matching with ``shift_terminal``, 0.02 in the published
+# folders) stretches its sigmas so that the last one lands on ``shift_terminal``, dividing by
+# the first one's distance from it: with one step that is 0 / 0 and every timestep is NaN.
+# Wan's UniPC runs one step.
 
 
 def _wan(task: str, needs_image: bool, pipeline_class: str) -> TaskSpec:

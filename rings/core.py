@@ -2,8 +2,9 @@
 
 Stamp states, seat words and counters are documented in :mod:`rings.layout`, the host's side
 of tickets in :mod:`rings.tickets`; ``rings/ring.pml`` is this protocol as a Promela model that
-spin checks (tests/test_ring_model.py). Contenders never race for one position: each takes its
-own with a fetch-and-add, so a push or a pop costs two round trips however many peers contend.
+spin checks (tests/integration/test_ring_model.py). Contenders never race for one position:
+each takes its own with a fetch-and-add, so a push or a pop costs two round trips however
+many peers contend.
 
 push, round trip 1 (the ticket, Ring._take):
     WRITE seat.push = TAKING(seq); FAA tail -> p; READ header + stamps

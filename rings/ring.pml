@@ -2,7 +2,7 @@
  * The ring protocol of rings/core.py (peers), rings/tickets.py and rings/repair.py (the host's
  * repairs), as a Promela model that spin searches exhaustively. Run it through
  *
- *   python -m scripts.chaos.check_ring_model [--long]     (tests/test_ring_model.py: quick set)
+ *   python -m scripts.chaos.check_ring_model [--long]     (tests/integration/test_ring_model.py: quick set)
  *
  * or by hand: spin -DFIRST_ITEMS=1 -a rings/ring.pml && gcc -O1 -DSAFETY -DCOLLAPSE -o pan
  * pan.c && ./pan -m100000.

@@ -35,8 +35,8 @@ peers TAKING at that scan. At this scan H has moved on from that TAKING(seq): it
 HOLDS(p), so p is declared now (and kept), or it is past p, which it only gets after p was
 claimed or void; then the give-up CAS, which expects FREE(p) exactly, fails harmlessly.
 (The reasoning is the same for a consumer ticket; there a give-up could anyway only make a
-live holder's claim fail and retry on ORPHANED.) tests/test_ring_model.py checks this with
-spin (rings/ring.pml).
+live holder's claim fail and retry on ORPHANED.) tests/integration/test_ring_model.py checks
+this with spin (rings/ring.pml).
 """
 
 from __future__ import annotations

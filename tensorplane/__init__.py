@@ -1,7 +1,9 @@
 """The tensor plane: Mooncake engine, staging pool, tensor descriptors, checksums, and the
 stage / pull / release protocol that moves one task's tensors between two stages.
 
-- :mod:`tensorplane.engine` — ``MooncakeSettings``, ``TransferEngine``.
+- :mod:`tensorplane.transport` — ``Transport``: what the pool and the protocol need of an
+  engine (the seam the unit tests cross with an in-process one).
+- :mod:`tensorplane.engine` — ``MooncakeSettings``, ``TransferEngine`` (Mooncake's).
 - :mod:`tensorplane.pool` — ``StagingPool`` (bounded: full is backpressure), its blocks in
   :mod:`tensorplane.blocks` (``BlockAllocator``: first-fit extents, release slots, tokens).
 - :mod:`tensorplane.descriptor` — ``TensorDescriptor``, ``checksum``.

@@ -40,9 +40,9 @@ from tensorplane.descriptor import (
     numpy_dtype,
     torch_dtype,
 )
-from tensorplane.engine import TransferEngine
 from tensorplane.errors import ChecksumMismatch, TransferError, TransferFailed
 from tensorplane.pool import StagingPool
+from tensorplane.transport import Transport
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ def _sync(*tensors: torch.Tensor) -> None:
 
 def stage_tensors(
     pool: StagingPool,
-    engine: TransferEngine,
+    engine: Transport,
     tensors: Mapping[str, Any],
     *,
     task_id: str | None = None,
@@ -85,7 +85,7 @@ def stage_tensors(
 
 def stage_bytes(
     pool: StagingPool,
-    engine: TransferEngine,
+    engine: Transport,
     name: str,
     data: bytes | bytearray | memoryview,
     *,
@@ -100,7 +100,7 @@ def stage_bytes(
 
 
 def _stage_one(
-    pool: StagingPool, engine: TransferEngine, name: str, tensor: Any,
+    pool: StagingPool, engine: Transport, name: str, tensor: Any,
     task_id: str | None, alloc_timeout: float,
 ) -> TensorDescriptor:
     dtype = dtype_name(tensor)
@@ -152,7 +152,7 @@ def _fill(pool: StagingPool, block: Block, tensor: Any) -> int:
 
 
 def pull_tensors(
-    engine: TransferEngine,
+    engine: Transport,
     pool: StagingPool,
     descs: Iterable[TensorDescriptor],
     device: str | torch.device = "cpu",
@@ -198,7 +198,7 @@ def _empty(d: TensorDescriptor, device: Any, arrays: ArrayKind) -> Any:
     return torch.empty(d.shape, dtype=torch_dtype(d.dtype), device=torch.device(device))
 
 
-def read_block(engine: TransferEngine, pool: StagingPool, block: Block,
+def read_block(engine: Transport, pool: StagingPool, block: Block,
                d: TensorDescriptor, task_id: str | None) -> None:
     """Mooncake-read the bytes ``d`` describes into ``block``. On a failed read the block
     is freed, or kept (quarantined) while Mooncake may still write into it."""
@@ -226,7 +226,7 @@ def verify(local: Any, d: TensorDescriptor, task_id: str | None) -> None:
 
 
 def _pull_one(
-    engine: TransferEngine, pool: StagingPool, d: TensorDescriptor, out: Any,
+    engine: Transport, pool: StagingPool, d: TensorDescriptor, out: Any,
     task_id: str | None, alloc_timeout: float,
 ) -> None:
     block = pool.alloc(d.nbytes, alloc_timeout, task_id=task_id)

@@ -20,10 +20,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from tensorplane.descriptor import TensorDescriptor, checksum
-from tensorplane.engine import TransferEngine
 from tensorplane.errors import ChecksumMismatch, PoolExhausted
 from tensorplane.handoff import read_block, verify
 from tensorplane.pool import Block, StagingPool
+from tensorplane.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,13 @@ def _take(pool: StagingPool, nbytes: int, task_id: str | None) -> Block:
     return block
 
 
-def _described(pool: StagingPool, engine: TransferEngine, block: Block,
+def _described(pool: StagingPool, engine: Transport, block: Block,
                like: TensorDescriptor) -> TensorDescriptor:
     return replace(like, segment=engine.session_id, address=pool.addr(block), release_addr=0,
                    release_token=0)
 
 
-def keep_pulled(engine: TransferEngine, pool: StagingPool, descs: Sequence[TensorDescriptor],
+def keep_pulled(engine: Transport, pool: StagingPool, descs: Sequence[TensorDescriptor],
                 *, task_id: str | None = None) -> list[Kept]:
     """Read each described tensor into a block of ``pool`` and keep it; then release the
     producer's blocks (all of them arrived). Raises PoolExhausted when they do not fit,
@@ -77,7 +77,7 @@ def keep_pulled(engine: TransferEngine, pool: StagingPool, descs: Sequence[Tenso
     return kept
 
 
-def keep_bytes(engine: TransferEngine, pool: StagingPool, like: TensorDescriptor,
+def keep_bytes(engine: Transport, pool: StagingPool, like: TensorDescriptor,
                data: bytes | memoryview, *, task_id: str | None = None) -> Kept:
     """Keep ``data`` (read back from a file) as the tensor ``like`` describes; its checksum
     must match (ChecksumMismatch otherwise)."""

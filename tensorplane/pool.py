@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from tensorplane.blocks import ALIGN, Block, BlockAllocator
 from tensorplane.descriptor import CHECKSUM_CRC32, CHECKSUM_WSUM64, CHECKSUMS, TensorDescriptor
-from tensorplane.engine import TransferEngine
 from tensorplane.errors import EngineError, TransferError
+from tensorplane.transport import Transport
 
 if TYPE_CHECKING:
     import torch
@@ -101,11 +101,11 @@ class StagingPool(BlockAllocator):
         self._tensor: torch.Tensor | None = None  # the buffer as a torch tensor, made lazily
         self._words_mem: mmap.mmap | None = None
         self._words_addr = 0
-        self._engine: TransferEngine | None = None
+        self._engine: Transport | None = None
         self._next_outbox = 0
 
     # -- lifecycle ------------------------------------------------------------------------
-    def start(self, engine: TransferEngine) -> None:
+    def start(self, engine: Transport) -> None:
         """Allocate the buffer and release words and register both with ``engine``."""
         if self._base:
             raise EngineError("StagingPool.start() called twice")
@@ -209,7 +209,7 @@ class StagingPool(BlockAllocator):
 
     # -- releases -------------------------------------------------------------------------
     def send_release(
-        self, engine: TransferEngine, segment: str, release_addr: int, token: int, *,
+        self, engine: Transport, segment: str, release_addr: int, token: int, *,
         task_id: str | None = None, tensor: str | None = None,
     ) -> None:
         """Write ``token`` into a producer's release word (one-sided). The source must be
@@ -223,7 +223,7 @@ class StagingPool(BlockAllocator):
                      task_id=task_id, tensor=tensor)
 
     def release_producers(
-        self, engine: TransferEngine, descs: Iterable[TensorDescriptor], *,
+        self, engine: Transport, descs: Iterable[TensorDescriptor], *,
         task_id: str | None = None,
     ) -> int:
         """Release the producers' blocks behind ``descs``; returns how many releases failed.

@@ -1,56 +1,28 @@
-"""Shared fixtures: processes started by a test are stopped by it, by pid."""
+"""The suite's fixtures and hooks: the tiny models and input images, a controller, the port
+range of each pytest-xdist worker, the order of the modules, and the guards every test runs
+under (coordinators closed, no process started by a unit test). Plain helpers are in
+``tests/support/``; processes started by a test are stopped by it, by pid."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The repository on the path before anything of it is imported (a plain ``pytest`` command
+# does not put the working directory there).
+if str(Path(__file__).resolve().parent.parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-TOKEN = "test-cluster-token"
-
-from launcher import (  # noqa: E402
-    PORT_RANGE_ENV,
-    free_ports,
-    parse_port_range,
-    port_busy,
-    role_files,
-)
-from rings.soak import stop_process as stop  # noqa: E402
-
-if TYPE_CHECKING:
-    from controller.ownership.coordinator import Coordinator
-    from controller.ownership.registry import WorkerInfo
-
-TEST_PORTS = "20000-31999"
-"""The ports the suite's groups take (``DIFFRING_PORT_RANGE``, unless the caller set its own):
-below the kernel's usual ephemeral range (32768-60999, where bind-to-0 and outgoing
-connections take theirs) and above Mooncake's (15000-16999), split between the pytest-xdist
-workers. A loaded CI run once had a controller answer another worker's health check: both
-had been given the same port."""
-
-
-def ephemeral_start() -> int | None:
-    """The first port of the kernel's ephemeral range (None: not Linux)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except OSError:
-        return None
+from launcher import PORT_RANGE_ENV, parse_port_range
+from rings.soak import stop_process
+from tests.support.controller import Controller, controller_config, start_controller
+from tests.support.coordinators import coordinators
+from tests.support.ports import TEST_PORTS, ephemeral_start
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -74,11 +46,6 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"{PORT_RANGE_ENV}={spec}: under 64 ports per worker")
     lo += index * width
     os.environ[PORT_RANGE_ENV] = f"{lo}-{lo + width - 1}"
-
-
-coordinators: list[Coordinator] = []
-"""Coordinators made in-process by a test: each has a task-store writer thread, closed after
-the test by :func:`_close_coordinators` (closing twice is harmless)."""
 
 
 @pytest.fixture(autouse=True)
@@ -124,165 +91,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep theirs
 
 
-class Clock:
-    """A monotonic clock a test drives instead of sleeping: ``clock()`` reads it,
-    ``clock.advance(s)`` moves it on (leases and liveness then expire on the test's word)."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> float:
-        self.now += seconds
-        return self.now
-
-
-def make_coordinator(output_dir: Path | None, ring: Any, *, pipeline: str = "qwen_t2i",
-                     census: Any = None, clock: Any = None, **config: Any) -> Coordinator:
-    """An in-process coordinator over ``ring`` with its task store in
-    ``<output_dir>/.journal`` (none without ``output_dir``), closed after the test."""
-    from controller.config import CoordinatorConfig
-    from controller.ownership.coordinator import Coordinator
-    from controller.tasks.table import open_table
-
-    co = Coordinator(
-        CoordinatorConfig(pipeline=pipeline, output_dir=output_dir or Path("/nonexistent"),
-                          **config),
-        open_table(output_dir / ".journal" if output_dir else None),
-        ring,
-        census=census,
-        clock=clock or time.monotonic,
-    )
-    coordinators.append(co)
-    return co
-
-
-def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
-    """A decoder's completion of a PNG (a coroutine: the result file is written off the loop)."""
-    return asyncio.run(co.on_complete(w, tid, attempt, "png", "image/png", data))
-
-
-def run_controller_to_exit(
-    tmp: Path, cfg: dict[str, Any], timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    """Run a controller that is expected to refuse to start; its exit status and output."""
-    path = tmp / f"refused-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps(cfg))
-    return subprocess.run(
-        [sys.executable, "run_service.py", "--service", "controller", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        timeout=timeout,
-    )
-
-
-def wait_port(port: int, proc: subprocess.Popen[Any] | None = None, timeout: float = 120
-              ) -> None:
-    """Until something listens on ``port`` (a generous bound: a process starting on a loaded
-    2-core machine may take tens of seconds); raise if ``proc`` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
-@dataclass
-class Controller:
-    proc: subprocess.Popen[str]
-    config_path: Path
-    config: dict[str, Any]
-    ports: dict[str, int]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def controller_config(
-    tmp: Path, slots: int = 8, slot_size: int = 4096, **disagg: Any
-) -> dict[str, Any]:
-    ctl, req, p1, p2, http = free_ports(5)
-    return {
-        "disagg_mode": "controller",
-        "disagg_config": {
-            "control_port": ctl,
-            "rdma_request_handshake_port": req,
-            "rdma_phase1_handshake_port": p1,
-            "rdma_phase2_handshake_port": p2,
-            "rdma_buffer_slots": slots,
-            "rdma_buffer_slot_size": slot_size,
-            "cluster_token": TOKEN,
-            **disagg,
-        },
-        "server": {"host": "127.0.0.1", "port": http},
-    }
-
-
-def start_controller(
-    tmp: Path, cfg: dict[str, Any], extra_args: list[str] | None = None
-) -> Controller:
-    path = tmp / f"controller-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps(cfg))
-    log_path = path.with_suffix(".log")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "run_service.py"),
-            "--service",
-            "controller",
-            "--config",
-            str(path),
-        ]
-        + (extra_args or []),
-        stdout=log_path.open("w"),
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=str(ROOT),
-        env=env,
-    )
-    d = cfg["disagg_config"]
-    ports = {
-        "request": d["rdma_request_handshake_port"],
-        "phase1": d["rdma_phase1_handshake_port"],
-        "phase2": d["rdma_phase2_handshake_port"],
-    }
-    try:
-        for port in ports.values():
-            wait_port(port, proc)
-        wait_port(d["control_port"], proc)  # opened after the rings (and the task store)
-    except Exception:
-        stop(proc)
-        raise RuntimeError(f"controller did not start:\n{log_path.read_text()}") from None
-    return Controller(proc, path, cfg, ports, log_path)
-
-
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[Controller]:
     ctl = start_controller(tmp_path, controller_config(tmp_path, slots=3, slot_size=512))
     try:
         yield ctl
     finally:
-        stop(ctl.proc)
+        stop_process(ctl.proc)
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny random-weight models of every pipeline, built once per run (offline): with
-    pytest-xdist, in the run's common temp folder, by whichever worker comes first (the
-    others wait on the lock, then find the build up to date: build_all is idempotent)."""
+    """Tiny random-weight models of every pipeline, built once per run (offline)."""
+    env = os.environ.get("DIFFRING_TINY_MODELS")
     from modelkit.tiny import build_all
 
-    env = os.environ.get("DIFFRING_TINY_MODELS")
     return built_once(tmp_path_factory, "tiny-models", lambda out: build_all(out, seed=0),
                       Path(env) if env else None)
 
@@ -333,207 +156,6 @@ def input_png_2() -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def wait_log(svc: Any, text: str, timeout: float = 120) -> None:
-    """Wait until ``text`` is in the log of ``svc`` (a started service: ``log()`` and
-    ``proc``); raise, with the log, if the process exits first or ``timeout`` passes (a
-    generous bound: this waits for an event, it does not time one)."""
-    deadline = time.monotonic() + timeout
-    while text not in svc.log():
-        if svc.proc.poll() is not None:
-            raise AssertionError(f"exited with {svc.proc.returncode} before logging "
-                                 f"{text!r}:\n{svc.log()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {text!r} after {timeout:g} s:\n{svc.log()[-3000:]}")
-        time.sleep(0.05)
-
-
-# -- the start scripts and the launcher, run as an operator runs them -----------------------
-MOONCAKE_PORTS = range(12000, 17001)
-"""Where a Mooncake engine with P2P handshake binds its RPC and TCP-transport ports (seen:
-12001 as the default, 15xxx-16xxx picked at random)."""
-
-
-def free_offset(group: str, subdir: str) -> int:
-    """A PORT_OFFSET under which every port of the group is free. The shifted ports stay
-    below Linux's ephemeral range (32768+), so other tests' free_ports() cannot race us, and
-    out of the range Mooncake picks its own ports from (MOONCAKE_PORTS), so the engines of
-    tests running beside this one cannot take one between this check and the bind."""
-    prep = role_files.prepare(group, ROOT / "configs" / "disagg" / subdir,
-                                Path("/nonexistent"))
-    ports = [(host, port) for _what, host, port in prep.ports()]
-    top = 32767 - max(port for _host, port in ports)
-    rng = random.Random()
-    for _ in range(200):
-        offset = rng.randrange(1000, top)
-        if any(port + offset in MOONCAKE_PORTS for _host, port in ports):
-            continue
-        if not any(port_busy(host, port + offset) for host, port in ports):
-            return offset
-    raise RuntimeError("no free port offset found")
-
-
-class Launched:
-    """A start script run in its own session, its output in a file."""
-
-    def __init__(self, script: Path, env: dict[str, str], log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.out_path = log_dir.parent / "launcher.out"
-        with self.out_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                ["bash", str(script)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=str(ROOT),
-                env=env,
-                start_new_session=True,  # our SIGINT reaches the script alone
-            )
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def pids(self) -> dict[str, int]:
-        path = self.log_dir / "pids"
-        if not path.exists():
-            return {}
-        return {
-            role: int(pid)
-            for role, pid in (ln.split() for ln in path.read_text().split("\n") if ln.strip())
-        }
-
-    def wait_for(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.output():
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"launcher exited with {self.proc.returncode}:\n{self.output()}"
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {text!r} after {timeout} s:\n{self.output()}")
-            time.sleep(0.2)
-
-    def cleanup(self) -> None:
-        """Whatever happened: stop the script, then any service it left, by pid."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid in self.pids().values():
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead too
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-def launcher_env(tmp_path: Path, model: Path, offset: int) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.endswith("_GPU") and not k.startswith("GPU_") and k != "model_path"
-    }
-    env.update(
-        model_path=str(model),
-        ENCODER_GPU="cpu",
-        TRANSFORMER_GPU="cpu",
-        DECODER_GPU="cpu",
-        PORT_OFFSET=str(offset),
-        LOG_DIR=str(tmp_path / "logs"),
-        OUTPUT_DIR=str(tmp_path / "results"),
-        PYTHON=sys.executable,
-        READY_TIMEOUT="120",
-        METRICS_TIMEOUT="5",
-        STOP_TIMEOUT="20",
-    )
-    return env
-
-# -- LightX2V's shapes: its published disaggregation stage configs (configs/disagg/{wan,qwen}/
-# of its repository), key for key, and its request scripts' payloads ----------------------
-def lightx2v_stage_configs() -> dict[str, dict[str, Any]]:
-    """``<prefix>_disagg_<role>.json`` name -> the object LightX2V publishes there."""
-    def disagg(room: int, sender: int, receiver: int, phase2: tuple[int, int] | None = None,
-               device_name: bool = False) -> dict[str, Any]:
-        d: dict[str, Any] = {"bootstrap_addr": "127.0.0.1", "bootstrap_room": room,
-                             "sender_engine_rank": sender, "receiver_engine_rank": receiver,
-                             "protocol": "rdma", "local_hostname": "localhost",
-                             "metadata_server": "P2PHANDSHAKE"}
-        if device_name:
-            d["device_name"] = ""
-        if phase2 is not None:
-            d["decoder_engine_rank"], d["decoder_bootstrap_room"] = phase2
-        return d
-
-    def wan(steps: int, shift: int, i2v: bool) -> dict[str, dict[str, Any]]:
-        base: dict[str, Any] = {"infer_steps": steps, "target_video_length": 81,
-                                "text_len": 512, "target_height": 480, "target_width": 832}
-        dit = {"self_attn_1_type": "sage_attn2", "cross_attn_1_type": "sage_attn2",
-               "cross_attn_2_type": "sage_attn2", "sample_guide_scale": 5,
-               "sample_shift": shift, "enable_cfg": True}
-        tail: dict[str, Any] = {"cpu_offload": False, "fps": 16}
-        if i2v:
-            tail["clip_embed_dim"] = 329216
-        room = 2 if i2v else 0
-        name = "wan_i2v" if i2v else "wan_t2v"
-        return {
-            f"{name}_disagg_encoder": {**base, **dit, **tail, "disagg_mode": "encoder",
-                                       "disagg_config": disagg(room, 0, 1)},
-            f"{name}_disagg_transformer": {**base, **dit, **tail, "disagg_mode": "transformer",
-                                           "disagg_config": disagg(room, 0, 1,
-                                                                   (2, room + 1))},
-            f"{name}_disagg_decode": {**base, **tail, "disagg_mode": "decode",
-                                      "disagg_config": disagg(room + 1, 1, 2)},
-        }
-
-    def qwen(task: str) -> dict[str, dict[str, Any]]:
-        t2i = task == "t2i"
-        steps = 50 if t2i else 40
-        size = {"target_height": 1536, "target_width": 2752} if t2i else {
-            "target_height": 1664, "target_width": 1664}
-        geo = {"vae_z_dim": 16, "vae_stride": [1, 8, 8], "target_video_length": 1, **size}
-        template = {"prompt_template_encode": "<|im_start|>system\nDescribe ...<|im_end|>\n"
-                    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
-                    "prompt_template_encode_start_idx": 34 if t2i else 64}
-        cfg = {"enable_cfg": True, "sample_guide_scale": 4.0}
-        text = {"text_encoder_dim": 3584, "text_len": 4096, "infer_steps": steps}
-        extra: dict[str, Any] = ({"aspect_ratio": "16:9", "max_custom_size": 3072} if t2i else
-                                 {"resize_mode": "adaptive"})
-        edit: dict[str, Any] = {} if t2i else {"CONDITION_IMAGE_SIZE": 147456,
-                                               "USE_IMAGE_ID_IN_PROMPT": True}
-        room = 0 if t2i else 1
-        name = f"qwen_image_{task}_disagg"
-        transformer = {"task": task, "disagg_mode": "transformer", **text, **extra, **template,
-                       "attn_type": "flash_attn2" if t2i else "flash_attn3", **cfg, **edit,
-                       **geo, "disagg_config": disagg(room, 0, 1, (2, 2), device_name=True)}
-        if t2i:
-            transformer["dit_original_ckpt"] = "/path/to/qwen-2512/dit.safetensors"
-        decode: dict[str, Any] = {"task": task, "disagg_mode": "decode", "infer_steps": steps,
-                                  "vae_scale_factor": 8, **geo}
-        if t2i:
-            decode["max_custom_size"] = 3072
-        return {
-            f"{name}_encoder": {"task": task, "disagg_mode": "encoder",
-                                "text_encoder_type": "lightllm_kernel", **text, **extra,
-                                **template, "attn_type": "flash_attn3", **cfg, **edit, **geo,
-                                "disagg_config": disagg(room, 0, 1, device_name=True)},
-            f"{name}_transformer": transformer,
-            f"{name}_decode": {**decode, "disagg_config": disagg(2, 1, 2)},
-        }
-
-    return {**wan(50, 5, False), **wan(40, 3, True), **qwen("t2i"), **qwen("i2i")}
 
 
 @pytest.fixture(scope="session")

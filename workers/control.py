@@ -12,7 +12,7 @@ import logging
 import select
 import socket
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from contracts import faults
 from contracts.errors import ConnectionLost, ControlRefused
@@ -27,7 +27,33 @@ REPLY_SLACK_S = 2.0
 ring anyway (and keeps waiting for the answer)."""
 
 
+class ControlChannel(Protocol):
+    """What a worker needs of its control channel: request / reply calls to the controller
+    (``call`` raises :class:`ConnectionLost` when the channel is gone and
+    :class:`ControlRefused` when the controller says no), opened for a role and closed.
+    :class:`ControlClient` is the one over TCP; the unit tests have an in-process one
+    (``tests/support/fakes.py``)."""
+
+    @property
+    def where(self) -> str:
+        """The controller's address, for messages."""
+        ...
+
+    @property
+    def connected(self) -> bool:
+        """Open, as far as this end knows (a call finds out otherwise)."""
+        ...
+
+    def connect(self, role: str) -> None: ...
+
+    def call(self, op: Op, **fields: Any) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
 class ControlClient:
+    """The control channel over TCP (:class:`ControlChannel`)."""
+
     def __init__(self, host: str, port: int, token: str, *, timeout: float = 60.0) -> None:
         self.host = host
         self.port = port

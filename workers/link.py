@@ -29,7 +29,7 @@ from rings.ring import Ring
 from rings.transports import connect
 from tensorplane.engine import TransferEngine
 from workers import preflight
-from workers.control import ControlClient, DoorbellClient
+from workers.control import ControlChannel, ControlClient, DoorbellClient
 from workers.staged import StagedOutputs
 
 log = logging.getLogger("diffring.worker")
@@ -149,7 +149,7 @@ class ControlLink:
         self.name = name
         self._wake = wake
         """Set when the worker drains or closes: ends a retry pause at once."""
-        self.control = ControlClient(d.bootstrap_addr, d.control_port, token)
+        self.control: ControlChannel = ControlClient(d.bootstrap_addr, d.control_port, token)
         self.doorbell = DoorbellClient(d.bootstrap_addr, d.control_port, token)
         self.in_ring: Ring | None = None
         self.out_ring: Ring | None = None
@@ -328,7 +328,7 @@ class ControlLink:
             return
         self._fatal_reported = True
         log.error("worker %s: fatal: %s", self.name, error)
-        client = self.control
+        client: ControlChannel = self.control
         try:
             if not client.connected:
                 d = self.cfg.disagg_config

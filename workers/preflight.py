@@ -28,7 +28,7 @@ from contracts.messages import Op
 from tensorplane.engine import TransferEngine
 from tensorplane.handoff import pull_tensors, stage_bytes
 from tensorplane.pool import StagingPool
-from workers.control import ControlClient
+from workers.control import ControlChannel
 
 log = logging.getLogger("diffring.worker.preflight")
 
@@ -79,7 +79,7 @@ def loopback_read(engine: TransferEngine, pool: StagingPool, name: str) -> float
 
 
 def connect_back(
-    control: ControlClient, engine: TransferEngine, role: str, name: str, own: bool = False
+    control: ControlChannel, engine: TransferEngine, role: str, name: str, own: bool = False
 ) -> None:
     """Ask the controller to connect to this worker's advertised segment; raise on refusal.
     ``own``: open (and close) a control connection of its own for it."""

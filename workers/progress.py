@@ -19,7 +19,7 @@ from typing import Protocol
 
 from contracts.errors import DiffringError
 from contracts.messages import Op
-from workers.control import ControlClient
+from workers.control import ControlChannel
 from workers.link import HeldTask
 
 log = logging.getLogger("diffring.worker")
@@ -32,7 +32,7 @@ class _Job(HeldTask, Protocol):
 class ProgressReporter:
     """One thread per worker; :meth:`report` never blocks on the network."""
 
-    def __init__(self, control: ControlClient, name: str) -> None:
+    def __init__(self, control: ControlChannel, name: str) -> None:
         self._control = control
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[_Job, int, int]] = collections.deque()

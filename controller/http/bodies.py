@@ -27,9 +27,9 @@ class OffLoopJSONRoute(APIRoute):
 
     FastAPI reads a JSON body through ``Request.json()``, which parses on the loop and
     caches the result in ``request._json``; this fills that cache from a thread first (a
-    Starlette detail, covered by ``tests/test_off_loop.py``). ``json.loads`` holds the GIL
-    while it runs, but the loop runs between bodies instead of after all of them. A body
-    that does not parse is left to FastAPI, which answers it as usual.
+    Starlette detail, covered by ``tests/integration/test_off_loop.py``). ``json.loads``
+    holds the GIL while it runs, but the loop runs between bodies instead of after all of
+    them. A body that does not parse is left to FastAPI, which answers it as usual.
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:

@@ -37,8 +37,8 @@ A denoising checkpoint (8) adds no owner: it is the task's *progress*, kept by t
 controller, and says only where the next attempt starts.
 
 The windows, one by one (the fault point of :mod:`contracts.faults` that kills or fails a
-process inside each is named; ``tests/test_fault_points.py`` fires every one of them and
-``tests/test_recovery.py`` walks each window in-process):
+process inside each is named; ``tests/integration/test_fault_points.py`` fires every one of them and
+``tests/unit/test_recovery.py`` walks each window in-process):
 
 1. *Accepted, then queued* (``admission``, ``requeue``).
    ``submit`` adds the task to the table -- which hands its row, input image included, to

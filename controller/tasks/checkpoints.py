@@ -41,9 +41,9 @@ import msgpack
 
 from contracts.errors import DiffringError
 from tensorplane.descriptor import TensorDescriptor
-from tensorplane.engine import TransferEngine
 from tensorplane.keep import Kept, free_kept, keep_bytes, keep_pulled, kept_bytes
 from tensorplane.pool import StagingPool
+from tensorplane.transport import Transport
 
 log = logging.getLogger("diffring.controller.checkpoints")
 
@@ -77,7 +77,7 @@ class CheckpointStore:
     """Checkpoints of one controller, in ``pool`` (registered with ``engine``) and, when
     ``folder`` is set, in files there."""
 
-    def __init__(self, engine: TransferEngine, pool: StagingPool, folder: Path | None) -> None:
+    def __init__(self, engine: Transport, pool: StagingPool, folder: Path | None) -> None:
         self.engine = engine
         self.pool = pool
         self.folder = folder

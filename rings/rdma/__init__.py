@@ -28,7 +28,7 @@ One layer per module, each importing only the ones above it:
   :class:`rings.host.RingHost` uses to let rdma peers join.
 
 Not exercised on any machine of this project (none has an RDMA device): everything past
-device discovery runs only against the fake pyverbs in ``tests/test_rdma.py``. The fake
+device discovery runs only against the fake pyverbs in ``tests/integration/test_rdma.py``. The fake
 checks the attribute masks of the state transitions, the access flags, the keys, the bounds
 and the order. The attribute, work-request and address-handle classes are also built with
 the real pyverbs 44 where it imports.

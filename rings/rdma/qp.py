@@ -5,8 +5,8 @@ Pure builders, no resources: the attributes and masks of each RC state transitio
 names of work completion statuses. :mod:`rings.rdma.device` applies them to real queue pairs.
 
 The masks are the ones ``ibv_modify_qp`` requires of an RC queue pair for each transition;
-the fake NIC in ``tests/test_rdma.py`` refuses a transition missing any of them, and the same
-builders also run against the real pyverbs 44 classes where pyverbs imports.
+the fake NIC in ``tests/integration/test_rdma.py`` refuses a transition missing any of them,
+and the same builders also run against the real pyverbs 44 classes where pyverbs imports.
 """
 
 from __future__ import annotations

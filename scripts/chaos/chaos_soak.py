@@ -73,7 +73,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
 # Here workers die at random far more often than anywhere real (each of 32 every ~minute,
 # more often still when a loaded machine stretches every stage), so three random deaths in
 # a row of one task's holders are expected and the poison rule would fail innocent tasks;
-# the soak runs with a higher threshold (the rule has its own tests: tests/test_recovery.py).
+# the soak runs with a higher threshold (the rule has its own tests: tests/unit/test_recovery.py).
 POISON_DEATHS = 10
 # Likewise the retry budget: the soak injects Mooncake read failures from live producers
 # (``transfer.read:raise:p=…``), which are charged to their tasks by design (window 6), at a

@@ -9,8 +9,8 @@ same ``cache_context`` names ("cond" / "uncond"), so a cached request gives the 
 the pipeline with that cache enabled.
 
 Which kinds work with which model class was established by running each in diffusers'
-own pipelines on the tiny models (tests/test_lora.py keeps it so); the others are refused
-with the reason.
+own pipelines on the tiny models (tests/integration/test_lora.py keeps it so); the others
+are refused with the reason.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def prompt_template(pipeline_class: str) -> PromptTemplate:
 PICTURE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 """What QwenImageEditPlusPipeline puts before the prompt for each input image, numbered from
 1 (a local of its prompt encoder in diffusers 0.42.1, so not readable like the templates; the
-exact comparison with the pipeline in tests/test_models.py would show a change)."""
+exact comparison with the pipeline in tests/integration/test_models.py would show a change)."""
 
 
 def picture_prompt(count: int) -> str:
