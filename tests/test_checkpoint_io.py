@@ -188,10 +188,12 @@ def test_a_dit_killed_during_its_checkpoints_release_writes_is_back_in_play_at_o
         wait_log(ctl, "fault point keep.release fired (action hold, hit 2)")
         killed_at = time.time()
         os.kill(dit.proc.pid, signal.SIGKILL)
-        wait_for(lambda: status(group, "killed")["attempt"] == 2, "task back in play", 20)
-        gone = stamped(ctl.log(), r"worker \d+ \(transformer \S+\) gone: control connection "
-                                  r"dropped; 1 task\(s\) back in play")
-        gate.unlink()
+        try:
+            wait_for(lambda: status(group, "killed")["attempt"] == 2, "task back in play", 20)
+        finally:
+            gone = stamped(ctl.log(), r"worker \d+ \(transformer \S+\) gone: control "
+                                      r"connection dropped; 1 task\(s\) back in play")
+            gate.unlink()
         wait_log(ctl, "release(s) of producer blocks at")
         group.start("transformer", EVERY_STEP)
         final = wait_task(group.url, "killed", timeout=300)
@@ -232,13 +234,14 @@ def test_a_dit_frozen_mid_pull_holds_up_only_its_own_checkpoints(tmp_path: Path)
         try:
             wait_for(lambda: _stopped(a.proc.pid), "DiT A frozen", 30)
             post(group, "healthy", steps)
-            wait_log(ctl, "task healthy: checkpoint of step")  # B checkpoints
+            wait_for(lambda: status(group, "healthy")["step"] >= 1, "B denoising", 120)
             opened = time.time()
             gate.unlink()
             wait_for(lambda: re.search(r"task frozen: checkpoint of step \d+ refused: mooncake "
                                        r"read", ctl.log()) is not None, "A's read failing", 120)
             b_status = status(group, "healthy")
         finally:
+            gate.unlink(missing_ok=True)
             os.kill(a.proc.pid, signal.SIGCONT)
         healthy = wait_task(group.url, "healthy", timeout=300)
         frozen = wait_task(group.url, "frozen", timeout=300)

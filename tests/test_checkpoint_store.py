@@ -244,6 +244,7 @@ def test_a_wedged_pull_holds_up_only_its_own_worker_and_a_gone_one_is_not_releas
             return reply, a_released, b_released
         reply, a_released, b_released = asyncio.run(scenario())
     finally:
+        gate.unlink(missing_ok=True)  # a held pull never outlives the test
         faults.configure(None)
         for pool in (a_pool, b_pool):
             pool.close()
