@@ -12,9 +12,10 @@ a random instant of its loop is a random instant of checkpointing.
 
 * kills -- a DiT running a request is SIGKILLed at a random instant after its second step;
   measured: the time from the kill until the controller put the task back in play (its log
-  line, to the millisecond; and when a client polling the task's status every few ms saw
-  its attempt move on), and the release writes to the dead DiT that the controller tried
-  (and failed: about a second each) or dropped. The other DiT
+  line, to the millisecond), the same from the instant the kernel had torn the process down
+  (its sockets closed; waitpid returned), when a client polling the task's status every few
+  ms saw its attempt move on, and the release writes to the dead DiT that the controller
+  tried (and failed: about a second each) or dropped. The other DiT
   takes the retry, a new DiT replaces the dead one. ``--lease-s`` (10) bounds the wait when
   the drop is not noticed.
 * freezes -- DiT A and DiT B each run a request; A is SIGSTOPped at a random instant of its
@@ -35,6 +36,7 @@ import random
 import re
 import signal
 import statistics
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -84,15 +86,11 @@ def denoising(tid: str, at_least: int) -> Any:
     return lambda s: s["stage"] == "denoising" and s["step"] >= at_least and s["worker"]
 
 
-def reap(group: LocalGroup, victim: Service) -> None:
-    victim.proc.wait(60)
-    group.services.remove(victim)  # reaped: no longer part of the group
-
-
 # -- kills -----------------------------------------------------------------------------------
 def kills(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     back: list[float] = []
     seen: list[float] = []
+    after_end: list[float] = []
     failed_releases: list[int] = []
     dropped: list[int] = []
     with_lease = 0
@@ -109,8 +107,11 @@ def kills(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
                                    "--steps")
             victim = holder(group, st["worker"])
             before = len(ctl.log())
+            ended: list[float] = []  # when the kernel had torn the process down (reaped)
+            reaper = threading.Thread(target=_reap, args=(victim, ended))
             t0, killed_at = time.monotonic(), time.time()
             victim.proc.send_signal(signal.SIGKILL)
+            reaper.start()
             while status(group.url, tid)["attempt"] == st["attempt"]:
                 if time.monotonic() - t0 > args.lease_s + 30:
                     raise RuntimeError(f"request {tid} never went back in play")
@@ -120,7 +121,9 @@ def kills(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
             (at, _), *_ = _stamped(ctl.log()[before:], rf"task {tid} attempt {st['attempt']}: "
                                    r".* retrying")
             back.append(at - killed_at)
-            reap(group, victim)
+            reaper.join(60)
+            after_end.append(at - ended[0])
+            group.services.remove(victim)  # reaped: no longer part of the group
             dit(group, EVERY_STEP)
             final = wait_task(group.url, tid, timeout=600)
             if final["status"] != "completed":
@@ -131,18 +134,25 @@ def kills(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
                 r"(\d+) release\(s\) of producer blocks at \S+ dropped", text)))
             with_lease += "expired while" in text
             group.wait_workers({"transformer": 2}, timeout=600)
-            log(f"kill {i + 1}: at step {st['step']}, back in play after {back[-1]:.3f} s "
-                f"(seen over HTTP after {seen[-1]:.3f} s) "
+            log(f"kill {i + 1}: at step {st['step']}, back in play after {back[-1]:.3f} s, "
+                f"{after_end[-1]:+.3f} s from the process's end (seen over HTTP after "
+                f"{seen[-1]:.3f} s) "
                 f"({failed_releases[-1]} release(s) failed, {dropped[-1]} dropped); resumed "
                 f"from {final['resumed_from']}")
         done = _completions(ctl.log())
     finally:
         group.stop(timeout=60)
     return {"kills": args.kills, "back_s": back, "max_s": max(back), "p95_s": _p95(back),
-            "median_s": statistics.median(back), "seen_s": seen,
+            "median_s": statistics.median(back), "after_end_s": after_end,
+            "after_end_max_s": max(after_end), "seen_s": seen,
             "seen_p95_s": _p95(seen), "seen_max_s": max(seen), "failed_releases": failed_releases,
             "dropped_releases": dropped, "lease_expiries": with_lease,
             "once": all(n == 1 for n in done.values())}
+
+
+def _reap(victim: Service, ended: list[float]) -> None:
+    victim.proc.wait()
+    ended.append(time.time())
 
 
 # -- freezes ---------------------------------------------------------------------------------
@@ -255,11 +265,12 @@ def report(r: dict[str, Any]) -> str:
     if "kills" in r:
         k = r["kills"]
         lines += [f"SIGKILL of a checkpointing DiT ({r['pipeline']}): kill to task back in play",
-                  "| kills | median | p95 | max | seen over HTTP, p95 / max | release writes "
-                  "failed / dropped | lease expiries | exactly once |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |",
+                  "| kills | median | p95 | max | after the process ended, max | seen over "
+                  "HTTP, p95 / max | release writes failed / dropped | lease expiries | "
+                  "exactly once |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
                   f"| {k['kills']} | {k['median_s']:.3f} s | {k['p95_s']:.3f} s | "
-                  f"{k['max_s']:.3f} s | {k['seen_p95_s']:.3f} / {k['seen_max_s']:.3f} s | "
+                  f"{k['max_s']:.3f} s | {k['after_end_max_s']:+.3f} s | "
+                  f"{k['seen_p95_s']:.3f} / {k['seen_max_s']:.3f} s | "
                   f"{sum(k['failed_releases'])} / "
                   f"{sum(k['dropped_releases'])} | {k['lease_expiries']} | {k['once']} |", ""]
     if "freezes" in r:
