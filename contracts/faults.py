@@ -89,6 +89,9 @@ POINTS: Final[dict[str, str]] = {
     "written); the handoff / completion message is not sent yet",
     "transfer.pull": "during a Mooncake pull: a tensor arrived, the producer is not released",
     "transfer.read": "a Mooncake read (raise: TransferFailed, as a failed read)",
+    "keep.release": "a keeper (the controller keeping a DiT's checkpoint) read and verified "
+    "every tensor of it and is about to write the producer's release words, one write each "
+    "(nth=K: the K-th checkpoint the controller pulled)",
     "decoder.result_write": "the decoder wrote the result's temporary file, not yet renamed",
     "decoder.before_write": "the decoder is about to write a result file (raise: OSError "
     "ENOSPC, a full disk: the result is held and the write retried)",

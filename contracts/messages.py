@@ -17,7 +17,9 @@ Ring payloads
   ``tensors`` a list of tensor descriptor maps (segment, address, bytes, dtype, shape,
   checksum, release word); ``producer`` the producing worker's name (for error messages).
 
-Control channel (worker -> controller; every request gets one reply with the same ``seq``)
+Control channel (worker -> controller; every request gets one reply with the same ``seq``,
+in the order the requests came except ``checkpoint``'s, sent when its pull is done: a worker
+matches replies to requests by ``seq``)
     preflight {role, name, endpoints: [{what, host, port}]}
                                                     -> {checked: [{what, host, port, seconds}]}
               the controller opens a TCP connection to each endpoint the worker advertises

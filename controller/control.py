@@ -4,6 +4,13 @@ results (message layouts: :mod:`contracts.messages`).
 Same framing and the same token handshake as the ring ports (:mod:`rings.wire`). A worker's
 connection is its liveness: when it drops, every lease the worker holds is revoked at once
 and its tasks are put back in play.
+
+Messages of one connection are handled in order, one at a time, each answered before the
+next is read -- except ``checkpoint``, whose tensors the controller pulls from the worker
+(:mod:`controller.tasks.checkpoints`): that one runs as a task of its own and is answered when it
+is done, the answer naming its ``seq`` as every answer does. So the connection's handler
+never waits on tensor I/O: the worker's heartbeats and progress are answered meanwhile, and
+a dropped connection is seen, and acted on, the moment it drops.
 """
 
 from __future__ import annotations
@@ -127,6 +134,7 @@ class ControlServer:
         self._conns.add(task)
         worker: WorkerInfo | None = None
         reason = "control connection dropped"
+        checkpoints: set[asyncio.Task[None]] = set()  # answered when done (module doc)
         try:
             join = await asyncio.wait_for(self._handshake(reader, writer), wire.HANDSHAKE_TIMEOUT_S)
             if join is None:
@@ -144,7 +152,10 @@ class ControlServer:
                     elif msg.get("op") == Op.COMPLETE and worker is not None:
                         reply = await self._complete(msg, worker)
                     elif msg.get("op") == Op.CHECKPOINT and worker is not None:
-                        reply = await self.coordinator.on_checkpoint(worker, msg)
+                        job = asyncio.ensure_future(self._checkpoint(msg, worker, writer))
+                        checkpoints.add(job)
+                        job.add_done_callback(checkpoints.discard)
+                        continue
                     else:
                         reply, worker = self._dispatch(msg, worker)
                     out = {"seq": seq, "ok": True, **reply}
@@ -182,7 +193,9 @@ class ControlServer:
         finally:
             self._conns.discard(task)
             if worker is not None:
-                self.coordinator.on_gone(worker, reason)
+                self.coordinator.on_gone(worker, reason)  # its lane drops what it has left
+            for job in list(checkpoints):
+                job.cancel()
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -242,6 +255,25 @@ class ControlServer:
                 out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
             if out is not None:
                 writer.write(wire.pack_msg(out))
+            await writer.drain()
+
+    async def _checkpoint(self, msg: dict[str, Any], worker: WorkerInfo,
+                          writer: asyncio.StreamWriter) -> None:
+        """Keep a checkpoint (its pull in the worker's lane) and answer it, while the
+        connection's handler goes on reading."""
+        seq = msg.get("seq")
+        try:
+            reply = await self.coordinator.on_checkpoint(worker, msg)
+            out = {"seq": seq, "ok": True, **reply}
+        except (ControlError, KeyError, TypeError, ValueError) as exc:
+            out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
+        except Exception as exc:  # ours, not the peer's: answered, with its traceback here
+            log.exception("control: checkpoint of worker %s failed", worker.name)
+            out = {"seq": seq, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if writer.is_closing():
+            return
+        writer.write(wire.pack_msg(out))
+        with contextlib.suppress(ConnectionError):
             await writer.drain()
 
     async def _complete(self, msg: dict[str, Any], worker: WorkerInfo) -> dict[str, Any]:

@@ -11,16 +11,22 @@ descriptors), so the same kept tensors serve a retry, and another, until the kee
 :func:`free_kept` them. The kept descriptor carries the producer's checksum and algorithm:
 the bytes are the same, so nothing is hashed again.
 
+A keeper that learns its producer is gone (the controller: the DiT's control connection
+dropped) says so through ``gone``: the reads not yet started are not tried and the release
+writes not yet sent are dropped -- the producer's memory went with it, and each write to a
+dead peer would take Mooncake about a second to give up on.
+
 Host pools only (the keeper's is an anonymous mmap: no torch in the keeper).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from contracts import faults
 from tensorplane.descriptor import TensorDescriptor, checksum
-from tensorplane.errors import ChecksumMismatch, PoolExhausted
+from tensorplane.errors import ChecksumMismatch, PoolExhausted, TransferFailed
 from tensorplane.handoff import read_block, verify
 from tensorplane.pool import Block, StagingPool
 from tensorplane.transport import Transport
@@ -55,14 +61,24 @@ def _described(pool: StagingPool, engine: Transport, block: Block,
                    release_token=0)
 
 
+def _never() -> bool:
+    return False
+
+
 def keep_pulled(engine: Transport, pool: StagingPool, descs: Sequence[TensorDescriptor],
-                *, task_id: str | None = None) -> list[Kept]:
+                *, task_id: str | None = None, gone: Callable[[], bool] = _never
+                ) -> list[Kept]:
     """Read each described tensor into a block of ``pool`` and keep it; then release the
     producer's blocks (all of them arrived). Raises PoolExhausted when they do not fit,
-    TransferFailed / ChecksumMismatch as a pull would; nothing is kept then."""
+    TransferFailed / ChecksumMismatch as a pull would, TransferFailed when ``gone()`` before
+    a read; nothing is kept then. Releases are dropped from the first ``gone()`` on."""
     kept: list[Kept] = []
     try:
         for d in descs:
+            if gone():
+                raise TransferFailed(f"{d.name}: not read, its producer {d.segment} is gone",
+                                     nbytes=d.nbytes, task_id=task_id, tensor=d.name,
+                                     peer=d.segment)
             if not d.nbytes:
                 kept.append(Kept(None, d))
                 continue
@@ -73,7 +89,8 @@ def keep_pulled(engine: Transport, pool: StagingPool, descs: Sequence[TensorDesc
     except BaseException:
         free_kept(pool, kept)
         raise
-    pool.release_producers(engine, descs, task_id=task_id)
+    faults.hit("keep.release")
+    pool.release_producers(engine, descs, task_id=task_id, gone=gone)
     return kept
 
 

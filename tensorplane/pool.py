@@ -15,7 +15,7 @@ import mmap
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -224,18 +224,23 @@ class StagingPool(BlockAllocator):
 
     def release_producers(
         self, engine: Transport, descs: Iterable[TensorDescriptor], *,
-        task_id: str | None = None,
+        task_id: str | None = None, gone: Callable[[], bool] | None = None,
     ) -> int:
         """Release the producers' blocks behind ``descs``; returns how many releases failed.
 
         A failed release is logged and counted, not raised: the tensors are already here, so
         failing the task would only force a recompute, and a producer that cannot be written
         to is dead or wedged, so its own recovery (restart, local free) owns that memory.
+        ``gone``: once it says the producer is gone, the releases left are dropped unsent
+        (each write to a dead peer takes Mooncake about a second to fail).
         """
         failed = 0
-        for d in descs:
-            if not d.release_token:
-                continue
+        todo = [d for d in descs if d.release_token]
+        for i, d in enumerate(todo):
+            if gone is not None and gone():
+                log.info("%d release(s) of producer blocks at %s dropped: the producer is "
+                         "gone (task %s)", len(todo) - i, d.segment, task_id)
+                break
             try:
                 self.send_release(engine, d.segment, d.release_addr, d.release_token,
                                   task_id=task_id, tensor=d.name)

@@ -1,17 +1,25 @@
 """The worker's end of the control channel (message layouts: :mod:`contracts.messages`).
 
-One TCP connection per worker, authenticated like the ring ports. Calls are synchronous
-request/reply and thread-safe (the pull loop and the heartbeat thread share it). A second
-connection, the doorbell (:class:`DoorbellClient`), is where the idle pull loop waits for
-work without polling its ring.
+One TCP connection per worker, authenticated like the ring ports. Calls are request/reply and
+thread-safe: the pull loop, the heartbeat, progress and checkpoint threads share the
+connection, and several calls may be in flight at once. Each answer names the ``seq`` of its
+request, and a reader thread hands it to the call waiting for it, so a call the controller
+answers late -- a ``checkpoint``, answered once the controller has pulled its tensors --
+holds up no heartbeat or progress report meanwhile. (A controller of an older build answers
+in order, one at a time: the calls then simply queue at its end.) A second connection, the
+doorbell (:class:`DoorbellClient`), is where the idle pull loop waits for work without
+polling its ring.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import socket
 import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 from contracts import faults
@@ -51,16 +59,28 @@ class ControlChannel(Protocol):
     def close(self) -> None: ...
 
 
+class _Connection:
+    """One control connection: its socket and the calls waiting for an answer on it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.waiting: dict[int, Future[dict[str, Any]]] = {}
+        self.lost: BaseException | None = None
+
+
 class ControlClient:
-    """The control channel over TCP (:class:`ControlChannel`)."""
+    """The control channel over TCP (:class:`ControlChannel`). ``timeout``: how long a call
+    waits for its answer (and a send or a started frame may take) before the connection is
+    given up as lost."""
 
     def __init__(self, host: str, port: int, token: str, *, timeout: float = 60.0) -> None:
         self.host = host
         self.port = port
         self.token = token
         self.timeout = timeout
-        self._sock: Any = None
-        self._lock = threading.Lock()
+        self._conn: _Connection | None = None
+        self._send = threading.Lock()  # one request on the wire at a time, whole
+        self._lock = threading.Lock()  # the connection in use and the calls waiting on it
         self._seq = 0
 
     @property
@@ -70,7 +90,7 @@ class ControlClient:
     @property
     def connected(self) -> bool:
         """Connected, as far as this end knows (a call finds out otherwise)."""
-        return self._sock is not None
+        return self._conn is not None
 
     def connect(self, role: str) -> None:
         sock = open_socket(self.host, self.port, self.timeout)
@@ -93,44 +113,87 @@ class ControlClient:
             sock.close()
             raise
         sock.settimeout(self.timeout)
-        self._sock = sock
+        conn = _Connection(sock)
+        with self._lock:
+            self._conn = conn
+        threading.Thread(target=self._read, args=(conn,), name="control-answers",
+                         daemon=True).start()
 
     def call(self, op: Op, **fields: Any) -> dict[str, Any]:
-        with self._lock:
-            if self._sock is None:
+        answer: Future[dict[str, Any]] = Future()
+        with self._send:
+            conn = self._conn
+            if conn is None:
                 raise ConnectionLost(f"control channel to {self.where} is closed")
             if faults.ON:
                 try:
                     faults.hit("control.drop", ConnectionLost)
                 except ConnectionLost as exc:
-                    self._close_locked()  # a real drop: the controller sees the connection go
-                    raise ConnectionLost(
-                        f"control channel to the controller at {self.where} lost: {exc}"
-                    ) from exc
+                    self._drop(conn, exc)  # a real drop: the controller sees the connection go
+                    raise self._lost(exc) from exc
             self._seq += 1
-            msg = {"op": op.value, "seq": self._seq, **fields}
+            seq = self._seq
+            with self._lock:
+                if conn.lost is not None:  # its reader found it gone just now
+                    raise self._lost(conn.lost)
+                conn.waiting[seq] = answer
             try:
-                self._sock.sendall(wire.pack_msg(msg))
-                reply = wire.unpack_msg(recv_frame(self._sock))
-            except (OSError, ConnectionLost, ValueError) as exc:
-                self._close_locked()
-                raise ConnectionLost(
-                    f"control channel to the controller at {self.where} lost: {exc}"
-                ) from exc
+                conn.sock.sendall(wire.pack_msg({"op": op.value, "seq": seq, **fields}))
+            except OSError as exc:
+                self._drop(conn, exc)
+        try:
+            reply = answer.result(self.timeout)
+        except FutureTimeout:
+            self._drop(conn, TimeoutError(f"no answer to {op.value} within {self.timeout:g} s"))
+            reply = answer.result(self.timeout)  # failed by the drop, or answered just now
         if not reply.get("ok"):
             raise ControlRefused(f"controller refused {op.value}: {reply.get('error')}")
         return reply
 
-    def _close_locked(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+    def _lost(self, why: BaseException) -> ConnectionLost:
+        return ConnectionLost(f"control channel to the controller at {self.where} lost: {why}")
+
+    def _read(self, conn: _Connection) -> None:
+        """The connection's reader thread: each answer to the call waiting for its seq."""
+        ready = select.poll()
+        ready.register(conn.sock, select.POLLIN)
+        try:
+            while True:
+                # Wait as long as it takes for the next answer (each call has its own
+                # timeout); a frame once begun must arrive within the socket's timeout.
+                ready.poll()
+                reply = wire.unpack_msg(recv_frame(conn.sock))
+                with self._lock:
+                    answer = conn.waiting.pop(reply.get("seq"), None)  # type: ignore[arg-type]
+                if answer is None:  # (a call gives up only with its connection)
+                    log.warning("control: an answer to no call (seq %r) ignored",
+                                reply.get("seq"))
+                else:
+                    answer.set_result(reply)
+        except (OSError, ConnectionLost, ValueError, TypeError) as exc:
+            self._drop(conn, exc)
+        finally:
+            conn.sock.close()
+
+    def _drop(self, conn: _Connection, why: BaseException) -> None:
+        """Give ``conn`` up: every call waiting on it fails with ConnectionLost. Its socket
+        is shut down, not closed: its reader thread closes it, once out of its read."""
+        with self._lock:
+            if conn.lost is None:
+                conn.lost = why
+            if self._conn is conn:
+                self._conn = None
+            waiting = list(conn.waiting.values())
+            conn.waiting.clear()
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        for answer in waiting:
+            answer.set_exception(self._lost(conn.lost))
 
     def close(self) -> None:
-        with self._lock:
-            self._close_locked()
+        conn = self._conn
+        if conn is not None:
+            self._drop(conn, ConnectionLost("closed by this worker"))
 
 
 class DoorbellClient:

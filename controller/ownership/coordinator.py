@@ -13,9 +13,10 @@ enforces it; what stays here joins them: registration, heartbeats, a worker gone
 failure, cancelling, the sweep and the restart. The front door calls ``submit`` /
 ``cancel``; the control server calls the ``on_*`` handlers; a sweeper calls ``sweep(now)``
 periodically. Everything runs on the event-loop thread, except what would block it: result
-files are written on a thread pool (:meth:`Completions.complete` awaits them), and the task
-store writes on its own thread (:mod:`controller.tasks.store`). So each handler sees the table,
-the registry and (over tcp) the ring memory at one instant.
+files are written on a thread pool (:meth:`Completions.complete` awaits them), the task
+store writes on its own thread (:mod:`controller.tasks.store`), and checkpoints are pulled in one
+lane (thread) per DiT worker (:mod:`controller.tasks.checkpoints`). So each handler sees the
+table, the registry and (over tcp) the ring memory at one instant.
 
 Ownership without gaps
 ----------------------
@@ -113,14 +114,19 @@ process inside each is named; ``tests/integration/test_fault_points.py`` fires e
    ``requeue``, owned by the controller, as in 1; workers' old jobs fail on their dead
    connections and they register again -- heard from again, they are no longer held against
    the tasks they lost.
-8. *Checkpointed* (``dit.step``, ``dit.checkpointed``; ``resumes``, the store
-   of :mod:`controller.tasks.checkpoints`). A DiT that checkpoints sends its loop state
-   (``checkpoint``) while it holds the lease (4); the controller pulls it off the loop and
-   keeps it only if the sender holds the lease of the current attempt, checked before the
-   pull and again after it, so a task has at most one checkpoint and it is always its
-   owning attempt's latest: one that was in flight when the attempt ended is discarded,
-   never replacing the state a new attempt resumes from. Keeping it changes no ownership:
-   the lease still owns the task. When the attempt ends (worker gone, lease expired, a
+8. *Checkpointed* (``dit.step``, ``dit.checkpointed``, ``keep.release``; ``resumes``, the
+   store of :mod:`controller.tasks.checkpoints`). A DiT that checkpoints sends its loop
+   state (``checkpoint``) while it holds the lease (4); the controller pulls it off the loop,
+   in that worker's own lane, and keeps it only if the sender holds the lease of the current
+   attempt, checked before the pull and again after it, so a task has at most one checkpoint
+   and it is always its owning attempt's latest: one that was in flight when the attempt
+   ended is discarded, never replacing the state a new attempt resumes from. Keeping it
+   changes no ownership: the lease still owns the task, and the pull never delays the
+   lease's end: the control server runs it as a task of its own, so the worker's heartbeats
+   are answered meanwhile and its dropped connection revokes the lease at once (4) -- the
+   pull and the release writes it has left are then dropped, what it kept is freed -- and a
+   worker frozen mid-pull holds up only its own lane while its lease expires (4). When the
+   attempt ends (worker gone, lease expired, a
    failure, a yield) the task is put back in play exactly as in 1 -- accepted, owned by the
    controller -- and only its route differs (:class:`controller.ownership.requeue.Route`, from
    :meth:`Resumes.route`): with a kept checkpoint the controller pushes a Phase1 item of the
@@ -405,10 +411,13 @@ class Coordinator:
         log.warning("worker %d (%s %s) gone: %s; %d task(s) back in play", worker.worker_id,
                     worker.role, worker.name, reason, len(held))
         self.recovery.worker_lost(worker, reason, held)
+        self.resumes.worker_gone(worker)  # window 8: its pulls and releases left are dropped
 
     # -- checkpoints (window 8: resumes) ---------------------------------------------------
     async def on_checkpoint(self, worker: WorkerInfo, msg: Mapping[str, Any]) -> dict[str, Any]:
-        """Keep a DiT's checkpoint (pulled off the loop); answered once kept or refused."""
+        """Keep a DiT's checkpoint (pulled off the loop, in the worker's own lane); answered
+        once kept or refused. The control server runs it as a task of its own, so the
+        worker's other messages, and its connection dropping, are not held up meanwhile."""
         return await self.resumes.keep(worker, msg)
 
     def on_resume(self, worker: WorkerInfo, task_id: str, attempt: int) -> dict[str, Any]:

@@ -62,7 +62,7 @@ class Resumes:
         try:
             kept1, kept = await store.pull(
                 tid, None if phase1 is None else [TensorDescriptor.from_dict(d) for d in phase1],
-                [TensorDescriptor.from_dict(d) for d in msg["state"]])
+                [TensorDescriptor.from_dict(d) for d in msg["state"]], worker.worker_id)
         except DiffringError as exc:
             store.counts["refused"] += 1
             log.warning("task %s: checkpoint of step %d refused: %s", tid, step, exc)
@@ -114,6 +114,11 @@ class Resumes:
         for task in unfinished:
             ckpt = self.store.get(task.task_id)
             task.checkpoint_step = ckpt.step if ckpt is not None else None
+
+    def worker_gone(self, worker: WorkerInfo) -> None:
+        """``worker`` is gone: its checkpoint pulls and releases still to do are dropped."""
+        if self.store is not None:
+            self.store.forget(worker.worker_id)
 
     def drop(self, task: Task) -> None:
         """``task``'s checkpoint cannot be resumed: forget it (it starts over)."""

@@ -17,8 +17,14 @@ load`). Files are written in order on one thread; a block is freed on that same 
 any write that reads it, so a write never reads a reused block. A task that ends (completed,
 failed, cancelled) has its checkpoint dropped: blocks freed, files removed.
 
-Pulls run on their own thread (a Mooncake read blocks), never on the event loop; everything
-else is called on the loop. Ownership (who may replace a task's checkpoint) is
+Pulls run off the event loop (a Mooncake read blocks), each worker's in a *lane* of its own:
+one thread per DiT worker, so a wedged peer (SIGSTOPped mid-read: Mooncake gives up after
+its timeout, 10 s) holds up only its own checkpoints, never another worker's. When a worker
+is gone (:meth:`CheckpointStore.forget`, at once when its control connection drops) its lane
+is told: the reads it has not started are not tried and its release writes not yet sent are
+dropped (each write to a dead peer takes Mooncake about a second to fail), and what a pull
+that nobody awaits any more still kept is freed when it ends. Everything else is called on
+the loop. Ownership (who may replace a task's checkpoint) is
 :mod:`controller.ownership.resumes`' (the lease, the attempt): see window 8 of
 :mod:`controller.ownership.coordinator`.
 """
@@ -31,6 +37,7 @@ import contextlib
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +56,14 @@ log = logging.getLogger("diffring.controller.checkpoints")
 
 MAGIC = b"DRCKPT01"
 _HEADER_LEN = struct.Struct("<I")
+
+
+@dataclass
+class _Lane:
+    """One worker's checkpoint pulls: a thread of their own, and whether the worker is gone."""
+
+    pulls: concurrent.futures.ThreadPoolExecutor
+    gone: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -83,7 +98,7 @@ class CheckpointStore:
         self.folder = folder
         self._phase1: dict[str, list[Kept]] = {}
         self._latest: dict[str, Checkpoint] = {}
-        self._pulls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-pull")
+        self._lanes: dict[int, _Lane] = {}
         self._files = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-file")
         self.counts: dict[str, int] = dict.fromkeys(
             ("kept", "refused", "final", "resumes", "dropped", "restored"), 0)
@@ -127,23 +142,48 @@ class CheckpointStore:
 
     # -- keeping -----------------------------------------------------------------------------
     async def pull(self, task_id: str, phase1: Sequence[TensorDescriptor] | None,
-                   state: Sequence[TensorDescriptor]) -> tuple[list[Kept] | None, list[Kept]]:
-        """Pull a checkpoint's tensors into this pool (off the loop). Raises what
-        :func:`keep_pulled` raises (PoolExhausted: the store is full)."""
-        loop = asyncio.get_running_loop()
+                   state: Sequence[TensorDescriptor], lane: int = 0
+                   ) -> tuple[list[Kept] | None, list[Kept]]:
+        """Pull a checkpoint's tensors into this pool, in the lane of worker ``lane`` (off the
+        loop). Raises what :func:`keep_pulled` raises (PoolExhausted: the store is full;
+        TransferFailed: a read failed, or the worker is gone)."""
+        worker = self._lane(lane)
         t0 = time.monotonic()
-        kept1 = None
-        if phase1 is not None:
-            kept1 = await loop.run_in_executor(self._pulls, lambda: keep_pulled(
-                self.engine, self.pool, phase1, task_id=task_id))
+        n1 = len(phase1) if phase1 is not None else 0
+        descs = [*(phase1 or []), *state]
+        # One keep_pulled for both: one batch of release writes after every read.
+        job = worker.pulls.submit(keep_pulled, self.engine, self.pool, descs, task_id=task_id,
+                                  gone=worker.gone.is_set)
         try:
-            kept = await loop.run_in_executor(self._pulls, lambda: keep_pulled(
-                self.engine, self.pool, state, task_id=task_id))
-        except BaseException:
-            self._free(kept1 or [])
+            kept = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            # Nobody awaits it any more (its worker is gone, or the controller stops): what
+            # it still keeps is freed when it ends.
+            job.add_done_callback(self._discard_late)
             raise
         self.pull_seconds += time.monotonic() - t0
-        return kept1, kept
+        return (kept[:n1] if phase1 is not None else None), kept[n1:]
+
+    def _lane(self, worker_id: int) -> _Lane:
+        lane = self._lanes.get(worker_id)
+        if lane is None:
+            lane = self._lanes[worker_id] = _Lane(concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"ckpt-pull-{worker_id}"))
+        return lane
+
+    def forget(self, worker_id: int) -> None:
+        """Worker ``worker_id`` is gone: its lane drops the reads and releases it has left
+        (the thread ends after the Mooncake call it may be in)."""
+        lane = self._lanes.pop(worker_id, None)
+        if lane is not None:
+            lane.gone.set()
+            lane.pulls.shutdown(wait=False, cancel_futures=True)
+
+    def _discard_late(self, job: concurrent.futures.Future[list[Kept]]) -> None:
+        """Free what a pull nobody awaits kept (on its lane's thread). Never put, so no file
+        write reads it: freed at once."""
+        if not job.cancelled() and job.exception() is None:
+            free_kept(self.pool, job.result())
 
     def put(self, task_id: str, ckpt: Checkpoint, phase1: list[Kept] | None) -> None:
         """Keep ``ckpt`` (and ``phase1``, when given) as ``task_id``'s, freeing what it
@@ -280,7 +320,13 @@ class CheckpointStore:
         self._files.submit(lambda: None).result()
 
     def close(self) -> None:
-        self._pulls.shutdown(wait=True)
+        """Stop the lanes (the reads and releases they have left are dropped; a Mooncake call
+        one is in ends within the engine's timeout) and finish the file writes."""
+        lanes = list(self._lanes.values())
+        for worker_id in list(self._lanes):
+            self.forget(worker_id)
+        for lane in lanes:
+            lane.pulls.shutdown(wait=True)
         self._files.shutdown(wait=True)
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from contracts import faults
 from contracts.messages import Fault
 from controller.config import CoordinatorConfig
 from controller.ownership.coordinator import Coordinator
@@ -94,9 +95,11 @@ def latents(step: int) -> np.ndarray:
     return np.full((1, 16, 8, 8), float(step), dtype=np.float32)
 
 
-def checkpoint(s: Setup, pool: StagingPool, worker: WorkerInfo, tid: str, attempt: int,
-               step: int, *, phase1: bool = True, final: bool = False) -> dict[str, Any]:
-    """What a DiT's Sender does: stage, send ``checkpoint``, free what was not pulled."""
+def staged(s: Setup, pool: StagingPool, tid: str, attempt: int, step: int, *,
+           phase1: bool = True, final: bool = False
+           ) -> tuple[dict[str, Any], list[TensorDescriptor]]:
+    """What a DiT's Sender stages for a checkpoint: the ``checkpoint`` message, and what it
+    frees once answered."""
     state = LoopState(step, 4, {"latents": latents(step)},
                       {"_step_index": step, "timesteps": np.arange(4, dtype=np.int64)})
     tensors, meta = to_wire(state)
@@ -106,10 +109,17 @@ def checkpoint(s: Setup, pool: StagingPool, worker: WorkerInfo, tid: str, attemp
     msg = {"task_id": tid, "attempt": attempt, "step": step, "steps": 4, "final": final,
            "meta": meta, "state": [d.to_dict() for d in descs],
            "phase1": [d.to_dict() for d in descs1] if phase1 else None}
+    return msg, [*descs, *descs1]
+
+
+def checkpoint(s: Setup, pool: StagingPool, worker: WorkerInfo, tid: str, attempt: int,
+               step: int, *, phase1: bool = True, final: bool = False) -> dict[str, Any]:
+    """What a DiT's Sender does: stage, send ``checkpoint``, free what was not pulled."""
+    msg, descs = staged(s, pool, tid, attempt, step, phase1=phase1, final=final)
     try:
         return asyncio.run(s.co.on_checkpoint(worker, msg))
     finally:
-        pool.free_staged([*descs, *descs1])
+        pool.free_staged(descs)
 
 
 def resumed_state(s: Setup, worker: WorkerInfo, tid: str, attempt: int
@@ -177,8 +187,8 @@ def test_checkpoint_in_flight_when_the_attempt_ends_is_discarded(
     assert checkpoint(s, dit_pool, s.dit, "b", 1, 1)["accepted"]
     real_pull = s.store.pull
 
-    async def slow_pull(*args: Any) -> Any:
-        got = await real_pull(*args)
+    async def slow_pull(*args: Any, **kwargs: Any) -> Any:
+        got = await real_pull(*args, **kwargs)
         s.clock.advance(11.0)  # the lease ran out while the controller pulled
         s.co.sweep(s.clock())
         return got
@@ -187,6 +197,66 @@ def test_checkpoint_in_flight_when_the_attempt_ends_is_discarded(
     assert checkpoint(s, dit_pool, s.dit, "b", 1, 2, phase1=False)["accepted"] is False
     assert t.attempt == 2 and s.store.get("b").step == 1  # type: ignore[union-attr]
     assert t.resumed_from == 1
+
+
+def test_a_wedged_pull_holds_up_only_its_own_worker_and_a_gone_one_is_not_released(
+        setup: Setup, engine: FakeTransport, tmp_path: Path) -> None:
+    """DiT A's checkpoint is held in its pull, its tensors read and its release writes not yet
+    sent (fault point ``keep.release``, ``hold``): DiT B's checkpoint is kept meanwhile, in
+    its own lane. A is then gone: its task is back in play, and when its pull goes on, the
+    release writes it had left are dropped (A's memory went with it) and what it read is
+    freed, nothing kept of it."""
+    s = setup
+    a_pool, b_pool = StagingPool(1 << 20), StagingPool(1 << 20)
+    for pool in (a_pool, b_pool):
+        pool.start(engine)
+    t = s.submit("wa")
+    s.to_dit("wa")
+    b = s.co.on_register("transformer", "tb", 5, PIPE, "s5", checkpoints=True)
+    s.submit("wb")
+    s.to_dit("wb", 1, b)
+    gate = tmp_path / "release-gate"
+    gate.touch()
+    faults.configure(f"keep.release:hold={gate}:nth=1")
+    try:
+        async def scenario() -> tuple[dict[str, Any], int, int]:
+            msg_a, descs_a = staged(s, a_pool, "wa", 1, 1)
+            held = asyncio.ensure_future(s.co.on_checkpoint(s.dit, msg_a))
+            await until(lambda: faults.fired().get("keep.release") == 1)
+            msg_b, descs_b = staged(s, b_pool, "wb", 1, 1)
+            # B's pull is not queued behind A's (one lane each): kept while A is held.
+            assert await asyncio.wait_for(s.co.on_checkpoint(b, msg_b), 30) == {
+                "accepted": True}
+            b_released = b_pool.stats().remote_releases
+            assert b_released == sum(bool(d.release_token) for d in descs_b) > 0
+            b_pool.free_staged(descs_b)
+            assert not held.done()
+            s.co.on_gone(s.dit, "control connection dropped")
+            assert (t.attempt, t.worker_id) == (2, None)  # back in play, A's pull still held
+            gate.unlink()
+            reply = await asyncio.wait_for(held, 30)
+            a_released = a_pool.stats().remote_releases
+            a_pool.free_staged(descs_a)
+            return reply, a_released, b_released
+        reply, a_released, b_released = asyncio.run(scenario())
+    finally:
+        gate.unlink(missing_ok=True)  # a held pull never outlives the test
+        faults.configure(None)
+        for pool in (a_pool, b_pool):
+            pool.close()
+    assert reply == {"accepted": False, "reason": "attempt 1 ended meanwhile"}, reply
+    assert a_released == 0  # A's releases dropped: none was sent
+    assert s.store.get("wa") is None and s.store.get("wb").step == 1  # type: ignore[union-attr]
+    s.store.flush()
+    assert s.pool.stats().live_blocks == b_released  # B's kept; what A's pull read is freed
+
+
+async def until(ok: Callable[[], bool], timeout: float = 60) -> None:
+    """Until ``ok()``, the loop running meanwhile (a bound, not a pause)."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def test_decoder_lost_after_the_handoff_reruns_only_the_decoder(
