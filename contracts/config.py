@@ -483,7 +483,9 @@ class ServiceConfig:
                                             hints=_hints("server")))
         for role_name in STAGE_SECTIONS:
             section = data.pop(role_name, None)
-            if isinstance(section, Mapping):  # a config written back: the top level's recipe
+            if isinstance(section, Mapping) and "recipe" in section and (
+                    section["recipe"] in (None, data.get("recipe"))):
+                # A config written back: the copy of the top level's recipe.
                 section = {k: v for k, v in section.items() if k != "recipe"}
             read(role_name, lambda r=role_name, s=section: from_mapping(
                 StageOptions, s, r, hints=_hints(r)))

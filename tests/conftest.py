@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,8 @@ if str(ROOT) not in sys.path:
 
 TOKEN = "test-cluster-token"
 
+from contracts.pipelines import TASKS, task_spec  # noqa: E402
+from contracts.request import GenerationRequest  # noqa: E402
 from launcher import (  # noqa: E402
     PORT_RANGE_ENV,
     free_ports,
@@ -34,6 +36,9 @@ from launcher import (  # noqa: E402
 from rings.soak import stop_process as stop  # noqa: E402
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
     from controller.ownership.coordinator import Coordinator
     from controller.ownership.registry import WorkerInfo
 
@@ -548,3 +553,122 @@ def wan_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             build_wan_pair(out, task)
 
     return built_once(tmp_path_factory, "wan-pairs", build)
+
+
+# -- the model helpers (tests of the stage adapters against diffusers' pipelines) ------------
+
+# The pipelines with a diffusers reference (the synthetic one has no model: test_synthetic.py).
+DIFFUSERS_TASKS = tuple(t for t in TASKS if task_spec(t).family != "synthetic")
+VIDEO_TASKS = ("wan_t2v", "wan_i2v")
+IMAGE_INPUT_TASKS = ("wan_i2v", "qwen_i2i", "qwen_i2i_plus")
+EDIT_TASKS = ("qwen_i2i", "qwen_i2i_plus")
+
+# Small but not degenerate: 2x2 DiT patches over a 4x4 latent, 3 latent frames for Wan, CFG on.
+SMALL: dict[str, dict[str, Any]] = {
+    "wan_t2v": {"height": 32, "width": 32, "num_frames": 9, "infer_steps": 3, "fps": 8},
+    "wan_i2v": {"height": 32, "width": 32, "num_frames": 9, "infer_steps": 3, "fps": 8},
+    "qwen_t2i": {"height": 32, "width": 48, "infer_steps": 3},
+    "qwen_i2i": {"height": 32, "width": 32, "infer_steps": 2},
+    "qwen_i2i_plus": {"height": 32, "width": 32, "infer_steps": 2},
+}
+PROMPT = "A red fox running through fresh snow"
+NEGATIVE = "blurred details, low quality"
+SEED = 1234
+
+
+def small_request(task: str, **changes: Any) -> GenerationRequest:
+    fields: dict[str, Any] = {
+        "task": task,
+        "prompt": PROMPT,
+        "negative_prompt": NEGATIVE,
+        "seed": SEED,
+    }
+    fields.update(SMALL[task])
+    fields.update(changes)
+    return GenerationRequest(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+_STAGES: dict[tuple[str, str, str], Any] = {}
+
+
+def stage(kind: str, models: Path, task: str, dtype: str = "float32") -> Any:
+    """Loaded stages, cached for the session (loading is the slow part of small tests)."""
+    import workers.models as wm
+
+    adapters = {"encoder": wm.EncoderAdapter, "transformer": wm.TransformerAdapter,
+                "decoder": wm.DecoderAdapter}
+    key = (kind, task, dtype)
+    if key not in _STAGES:
+        obj = adapters[kind].for_task(models / task, task, device="cpu", dtype=dtype)
+        obj.load()
+        _STAGES[key] = obj
+    return _STAGES[key]
+
+
+def wire(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a transfer does: tensor -> (dtype, shape, raw bytes) -> a new tensor. bfloat16 has
+    no numpy type, so the bytes are taken through a uint8 view."""
+    import torch
+
+    out = {}
+    for name, tensor in tensors.items():
+        assert tensor.is_contiguous(), f"{name} is not contiguous"
+        raw = tensor.detach().cpu().view(torch.uint8).numpy().tobytes()
+        assert len(raw) == tensor.numel() * tensor.element_size()
+        rebuilt = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out[name] = rebuilt.view(tensor.dtype).reshape(tensor.shape)
+        assert torch.equal(out[name], tensor.cpu())
+    return out
+
+
+def diffusers_reference(
+    models: Path, req: GenerationRequest, image_png: bytes | list[bytes] | None, dtype: str,
+    setup: Callable[[Any], None] | None = None, folder: Path | None = None,
+) -> np.ndarray:
+    """diffusers' own one-process pipeline on the same folder (``models / task``, or
+    ``folder``), seed and sizes; a list of images goes to the pipeline as a list.
+    ``setup(pipe)`` may change the pipeline first (load adapters, enable a cache)."""
+    import io
+
+    import diffusers
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from workers.models import get_family
+
+    task = req.task
+    folder = folder or models / task
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    extra: dict[str, Any] = {}
+    if task in EDIT_TASKS:
+        from workers.models.families.qwen_text import QwenEditProcessor
+
+        extra["processor"] = QwenEditProcessor.from_pretrained(folder / "processor")
+    pipeline_class = get_family(task).pipeline_class
+    assert pipeline_class is not None
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(folder, dtype=torch_dtype, **extra)
+    pipe.set_progress_bar_config(disable=True)
+    if setup is not None:
+        setup(pipe)
+    kwargs: dict[str, Any] = {
+        "prompt": req.prompt,
+        "negative_prompt": req.negative_prompt,
+        "height": req.height,
+        "width": req.width,
+        "num_inference_steps": req.infer_steps,
+        "generator": torch.Generator("cpu").manual_seed(req.seed),
+        "output_type": "np",
+    }
+    if isinstance(image_png, list):
+        kwargs["image"] = [Image.open(io.BytesIO(i)).convert("RGB") for i in image_png]
+    elif image_png is not None:
+        kwargs["image"] = Image.open(io.BytesIO(image_png)).convert("RGB")
+    if task in VIDEO_TASKS:
+        kwargs.update(num_frames=req.num_frames, guidance_scale=req.guidance_scale)
+        return np.asarray(pipe(**kwargs).frames[0])
+    kwargs.update(true_cfg_scale=req.true_cfg_scale)
+    return np.asarray(pipe(**kwargs).images[0])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,11 @@ from contracts.errors import (  # noqa: E402  (after the thread setting, on purp
     StageCancelled,
     StageInputError,
 )
-from contracts.pipelines import TASKS, task_spec  # noqa: E402
 from contracts.request import GenerationRequest  # noqa: E402
 from workers.models import (  # noqa: E402
     DecoderAdapter,
     EncoderAdapter,
     TransformerAdapter,
-    get_family,
     run_pipeline,
 )
 from workers.models.media import to_uint8  # noqa: E402
@@ -41,113 +39,24 @@ from workers.models.media import to_uint8  # noqa: E402
 pytestmark = pytest.mark.integration  # builds and runs the tiny models
 
 ROOT = Path(__file__).resolve().parent.parent
-# The pipelines with a diffusers reference (the synthetic one has no model: test_synthetic.py).
-DIFFUSERS_TASKS = tuple(t for t in TASKS if task_spec(t).family != "synthetic")
-VIDEO_TASKS = ("wan_t2v", "wan_i2v")
-IMAGE_INPUT_TASKS = ("wan_i2v", "qwen_i2i", "qwen_i2i_plus")
-EDIT_TASKS = ("qwen_i2i", "qwen_i2i_plus")
+# The model helpers (small requests, cached stages, the wire, diffusers' reference) are
+# shared: tests/conftest.py.
+from tests.conftest import (  # noqa: E402
+    _STAGES,
+    DIFFUSERS_TASKS,
+    IMAGE_INPUT_TASKS,
+    PROMPT,
+    SMALL,
+    VIDEO_TASKS,
+    diffusers_reference,
+    small_request,
+    stage,
+    wire,
+)
 
-# Small but not degenerate: 2x2 DiT patches over a 4x4 latent, 3 latent frames for Wan, CFG on.
-SMALL: dict[str, dict[str, Any]] = {
-    "wan_t2v": {"height": 32, "width": 32, "num_frames": 9, "infer_steps": 3, "fps": 8},
-    "wan_i2v": {"height": 32, "width": 32, "num_frames": 9, "infer_steps": 3, "fps": 8},
-    "qwen_t2i": {"height": 32, "width": 48, "infer_steps": 3},
-    "qwen_i2i": {"height": 32, "width": 32, "infer_steps": 2},
-    "qwen_i2i_plus": {"height": 32, "width": 32, "infer_steps": 2},
-}
-PROMPT = "A red fox running through fresh snow"
-NEGATIVE = "blurred details, low quality"
-SEED = 1234
-
-
-def small_request(task: str, **changes: Any) -> GenerationRequest:
-    fields: dict[str, Any] = {
-        "task": task,
-        "prompt": PROMPT,
-        "negative_prompt": NEGATIVE,
-        "seed": SEED,
-    }
-    fields.update(SMALL[task])
-    fields.update(changes)
-    return GenerationRequest(**fields)
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------------------------
-_STAGES: dict[tuple[str, str, str], Any] = {}
 ADAPTERS: dict[str, Any] = {
     "encoder": EncoderAdapter, "transformer": TransformerAdapter, "decoder": DecoderAdapter
 }
-
-
-def stage(kind: str, models: Path, task: str, dtype: str = "float32") -> Any:
-    """Loaded stages, cached for the session (loading is the slow part of small tests)."""
-    key = (kind, task, dtype)
-    if key not in _STAGES:
-        obj = ADAPTERS[kind].for_task(models / task, task, device="cpu", dtype=dtype)
-        obj.load()
-        _STAGES[key] = obj
-    return _STAGES[key]
-
-
-def wire(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What a transfer does: tensor -> (dtype, shape, raw bytes) -> a new tensor. bfloat16 has
-    no numpy type, so the bytes are taken through a uint8 view."""
-    out = {}
-    for name, tensor in tensors.items():
-        assert tensor.is_contiguous(), f"{name} is not contiguous"
-        raw = tensor.detach().cpu().view(torch.uint8).numpy().tobytes()
-        assert len(raw) == tensor.numel() * tensor.element_size()
-        rebuilt = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        out[name] = rebuilt.view(tensor.dtype).reshape(tensor.shape)
-        assert torch.equal(out[name], tensor.cpu())
-    return out
-
-
-def diffusers_reference(
-    models: Path, req: GenerationRequest, image_png: bytes | list[bytes] | None, dtype: str,
-    setup: Callable[[Any], None] | None = None, folder: Path | None = None,
-) -> np.ndarray:
-    """diffusers' own one-process pipeline on the same folder (``models / task``, or
-    ``folder``), seed and sizes; a list of images goes to the pipeline as a list.
-    ``setup(pipe)`` may change the pipeline first (load adapters, enable a cache)."""
-    import diffusers
-    from PIL import Image
-
-    task = req.task
-    folder = folder or models / task
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    extra: dict[str, Any] = {}
-    if task in EDIT_TASKS:
-        from workers.models.families.qwen_text import QwenEditProcessor
-
-        extra["processor"] = QwenEditProcessor.from_pretrained(folder / "processor")
-    pipeline_class = get_family(task).pipeline_class
-    assert pipeline_class is not None
-    pipe = getattr(diffusers, pipeline_class).from_pretrained(folder, dtype=torch_dtype, **extra)
-    pipe.set_progress_bar_config(disable=True)
-    if setup is not None:
-        setup(pipe)
-    kwargs: dict[str, Any] = {
-        "prompt": req.prompt,
-        "negative_prompt": req.negative_prompt,
-        "height": req.height,
-        "width": req.width,
-        "num_inference_steps": req.infer_steps,
-        "generator": torch.Generator("cpu").manual_seed(req.seed),
-        "output_type": "np",
-    }
-    if isinstance(image_png, list):
-        kwargs["image"] = [Image.open(io.BytesIO(i)).convert("RGB") for i in image_png]
-    elif image_png is not None:
-        kwargs["image"] = Image.open(io.BytesIO(image_png)).convert("RGB")
-    if task in VIDEO_TASKS:
-        kwargs.update(num_frames=req.num_frames, guidance_scale=req.guidance_scale)
-        return np.asarray(pipe(**kwargs).frames[0])
-    kwargs.update(true_cfg_scale=req.true_cfg_scale)
-    return np.asarray(pipe(**kwargs).images[0])
-
 
 # ---------------------------------------------------------------------------------------------
 # (a) three stages == diffusers' pipeline, pixel for pixel
