@@ -672,3 +672,28 @@ def diffusers_reference(
         return np.asarray(pipe(**kwargs).frames[0])
     kwargs.update(true_cfg_scale=req.true_cfg_scale)
     return np.asarray(pipe(**kwargs).images[0])
+
+
+# -- the planned GPU commands of docs/benchmarks.md ---------------------------------------------
+
+def planned_commands(heading: str = "## Serving under 24 GiB caps (issue 20)",
+                     doc: str = "docs/benchmarks.md") -> list[list[str]]:
+    """The benchmark commands of one section of ``doc`` (by default the issue-20 runs of
+    docs/benchmarks.md), as argument lists. The section ends at the next heading of its
+    level or above."""
+    import re
+    import shlex
+
+    text = (ROOT / doc).read_text()
+    section = text.split(heading, 1)[1]
+    level = heading.split(" ", 1)[0]
+    section = re.split(rf"\n#{{1,{len(level)}}} ", section, maxsplit=1)[0]
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words and "=" in words[0] and not words[0].startswith("-"):
+                words.pop(0)  # leading VAR=value assignments
+            if words[:2] == ["python3", "-m"] and words[2].startswith("scripts.bench."):
+                commands.append(words[2:])
+    return commands

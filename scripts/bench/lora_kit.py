@@ -131,3 +131,67 @@ def _lightx2v_extras(transformer: Any, out: dict[str, Any], gen: Any) -> None:
         out[f"diffusion_model.blocks.{i}.norm3.diff_b"] = torch.zeros(dim)
         out[f"diffusion_model.blocks.{i}.diff_m"] = 0.01 * torch.randn(
             tuple(block.scale_shift_table.shape), generator=gen)
+
+
+def distill_shaped(arch: str, path: Path, *, rank: int = 64, seed: int = 0,
+                   scale: float = 0.02, dtype: str = "bfloat16") -> Path:
+    """A distill-shaped adapter for a published architecture (``modelkit.real``'s ``--arch``):
+    rank ``rank`` over every linear layer of every block, as LightX2V's and Lightning's
+    distill LoRAs are, random weights, in diffusers' format. The DiT is built on the meta
+    device (shapes only: no weights are made or read), so this takes seconds for the 14B."""
+    import torch
+
+    from modelkit.real import qwen_dit, wan_dit
+
+    if arch.endswith("-i2v"):
+        raise SystemExit("build the T2V adapter (--arch wan-14b): diffusers widens it for the "
+                         "I2V DiT on load, as it does LightX2V's")
+    with torch.device("meta"):
+        dit = wan_dit(arch) if arch.startswith("wan") else qwen_dit()
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    targets = block_linears(dit)
+    state: dict[str, torch.Tensor] = {}
+    for name, module in dit.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.split(".")[0] in (
+                "blocks", "transformer_blocks"):
+            a = torch.randn(rank, module.in_features, generator=gen) / module.in_features ** 0.5
+            b = scale * torch.randn(module.out_features, rank, generator=gen) / rank ** 0.5
+            state[f"{name}.lora_A.weight"] = a.to(torch_dtype)
+            state[f"{name}.lora_B.weight"] = b.to(torch_dtype)
+    from diffusers.loaders import lora_pipeline
+
+    loader = (lora_pipeline.WanLoraLoaderMixin if arch.startswith("wan")
+              else lora_pipeline.QwenImageLoraLoaderMixin)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    loader.save_lora_weights(str(path.parent), transformer_lora_layers=state,
+                             weight_name=path.name, transformer_lora_adapter_metadata={
+                                 "r": rank, "lora_alpha": rank, "target_modules": list(targets)})
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m scripts.bench.lora_kit --arch wan-14b --rank 64 --out DIR/distill.safetensors``:
+    the benchmarks' distill-shaped adapter (:func:`distill_shaped`)."""
+    import argparse
+
+    from modelkit.real import ARCHS
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--arch", choices=ARCHS, required=True)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true", help="check the arguments, write nothing")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        print(f"adapter: {args.arch} rank {args.rank} over every block's linear layers -> "
+              f"{args.out}")
+        return 0
+    path = distill_shaped(args.arch, args.out, rank=args.rank, seed=args.seed)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
