@@ -151,7 +151,7 @@ def distill_shaped(arch: str, path: Path, *, rank: int = 64, seed: int = 0,
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(seed)
     targets = block_linears(dit)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     for name, module in dit.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[0] in (
                 "blocks", "transformer_blocks"):
