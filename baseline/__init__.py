@@ -119,7 +119,9 @@ class BaselineWorker:
             offers = self.pipeline.transformer.offers() if role == Role.TRANSFORMER else {}
             self.roles[role] = self.co.on_register(
                 role, f"all/{role}", 0, self.co.config.pipeline, "",
-                loras=tuple(offers.get("loras", ())), caches=tuple(offers.get("caches", ())))
+                loras=tuple(offers.get("loras", ())), caches=tuple(offers.get("caches", ())),
+                fused=tuple((f["name"], f["strength"]) for f in offers.get("fused", ())),
+                recipe=offers.get("recipe"))
         self.report_memory()
         self.thread.start()
 
@@ -220,7 +222,7 @@ async def run_all_async(
         raise
     worker.start()
     front = FrontDoor(co, status_extra=lambda: {"rings": {}}, service="all", server=cfg.server,
-                      defaults=cfg.request_defaults)
+                      defaults=cfg.request_defaults, recipe=cfg.recipe)
     app = build_app(front)
     metrics_server = start_metrics(
         cfg, co, app, lambda: {}, None, collectors=[worker.metrics.registry], sock=ports.metrics

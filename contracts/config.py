@@ -31,6 +31,7 @@ from contracts.pipelines import (
     pipeline_name,
     task_spec,
 )
+from contracts.recipes import recipe
 from contracts.request import check_request_defaults
 from contracts.stage_options import StageOptions
 from rings.layout import RING_NAMES
@@ -271,6 +272,12 @@ class ServiceConfig:
     pipeline's own defaults: ``infer_steps``, ``height``, ``width``, ``num_frames``, ``fps``,
     ``guidance_scale``, ``true_cfg_scale``, ``max_sequence_length``, ``negative_prompt``,
     ``aspect_ratio``, ``resize_mode`` (LightX2V's model knobs land here)."""
+    recipe: str | None = None
+    """How a step-distilled model is served (:mod:`contracts.recipes`): its request defaults
+    (below ``request_defaults``), its scheduler settings, and, CFG-distilled, the refusal of
+    requests asking for guidance. E.g. ``"wan2.1-distill-4step"``,
+    ``"qwen-image-lightning-8step"``. None: the folder's own (a transformer worker reads a
+    model folder's ``diffring_recipe.json`` and reports it when it registers)."""
     mooncake: dict[str, str] = dataclasses.field(default_factory=dict)
     """Mooncake settings of this service (``protocol``, ``local_hostname``,
     ``metadata_server``, ``device_name``): below the ``MOONCAKE_*`` variables, above the
@@ -388,6 +395,14 @@ class ServiceConfig:
             check_request_defaults(self.pipeline, self.request_defaults)
         except InvalidRequestError as exc:
             raise ConfigError(f"request_defaults: {exc}") from None
+        found = recipe(self.recipe, task_spec(self.pipeline).family)
+        if found is not None:
+            # The file's own request_defaults win over the recipe's; the DiT's options carry
+            # the recipe (its scheduler, its refusal of guidance).
+            object.__setattr__(self, "request_defaults",
+                               {**found.request_defaults, **self.request_defaults})
+            object.__setattr__(self, "transformer",
+                               dataclasses.replace(self.transformer, recipe=found.name))
 
     def _check_group(self) -> None:
         """A transformer group's devices against its layout (contracts/parallel.py)."""
@@ -467,8 +482,13 @@ class ServiceConfig:
         read("server", lambda: from_mapping(ServerConfig, data.pop("server", None), "server",
                                             hints=_hints("server")))
         for role_name in STAGE_SECTIONS:
-            read(role_name, lambda r=role_name: from_mapping(StageOptions, data.pop(r, None), r,
-                                                             hints=_hints(r)))
+            section = data.pop(role_name, None)
+            if isinstance(section, Mapping) and "recipe" in section and (
+                    section["recipe"] in (None, data.get("recipe"))):
+                # A config written back: the copy of the top level's recipe.
+                section = {k: v for k, v in section.items() if k != "recipe"}
+            read(role_name, lambda r=role_name, s=section: from_mapping(
+                StageOptions, s, r, hints=_hints(r)))
         if problems:  # the sections first: the whole object needs them
             unknown = [k for k in data if k not in file_fields(cls)]
             hints = _hints("config")

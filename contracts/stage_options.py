@@ -25,6 +25,12 @@ torch's own mechanisms:
   requests may name; the most recently used stay loaded, bounded by ``lora_max_loaded`` and
   ``lora_max_mb``; with ``compile``, ``lora_max_rank`` is the rank the compiled slots hold
   (docs/lora.md). A request without adapters computes exactly what the base model does.
+  Adapters work on every weight format the stage serves (``linear: "fp8"``,
+  ``weight_storage: "fp8"``, ``offload``): :mod:`workers.models.dit.lora_layers` says how.
+* ``lora_fuse`` (transformer): adapters of ``lora_dir`` merged into the DiT's weights once at
+  load, before any FP8 conversion, at their strengths (``[{"name": ..., "strength": ...}]``):
+  a distilled deployment's adapter at no cost per step. Lossless up to float rounding of the
+  merge; requests cannot name them (they are always on) but may add others.
 * ``cache`` (transformer): the default step cache of the worker's requests (``{"kind":
   ..., <parameters>}`` in diffusers' names, :mod:`contracts.dit_request`). Lossy.
 * ``checkpoint_every_s`` / ``checkpoint_every_steps`` (transformer): the denoising loop's
@@ -43,10 +49,11 @@ The attention kernel (``attention_backend``, e.g. ``"fp8_cudnn"``), ``compile``,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Final
 
-from contracts.dit_request import CacheSpec, parse_cache
+from contracts.dit_request import CacheSpec, LoraRef, parse_cache, parse_loras
 from contracts.errors import ConfigError, InvalidRequestError
 from contracts.parallel import ParallelLayout
 
@@ -55,7 +62,7 @@ __all__ = ["LINEAR_MODES", "OFFLOAD_MODES", "WEIGHT_STORAGE", "StageOptions"]
 WEIGHT_STORAGE: Final[tuple[str, ...]] = ("dtype", "fp8")
 OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
 LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
-_TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "lora_dir", "lora_max_loaded",
+_TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "lora_dir", "lora_fuse", "lora_max_loaded",
                      "lora_max_mb", "lora_max_rank", "cache", "parallel", "group_timeout_s",
                      "group_restarts", "checkpoint_every_s", "checkpoint_every_steps",
                      "flow_shift")
@@ -88,6 +95,10 @@ class StageOptions:
     lora_dir: str | None = None
     """Transformer: local folder of LoRA adapters, one ``<name>.safetensors`` each
     (diffusers' format or a format diffusers' loader converts); None: no adapters."""
+    lora_fuse: tuple[dict[str, Any], ...] = ()
+    """Transformer: adapters of ``lora_dir`` merged into the weights at load (``{"name":
+    ..., "strength": 1.0}`` each, at most 4), before FP8 storage or FP8 linear layers are
+    applied: no cost per step. Requests may add other adapters on top."""
     lora_max_loaded: int = 4
     """Transformer: adapters kept loaded at most (least recently used first out)."""
     lora_max_mb: int = 4096
@@ -123,6 +134,10 @@ class StageOptions:
     checkpoint_every_steps: int | None = None
     """Transformer: checkpoint every this many denoising steps (see ``checkpoint_every_s``;
     with both set, whichever comes first)."""
+    recipe: str | None = dataclasses.field(default=None, metadata={"from_file": False})
+    """Transformer: the service's ``recipe`` (:mod:`contracts.recipes`), set from the
+    file's top-level key by the config reader: the DiT's scheduler settings and whether it
+    refuses guidance (a CFG-distilled model)."""
     flow_shift: float | None = None
     """Transformer, Wan: the UniPC scheduler's ``flow_shift`` instead of the one in the
     folder's scheduler config (diffusers' way of changing it: the scheduler built with
@@ -174,15 +189,13 @@ class StageOptions:
             raise ConfigError("lora_max_loaded and lora_max_mb must be at least 1")
         if self.lora_max_rank is not None and self.lora_max_rank < 1:
             raise ConfigError(f"lora_max_rank must be at least 1, got {self.lora_max_rank}")
-        if self.lora_dir is not None:
-            # PEFT wraps nn.Linear layers: torchao's FP8 layers and offloaded groups (moved in
-            # by hooks) are not wrapped, so the adapter would be silently wrong or absent.
-            clash = [f"{name} {getattr(self, name)!r}" for name, off in
-                     (("linear", "dtype"), ("offload", "none"), ("weight_storage", "dtype"))
-                     if getattr(self, name) != off]
-            if clash:
-                raise ConfigError(f"lora_dir cannot be combined with {', '.join(clash)} (not "
-                                  "supported yet); drop one of them")
+        try:
+            fused = self.fused
+        except InvalidRequestError as exc:
+            raise ConfigError(f"lora_fuse: {exc}") from None
+        if fused and self.lora_dir is None:
+            raise ConfigError("lora_fuse names adapters of lora_dir: set lora_dir to the folder "
+                              "that holds them")
         try:
             parse_cache(self.cache, "cache")
         except InvalidRequestError as exc:
@@ -213,6 +226,11 @@ class StageOptions:
     def default_cache(self) -> CacheSpec | None:
         """The parsed ``cache`` option."""
         return parse_cache(self.cache, "cache")
+
+    @property
+    def fused(self) -> tuple[LoraRef, ...]:
+        """The parsed ``lora_fuse``: the adapters merged into the weights at load."""
+        return parse_loras(list(self.lora_fuse))
 
     @property
     def layout(self) -> ParallelLayout:

@@ -230,7 +230,7 @@ async def run_controller_async(
             "checkpoints": checkpoints.summary() if checkpoints is not None else None,
             "priorities": dict(co.priorities.counts)},
                           service="controller", server=cfg.server,
-                          defaults=cfg.request_defaults)
+                          defaults=cfg.request_defaults, recipe=cfg.recipe)
         app = build_app(front)
         if images is not None:  # start the decoding processes before the first image
             await asyncio.get_running_loop().run_in_executor(None, front.decoder.start)

@@ -308,6 +308,8 @@ class ControlServer:
                 str(msg.get("segment", "")),
                 loras=_names(msg.get("loras")),
                 caches=_names(msg.get("caches")),
+                fused=_fused(msg.get("fused")),
+                recipe=_opt_str(msg.get("recipe")),
                 checkpoints=msg.get("checkpoints") is True,
             )
             return {
@@ -382,6 +384,17 @@ def _names(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"expected a list of names, got {value!r}")
     return tuple(value)
+
+
+def _fused(value: Any) -> tuple[tuple[str, float], ...]:
+    """A register message's fused adapters (``[{name, strength}]``); absent: none."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+            isinstance(v, dict) and isinstance(v.get("name"), str)
+            and isinstance(v.get("strength"), int | float) for v in value):
+        raise ValueError(f"expected a list of {{name, strength}}, got {value!r}")
+    return tuple((str(v["name"]), float(v["strength"])) for v in value)
 
 
 def _opt_str(value: Any) -> str | None:

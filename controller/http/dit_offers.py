@@ -1,16 +1,21 @@
-"""The front door's view of what the DiT workers serve: LoRA adapters and step caches.
+"""The front door's view of what the DiT workers serve: LoRA adapters, step caches, the
+adapters fused into their weights, and their recipe.
 
-Transformer workers report their ``lora_dir``'s adapters and the cache kinds their model
-runs when they register (:class:`~controller.ownership.registry.WorkerRegistry`); a request
-naming an adapter none of them has, or a cache kind none of them runs, is refused here (422, listing
-what is on offer) rather than failed later by a worker. While no transformer worker is
-registered nothing can be judged: the request is queued and the worker that takes it checks.
+Transformer workers report their ``lora_dir``'s adapters, the cache kinds their model runs,
+their fused adapters and their recipe when they register
+(:class:`~controller.ownership.registry.WorkerRegistry`); a request naming an adapter none of
+them has, an adapter they run fused (every request gets it), or a cache kind none of them
+runs, is refused here (422, listing what is on offer) rather than failed later by a worker.
+While no transformer worker is registered nothing can be judged: the request is queued and
+the worker that takes it checks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from contracts.errors import ConfigError
+from contracts.recipes import Recipe, recipe
 from contracts.request import GenerationRequest
 from controller.http.schemas import TaskRequest, http_error
 from controller.ownership.registry import WorkerRegistry
@@ -35,11 +40,21 @@ def lora_fields(body: TaskRequest) -> dict[str, Any]:
 
 
 def check_offers(req: GenerationRequest,
-                 offers: tuple[dict[str, list[str]], set[str]] | None) -> None:
-    """422 for an adapter or cache kind no registered DiT worker serves."""
+                 offers: tuple[dict[str, list[str]], set[str]] | None,
+                 fused: dict[str, list[tuple[str, float]]] | None = None) -> None:
+    """422 for an adapter or cache kind no registered DiT worker serves, or an adapter they
+    run fused."""
     if offers is None:
         return
     loras, caches = offers
+    always = [r.name for r in req.loras if r.name not in loras and r.name in (fused or {})]
+    if always:
+        assert fused is not None
+        worker, strength = fused[always[0]][0]
+        raise http_error(
+            422, f"LoRA adapter {', '.join(always)} is fused into the transformer workers' "
+                 f"weights ({worker}: strength {strength:g}): every request gets it; send the "
+                 "request without it (GET /v1/loras)")
     missing = [r.name for r in req.loras if r.name not in loras]
     if missing:
         raise http_error(
@@ -53,12 +68,28 @@ def check_offers(req: GenerationRequest,
                  "(GET /v1/loras)")
 
 
+def workers_recipe(registry: WorkerRegistry) -> Recipe | None:
+    """The recipe the registered transformer workers declare, when they all declare the same
+    one (None: none registered, none declared, or they differ)."""
+    names = registry.dit_recipes()
+    if len(names) != 1:
+        return None
+    (name,) = names
+    try:
+        return recipe(name)
+    except ConfigError:  # a worker of a newer build naming a recipe this one does not know
+        return None
+
+
 def listing(registry: WorkerRegistry) -> dict[str, Any]:
-    """``GET /v1/loras``: the adapters on offer, who serves each, and the cache kinds."""
+    """``GET /v1/loras``: the adapters on offer, who serves each, the cache kinds, and the
+    adapters fused into the workers' weights."""
     offers = registry.dit_offers()
     loras, caches = offers if offers is not None else ({}, set())
     return {
         "loras": [{"name": name, "workers": workers} for name, workers in loras.items()],
+        "fused": [{"name": name, "workers": [{"worker": w, "strength": s} for w, s in held]}
+                  for name, held in registry.dit_fused().items()],
         "caches": sorted(caches),
         "transformer_workers": sum(1 for w in registry if w.role == "transformer"),
     }

@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import HTTPException
 
+from contracts import recipes
 from contracts.config import ServerConfig
 from contracts.errors import InvalidRequestError, PayloadTooLarge, TransferError
 from contracts.input_images import pack_images
@@ -63,6 +64,7 @@ class FrontDoor:
         server: ServerConfig | None = None,
         decoder: ImageDecoder | None = None,
         defaults: Mapping[str, Any] | None = None,
+        recipe: str | None = None,
     ) -> None:
         self.co = coordinator
         self.pipeline = coordinator.config.pipeline
@@ -71,7 +73,9 @@ class FrontDoor:
         self.server = server or ServerConfig()
         self.defaults: Mapping[str, Any] = defaults or {}
         """The service's ``request_defaults``: what a request that leaves a field unset gets
-        (LightX2V's model knobs; :mod:`controller.http.sizes`)."""
+        (LightX2V's model knobs; :mod:`controller.http.sizes`), its recipe's included."""
+        self.recipe = recipes.recipe(recipe)
+        """The service's recipe (None: the one its transformer workers declare, if any)."""
         self.decoder = decoder or ImageDecoder()
         """Input images are decoded in worker processes (:mod:`controller.http.decoding`)."""
         # Staging and store look-ups run here, off the event loop.
@@ -108,11 +112,17 @@ class FrontDoor:
             if body.target_fps is not None:
                 fields["fps"] = body.target_fps
         plain_defaults(fields, self.defaults)
+        # A recipe the DiT workers declare (their model folder's) fills what is still unset.
+        recipe = self.recipe or dit_offers.workers_recipe(self.co.registry)
+        if recipe is not None and self.recipe is None:
+            plain_defaults(fields, recipe.request_defaults)
         try:
             req = GenerationRequest.from_dict(fields)
+            recipes.check_guidance(recipe, req.guidance_scale, req.true_cfg_scale)
         except (InvalidRequestError, TypeError) as exc:
             raise http_error(422, str(exc)) from None
-        check_offers(req, self.co.registry.dit_offers())
+        registry = self.co.registry
+        check_offers(req, registry.dit_offers(), registry.dit_fused())
         return req.to_dict()
 
     async def create_task(self, body: TaskRequest, kind: str) -> Task:

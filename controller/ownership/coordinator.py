@@ -327,10 +327,12 @@ class Coordinator:
     # -- control channel -------------------------------------------------------------------
     def on_register(
         self, role: str, name: str, pid: int, pipeline: str, segment: str, *,
-        loras: tuple[str, ...] = (), caches: tuple[str, ...] = (), checkpoints: bool = False,
+        loras: tuple[str, ...] = (), caches: tuple[str, ...] = (),
+        fused: tuple[tuple[str, float], ...] = (), recipe: str | None = None,
+        checkpoints: bool = False,
     ) -> WorkerInfo:
         info = self.registry.register(role, name, pid, pipeline, segment, self.clock(),
-                                      loras=loras, caches=caches,
+                                      loras=loras, caches=caches, fused=fused, recipe=recipe,
                                       checkpoints=checkpoints and self.checkpoints is not None)
         log.info("worker %d registered: %s %s pid=%d segment=%s", info.worker_id, role, name,
                  pid, segment)

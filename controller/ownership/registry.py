@@ -35,6 +35,11 @@ class WorkerInfo:
     """A transformer worker's LoRA adapters (its ``lora_dir``'s files at registration)."""
     caches: tuple[str, ...] = ()
     """The step-cache kinds a transformer worker's model runs."""
+    fused: tuple[tuple[str, float], ...] = ()
+    """A transformer worker's adapters merged into its weights (name, strength): every
+    request it serves gets them."""
+    recipe: str | None = None
+    """A transformer worker's recipe (contracts/recipes.py), if any."""
     stats: dict[str, float] = field(default_factory=dict)
     """What its last heartbeat reported (a model stage: resident and peak GPU bytes)."""
     checkpoints: bool = False
@@ -52,7 +57,8 @@ class WorkerInfo:
             "current_tasks": sorted(self.tasks),
             "segment": self.segment,
             **({"loras": list(self.loras), "caches": list(self.caches),
-                "checkpoints": self.checkpoints}
+                "fused": [{"name": n, "strength": w} for n, w in self.fused],
+                "recipe": self.recipe, "checkpoints": self.checkpoints}
                if self.role == Role.TRANSFORMER else {}),
             "stats": dict(self.stats),
         }
@@ -69,6 +75,7 @@ class WorkerRegistry:
 
     def register(self, role: str, name: str, pid: int, pipeline: str, segment: str,
                  now: float, *, loras: tuple[str, ...] = (), caches: tuple[str, ...] = (),
+                 fused: tuple[tuple[str, float], ...] = (), recipe: str | None = None,
                  checkpoints: bool = False) -> WorkerInfo:
         """A new worker (ids are never reused), or ControlError saying why not."""
         if pipeline != self.pipeline:
@@ -81,7 +88,8 @@ class WorkerRegistry:
         except ValueError:
             raise ControlError(f"unknown worker role {role!r}") from None
         info = WorkerInfo(self._next, known, name, pid, segment, pipeline, heard_at=now,
-                          loras=tuple(loras), caches=tuple(caches), checkpoints=checkpoints)
+                          loras=tuple(loras), caches=tuple(caches), fused=tuple(fused),
+                          recipe=recipe, checkpoints=checkpoints)
         self._workers[info.worker_id] = info
         self._next += 1
         return info
@@ -132,6 +140,20 @@ class WorkerRegistry:
             for name in w.loras:
                 loras.setdefault(name, []).append(w.name)
         return dict(sorted(loras.items())), {k for w in dits for k in w.caches}
+
+    def dit_fused(self) -> dict[str, list[tuple[str, float]]]:
+        """Adapters fused into registered transformer workers' weights: name -> (worker,
+        strength) of each worker that has it."""
+        out: dict[str, list[tuple[str, float]]] = {}
+        for w in self:
+            if w.role == Role.TRANSFORMER:
+                for name, strength in w.fused:
+                    out.setdefault(name, []).append((w.name, strength))
+        return dict(sorted(out.items()))
+
+    def dit_recipes(self) -> set[str | None]:
+        """The recipes of the registered transformer workers (None: a worker without)."""
+        return {w.recipe for w in self if w.role == Role.TRANSFORMER}
 
     def by_role(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {role.value: [] for role in Role}

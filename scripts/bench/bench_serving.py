@@ -332,6 +332,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(a mode, a kind or a tag; none: all), KEY dotted for a section's, "
                          "e.g. --set cfg_batch=true --set 24g:encoder.max_vram_gb=24 "
                          "--set 'baseline:transformer.offload=\"block\"'")
+    ap.add_argument("--body", action="append", default=[], metavar="[SELECTOR:]KEY=JSON",
+                    help="a request field of the modes SELECTOR names (all without one), e.g. "
+                         "'lora:loras=[{\"name\": \"distill\"}]' (the --set syntax)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_serving")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--start-timeout", type=float, default=900)
@@ -358,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = modes_.parse_modes(args.modes)
     settings = [modes_.parse_set(item) for item in args.set]
     modes_.check_selectors(settings, modes)
+    fields = [modes_.parse_set(item) for item in args.body]
+    modes_.check_selectors(fields, modes)
     ratios = modes_.parse_ratios(args.ratios, modes)
     g = len(plan.devices)
     if args.arch:
@@ -379,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     levels = list(zip(conc, reqs, strict=True))
     base = {"device": device, "dtype": dtype}
     overrides = {m.name: modes_.settings_for(m.name, m.matches, settings, base) for m in modes}
+    extra = {m.name: modes_.settings_for(m.name, m.matches, fields) for m in modes}
     if args.dry_run:
-        return modes_.dry_run(args, modes, overrides, ratios)
+        return modes_.dry_run(args, modes, overrides, ratios, extra)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
@@ -394,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode.name}-cfg-", dir=args.workdir))
         cfg = group_config(args.pipeline, str(model), workdir, **overrides[mode.name])
         try:
-            res = run_mode(mode, args, cfg, body, levels, log_dir, plan)
+            res = run_mode(mode, args, cfg, {**body, **extra[mode.name]}, levels, log_dir,
+                           plan)
         except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
             # One mode's failure (out of memory under its cap, a service that exits) must not
             # lose the other modes' rows: it is reported, and the run exits with status 1.

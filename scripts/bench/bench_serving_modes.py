@@ -152,8 +152,20 @@ def parse_ratios(spec: str | None, modes: list[Mode]) -> list[tuple[str, str]]:
     return pairs
 
 
+def _check_body(pipeline: str, body: Mapping[str, Any], mode: str) -> None:
+    """A mode's request fields through the request's own checks (adapters, cache, sizes)."""
+    from contracts.errors import InvalidRequestError
+    from contracts.request import GenerationRequest
+
+    try:
+        GenerationRequest.from_dict({"task": pipeline, "prompt": "dry run", **body})
+    except (InvalidRequestError, TypeError) as exc:
+        raise SystemExit(f"mode {mode}: its request fields are refused: {exc}") from None
+
+
 def dry_run(args: argparse.Namespace, modes: list[Mode], overrides: dict[str, dict[str, Any]],
-            ratios: list[tuple[str, str]]) -> int:
+            ratios: list[tuple[str, str]],
+            bodies: Mapping[str, Mapping[str, Any]] | None = None) -> int:
     """Each mode's settings, checked by the services' own config parser; nothing starts."""
     model = args.model_path or (arch_folder(args) if args.arch else args.models / args.pipeline)
     workdir = Path(tempfile.mkdtemp(prefix="bench-dry-run-"))
@@ -162,6 +174,10 @@ def dry_run(args: argparse.Namespace, modes: list[Mode], overrides: dict[str, di
             cfg = group_config(args.pipeline, str(model), workdir, **overrides[mode.name])
             check_service_config(cfg, mode.name)
             print(f"{mode.name}: {json.dumps(overrides[mode.name], sort_keys=True)}")
+            body = (bodies or {}).get(mode.name)
+            if body:
+                _check_body(args.pipeline, body, mode.name)
+                print(f"{mode.name} requests: {json.dumps(body, sort_keys=True)}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"model: {model}" + ("" if args.model_path or not args.arch else " (built if missing)"))

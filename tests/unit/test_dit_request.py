@@ -67,8 +67,13 @@ def test_request_fields_round_trip_and_refusals() -> None:
 
 def test_stage_options_refuse_what_cannot_work() -> None:
     StageOptions(lora_dir="/x", cache={"kind": "first_block_cache"}).check_role("transformer")
-    for kw, message in [({"lora_dir": "/x", "offload": "block"}, "offload 'block'"),
-                        ({"lora_dir": "/x", "weight_storage": "fp8"}, "weight_storage"),
+    # Adapters work on every weight format (issue 33): these combine now.
+    for kw in ({"offload": "block"}, {"weight_storage": "fp8"}, {"linear": "fp8"}):
+        StageOptions(lora_dir="/x", **kw)
+    for kw, message in [({"lora_fuse": ({"name": "a"},)}, "lora_fuse names adapters of lora_dir"),
+                        ({"lora_dir": "/x", "lora_fuse": ({"name": "../a"},)}, "lora_fuse: "),
+                        ({"lora_dir": "/x", "lora_fuse": ({"name": "a", "strength": 9},)},
+                         "between -4 and 4"),
                         ({"cache": {"kind": "nope"}}, "cache.kind must be one of"),
                         ({"lora_max_loaded": 0}, "at least 1")]:
         with pytest.raises(ConfigError, match=message):

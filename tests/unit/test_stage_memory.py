@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.bench import planned_commands
 from tests.support.paths import ROOT
 
 # -- the published sizes --------------------------------------------------------------------
@@ -291,27 +291,7 @@ def test_bench_serving_capped_modes_on_cpu(tiny_models: Path, tmp_path: Path) ->
             "encoder": 0.0, "transformer": 0.0, "decoder": 0.0}, res["mode"]
 
 
-# -- the planned GPU commands -----------------------------------------------------------------
-
-def planned_commands(heading: str = "## Serving under 24 GiB caps (issue 20)",
-                     doc: str = "docs/benchmarks.md") -> list[list[str]]:
-    """The benchmark commands of one section of ``doc`` (by default the issue-20 runs of
-    docs/benchmarks.md), as argument lists. The section ends at the next heading of its
-    level or above."""
-    text = (ROOT / doc).read_text()
-    section = text.split(heading, 1)[1]
-    level = heading.split(" ", 1)[0]
-    section = re.split(rf"\n#{{1,{len(level)}}} ", section, maxsplit=1)[0]
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            while words and "=" in words[0] and not words[0].startswith("-"):
-                words.pop(0)  # leading VAR=value assignments
-            if words[:2] == ["python3", "-m"] and words[2].startswith("scripts.bench."):
-                commands.append(words[2:])
-    return commands
-
+# -- the planned GPU commands (tests/support/bench.py's planned_commands reads them) --------------
 
 def test_planned_gpu_commands_parse_and_their_configs_are_accepted(
         capsys: pytest.CaptureFixture[str]) -> None:

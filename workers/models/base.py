@@ -189,6 +189,19 @@ class TransformerAdapter(StageAdapter):
         self.compile = compile
         self.cfg_batch = cfg_batch
 
+    def _resolve_settings(self) -> None:
+        super()._resolve_settings()
+        if self.options.fused:  # merged into the DiT's weights before they are placed
+            import dataclasses
+
+            self.placement = dataclasses.replace(self.placement, before=self._fuse)
+
+    def _fuse(self, model: Any) -> None:
+        from .dit.lora import fuse
+
+        assert self.options.lora_dir is not None  # StageOptions requires it with lora_fuse
+        fuse(model, self.spec.family, Path(self.options.lora_dir), self.options.fused)
+
     def load(self) -> None:
         if self._loaded:
             return
@@ -210,7 +223,8 @@ class TransformerAdapter(StageAdapter):
             from .dit.dit_requests import RequestOptions
 
             self.requests = RequestOptions(self.transformer, self.spec.family, self.task,
-                                           self.options, self.compile)
+                                           self.options, self.compile,
+                                           self.recipe_name())
         if self.compile:
             # Blocks only: the embeddings and RoPE tables around them change shape with the
             # request and are cheap; dynamic=None lets a second text length turn that
@@ -277,10 +291,35 @@ class TransformerAdapter(StageAdapter):
         with self.requests.scope(req) if self.requests else contextlib.nullcontext():
             return self._denoise(req, tensors, on_step, should_stop, loop)
 
-    def offers(self) -> dict[str, list[str]]:
-        """What requests may ask of this stage (its adapters, its cache kinds)."""
+    def offers(self) -> dict[str, Any]:
+        """What requests may ask of this stage (its adapters, its cache kinds), what it
+        always runs (its fused adapters) and its recipe (:mod:`contracts.recipes`)."""
         r = self.requests
-        return {"loras": r.lora_names(), "caches": r.cache_kinds()} if r else {}
+        if r is None:
+            return {}
+        return {"loras": r.lora_names(), "caches": r.cache_kinds(),
+                "fused": [f.to_dict() for f in self.options.fused],
+                "recipe": r.recipe.name if r.recipe is not None else None}
+
+    def scheduler_overrides(self) -> dict[str, Any]:
+        """Scheduler config values replacing the folder's: ``transformer.flow_shift``, else
+        the recipe's settings (Wan's shift, Qwen-Image-Lightning's scheduler)."""
+        from contracts.recipes import recipe
+
+        found = recipe(self.recipe_name(), self.spec.family)
+        out: dict[str, Any] = dict(found.scheduler) if found is not None else {}
+        shift = self.options.flow_shift or (found.flow_shift if found is not None else None)
+        if shift is not None:
+            out["flow_shift"] = shift
+        return out
+
+    def recipe_name(self) -> str | None:
+        """The service's recipe, else the one the model folder declares."""
+        from contracts.recipes import folder_recipe, recipe
+
+        name = self.options.recipe or folder_recipe(self.model_dir)
+        recipe(name, self.spec.family)  # one for the other family is refused here
+        return name
 
     @abstractmethod
     def _denoise(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor],

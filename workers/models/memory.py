@@ -20,7 +20,7 @@ import contextlib
 import json
 import re
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,9 @@ class Placement:
     device: torch.device
     dtype: torch.dtype
     options: StageOptions = field(default_factory=StageOptions)
+    before: Callable[[Any], None] | None = None
+    """Work on a loaded model before its options are applied (the DiT's fused adapters,
+    merged into the weights before FP8 storage or offload see them)."""
 
     @property
     def load_device(self) -> torch.device:
@@ -76,6 +79,8 @@ def _is_diffusers(model: Any) -> bool:
 def place(model: Any, placement: Placement) -> Any:
     """Apply FP8 storage and offload to a model built on ``placement.load_device``, then put
     what stays resident on the stage's device. With every option off: ``model.to(device)``."""
+    if placement.before is not None:
+        placement.before(model)
     opts = placement.options
     if opts.weight_storage == "fp8":
         if _is_diffusers(model):

@@ -1,5 +1,6 @@
 """What a DiT stage sets up around one request's denoising loop: its LoRA adapters
-(:mod:`workers.models.dit.lora`) and its step cache (:mod:`workers.models.dit.step_cache`).
+(:mod:`workers.models.dit.lora`) and its step cache (:mod:`workers.models.dit.step_cache`),
+and what it refuses first (guidance on a CFG-distilled recipe: :mod:`contracts.recipes`).
 
 :meth:`RequestOptions.scope` wraps the whole loop from outside (the loop body knows nothing
 of either): inside, the request's adapters are active at their strengths and its cache's
@@ -15,10 +16,11 @@ from typing import Any
 
 from contracts.dit_request import MAX_LORAS, CacheSpec
 from contracts.errors import AdapterError, InvalidRequestError
+from contracts.recipes import check_guidance, recipe
 from contracts.request import GenerationRequest
 from contracts.stage_options import StageOptions
 
-from .lora import HotswapSlots, LoraLibrary
+from .lora import HotswapSlots, LoraLibrary, scan
 from .step_cache import cache_enabled, check_kind, supported_kinds
 
 
@@ -26,8 +28,10 @@ class RequestOptions:
     """The request-level options of one loaded DiT."""
 
     def __init__(self, transformer: Any, family: str, task: str, options: StageOptions,
-                 compiled: bool) -> None:
+                 compiled: bool, recipe_name: str | None = None) -> None:
         self.transformer = transformer
+        self.recipe = recipe(recipe_name, family)
+        self.fused = {r.name for r in options.fused}
         self.family = family
         self.task = task
         self.compiled = compiled
@@ -40,16 +44,19 @@ class RequestOptions:
         if self.default_cache is not None:
             check_kind(family, self.model, self.default_cache.kind)
         self.loras: LoraLibrary | HotswapSlots | None = None
-        if options.lora_dir is not None:
-            folder = Path(options.lora_dir)
+        folder = Path(options.lora_dir) if options.lora_dir is not None else None
+        # A folder holding only the fused adapters offers none per request: no library, so a
+        # compiled worker compiles no slots (a distilled deployment pays nothing per step).
+        if folder is not None and not (self.fused and set(scan(folder)) <= self.fused):
             if compiled:
                 self.loras = HotswapSlots(transformer, family, folder, task,
                                           min(options.lora_max_loaded, MAX_LORAS),
-                                          options.lora_max_rank)
+                                          options.lora_max_rank, options.fused)
                 self.loras.prepare()  # before the compile: the slots are part of the graph
             else:
                 self.loras = LoraLibrary(transformer, family, folder, task,
-                                         options.lora_max_loaded, options.lora_max_mb << 20)
+                                         options.lora_max_loaded, options.lora_max_mb << 20,
+                                         options.fused)
 
     def lora_names(self) -> list[str]:
         return self.loras.names() if self.loras is not None else []
@@ -81,6 +88,12 @@ class RequestOptions:
 
     @contextlib.contextmanager
     def scope(self, req: GenerationRequest) -> Iterator[None]:
+        check_guidance(self.recipe, req.guidance_scale, req.true_cfg_scale)
+        fused = [r.name for r in req.loras if r.name in self.fused]
+        if fused:
+            raise AdapterError(f"adapter {', '.join(fused)} is fused into this worker's "
+                               "weights (transformer.lora_fuse): every request gets it; send "
+                               "the request without it")
         if req.loras and self.loras is None:
             raise AdapterError(
                 f"this transformer worker has no LoRA adapters (transformer.lora_dir unset); "

@@ -30,6 +30,11 @@ into it: a request that starts while a file is half written reads half a file.
 A file that cannot be read, is not a LoRA checkpoint, or whose keys match nothing in the DiT
 fails the request that named it (:class:`~contracts.errors.AdapterError`, naming the file);
 the worker serves the next request as if it had never been asked.
+
+Every weight format works under the adapters (FP8 linear layers, FP8 storage, offload:
+:mod:`workers.models.dit.lora_layers`). Adapters named in ``transformer.lora_fuse`` are
+merged into the weights once at load instead (:func:`fuse`), before FP8 storage, offload or
+FP8 linear layers are applied, and are not offered per request.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import torch
 
 from contracts.dit_request import LORA_NAME_RE, LoraRef
 from contracts.errors import AdapterError, ModelLoadError
+
+from ..lora_layers import adapter_bytes, prepare, regroup
 
 log = logging.getLogger("diffring.lora")
 
@@ -124,22 +131,32 @@ def _lora_layers(transformer: Any) -> list[tuple[str, Any]]:
 class _Library:
     """What both kinds share: the folder, the loader, the request's files."""
 
-    def __init__(self, transformer: Any, family: str, folder: Path, task: str) -> None:
+    def __init__(self, transformer: Any, family: str, folder: Path, task: str,
+                 fused: Sequence[LoraRef] = ()) -> None:
         if not folder.is_dir():
             raise ModelLoadError(f"transformer.lora_dir {folder} is not a folder")
         self.transformer = transformer
         self.loader = loader_for(family)
         self.folder = folder
         self.task = task
+        self.fused = {r.name: r.strength for r in fused}
+        """Adapters merged into the weights at load (not offered per request)."""
+        prepare(transformer)
         self.read_as: dict[str, Signature] = {}
         """Per loaded adapter (by its name in the DiT), the file's signature when read."""
 
     def names(self) -> list[str]:
-        """The adapters requests may name (the folder's contents now)."""
-        return sorted(scan(self.folder))
+        """The adapters requests may name (the folder's contents now, less the fused)."""
+        return sorted(n for n in scan(self.folder) if n not in self.fused)
 
     def files(self, refs: Sequence[LoraRef]) -> list[Path]:
-        found = scan(self.folder)
+        fused = [r.name for r in refs if r.name in self.fused]
+        if fused:
+            raise AdapterError(
+                f"adapter {', '.join(map(repr, fused))} is fused into this worker's weights "
+                f"(transformer.lora_fuse, strength {self.fused[fused[0]]:g}): every request "
+                "gets it; send the request without it")
+        found = {n: p for n, p in scan(self.folder).items() if n not in self.fused}
         missing = [r.name for r in refs if r.name not in found]
         if missing:
             raise AdapterError(
@@ -163,6 +180,9 @@ class _Library:
             what = "cannot be hot-swapped into the compiled slots" if hotswap else \
                 "does not fit this model"
             raise AdapterError(f"adapter {name!r} ({path}) {what}: {exc}") from None
+        finally:
+            if not hotswap:  # new layers (also those a failed load leaves): into the groups
+                regroup(self.transformer)
         if adapter_name not in getattr(self.transformer, "peft_config", {}):
             raise AdapterError(f"adapter {name!r} ({path}): none of its keys match a layer "
                                f"of the {self.task} DiT (is it for another model?)")
@@ -184,8 +204,8 @@ class LoraLibrary(_Library):
     """Adapters loaded by name, the most recently used kept (eager DiT)."""
 
     def __init__(self, transformer: Any, family: str, folder: Path, task: str,
-                 max_loaded: int, max_bytes: int) -> None:
-        super().__init__(transformer, family, folder, task)
+                 max_loaded: int, max_bytes: int, fused: Sequence[LoraRef] = ()) -> None:
+        super().__init__(transformer, family, folder, task, fused)
         self.max_loaded = max_loaded
         self.max_bytes = max_bytes
         self.loaded: OrderedDict[str, int] = OrderedDict()
@@ -218,8 +238,7 @@ class LoraLibrary(_Library):
             del self.loaded[name]
         self._evict(keep, room_for=1)
         self.load(name, path, name)
-        size = sum(p.numel() * p.element_size() for n, p in self.transformer.named_parameters()
-                   if ".lora_" in n and n.endswith(f".{name}.weight"))
+        size = adapter_bytes(self.transformer, name)
         self.loaded[name] = size
         log.info("adapter %s loaded from %s (%.1f MiB; %d loaded)", name, path, size / 2**20,
                  len(self.loaded))
@@ -243,8 +262,8 @@ class HotswapSlots(_Library):
     """Fixed adapter slots in a DiT that is then compiled: requests swap weights in."""
 
     def __init__(self, transformer: Any, family: str, folder: Path, task: str,
-                 slots: int, rank: int | None) -> None:
-        super().__init__(transformer, family, folder, task)
+                 slots: int, rank: int | None, fused: Sequence[LoraRef] = ()) -> None:
+        super().__init__(transformer, family, folder, task, fused)
         self.rank = rank or self._largest_rank()
         self.slots = [f"diffring_slot{i}" for i in range(slots)]
         self.held: list[str | None] = [None] * slots
@@ -255,7 +274,8 @@ class HotswapSlots(_Library):
         """Per slot, each layer's scaling of the held adapter at strength 1 (alpha / r)."""
 
     def _largest_rank(self) -> int:
-        return max([file_rank(p) for p in scan(self.folder).values()] or [1])
+        return max([file_rank(p) for n, p in scan(self.folder).items() if n not in self.fused]
+                   or [1])
 
     def prepare(self) -> None:
         """Before compiling: one zero adapter per slot over every linear layer, padded to
@@ -263,14 +283,20 @@ class HotswapSlots(_Library):
         zero: dict[str, torch.Tensor] = {}
         for name, module in self.transformer.named_modules():
             if isinstance(module, torch.nn.Linear):
+                # Plain zeros in the dtype the layer computes in: an FP8 layer's weight is a
+                # float8 tensor (subclass), whose like-made tensors would be float8 too.
                 w = module.weight
-                zero[f"transformer.{name}.lora_A.weight"] = w.new_zeros(self.rank, w.shape[1])
-                zero[f"transformer.{name}.lora_B.weight"] = w.new_zeros(w.shape[0], self.rank)
+                dtype: torch.dtype = getattr(module, "compute_dtype", w.dtype)
+                zero[f"transformer.{name}.lora_A.weight"] = torch.zeros(
+                    self.rank, module.in_features, dtype=dtype, device=w.device)
+                zero[f"transformer.{name}.lora_B.weight"] = torch.zeros(
+                    module.out_features, self.rank, dtype=dtype, device=w.device)
         for i, slot in enumerate(self.slots):
             self.transformer.enable_lora_hotswap(target_rank=self.rank,
                                                  check_compiled="ignore" if i else "error")
             self.loader.load_lora_into_transformer(dict(zero), transformer=self.transformer,
                                                    adapter_name=slot)
+        regroup(self.transformer)
         for _, layer in _lora_layers(self.transformer):
             layer.set_adapter(self.slots)
         self._scale({})
@@ -337,3 +363,40 @@ class HotswapSlots(_Library):
             yield
         finally:
             self.disable()
+
+
+def fuse(transformer: Any, family: str, folder: Path, refs: Sequence[LoraRef]) -> None:
+    """Merge the adapters ``refs`` of ``folder`` into ``transformer``'s weights at their
+    strengths and remove their layers (diffusers' ``set_adapters`` + ``fuse_lora`` +
+    ``unload_lora``): the DiT is then a plain model whose weights include them. Runs at load,
+    before FP8 storage, offload or FP8 linear layers are applied, so that those see the merged
+    weights; a file that is missing or does not fit stops the worker's start."""
+    if not refs:
+        return
+    if not folder.is_dir():
+        raise ModelLoadError(f"transformer.lora_dir {folder} is not a folder")
+    loader = loader_for(family)
+    found = scan(folder)
+    missing = [r.name for r in refs if r.name not in found]
+    if missing:
+        raise ModelLoadError(f"transformer.lora_fuse: no adapter {', '.join(missing)} in "
+                             f"{folder} (it holds {', '.join(found) or 'none'})")
+    from diffusers.loaders.lora_pipeline import _LOW_CPU_MEM_USAGE_DEFAULT_LORA
+
+    names = [f"fused_{r.name}" for r in refs]
+    for ref, adapter_name in zip(refs, names, strict=True):
+        try:
+            state, metadata = read_adapter(loader, transformer, ref.name, found[ref.name])
+            loader.load_lora_into_transformer(
+                state, transformer=transformer, adapter_name=adapter_name, metadata=metadata,
+                low_cpu_mem_usage=_LOW_CPU_MEM_USAGE_DEFAULT_LORA)
+        except Exception as exc:  # AdapterError, PEFT's errors: the start fails, naming it
+            raise ModelLoadError(f"transformer.lora_fuse: {exc}") from None
+        if adapter_name not in getattr(transformer, "peft_config", {}):
+            raise ModelLoadError(f"transformer.lora_fuse: adapter {ref.name!r} matches no "
+                                 "layer of the DiT (is it for another model?)")
+    transformer.set_adapters(names, weights=[r.strength for r in refs])
+    transformer.fuse_lora(adapter_names=names)
+    transformer.unload_lora()
+    log.info("fused into the DiT's weights: %s",
+             ", ".join(f"{r.name} at {r.strength:g}" for r in refs))

@@ -92,7 +92,9 @@ class QwenTransformer(TransformerAdapter):
             lambda p: load_diffusers_model(QwenImageTransformer2DModel, p, self.placement),
             "transformer",
         )
-        self.scheduler: Any = self._component(load_scheduler, "scheduler")
+        overrides = self.scheduler_overrides()  # a recipe's (Qwen-Image-Lightning's)
+        self.scheduler: Any = self._component(lambda p: load_scheduler(p, **overrides),
+                                              "scheduler")
         config = self.transformer.config
         self.attention = apply_attention_backend(
             self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim,

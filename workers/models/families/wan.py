@@ -208,10 +208,9 @@ class WanTransformer(TransformerAdapter):
             lambda p: load_diffusers_model(WanTransformer3DModel, p, self.placement),
             "transformer",
         )
-        shift = self.options.flow_shift
-        self.scheduler: Any = self._component(
-            lambda p: load_scheduler(p, **({} if shift is None else {"flow_shift": shift})),
-            "scheduler")
+        overrides = self.scheduler_overrides()  # flow_shift: the option's, else the recipe's
+        self.scheduler: Any = self._component(lambda p: load_scheduler(p, **overrides),
+                                              "scheduler")
         config = self.transformer.config
         self.patch = tuple(config.patch_size)
         self.attention = apply_attention_backend(
