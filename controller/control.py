@@ -17,14 +17,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import secrets
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from contracts import messages
 from contracts.errors import ResultWriteBlocked
-from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
+from contracts.messages import (
+    CONTROL_RING,
+    CONTROL_VERSION,
+    DOORBELL_CHANNEL,
+    OP,
+    BadMessage,
+    Bye,
+    Checkpoint,
+    Claim,
+    ClaimReply,
+    Complete,
+    CompleteReply,
+    ControlMessage,
+    Describe,
+    DescribeReply,
+    Dropped,
+    Empty,
+    Fail,
+    Fatal,
+    Handoff,
+    Heartbeat,
+    HeartbeatReply,
+    Preflight,
+    Progress,
+    ProgressReply,
+    Register,
+    RegisterReply,
+    Reply,
+    Resume,
+    ResumeReply,
+    Wait,
+    WaitReply,
+)
+from contracts.roles import Role
 from controller.doorbell import Doorbell
 from controller.errors import ControlError
 from controller.ownership.coordinator import Coordinator
@@ -52,6 +90,18 @@ class ControlServer:
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._next_conn = 1
+        self._handlers: dict[type, Callable[[Any, WorkerInfo], Any]] = {
+            Heartbeat: self._heartbeat,
+            Claim: self._claim,
+            Progress: self._progress,
+            Handoff: self._handoff,
+            Complete: self._complete,
+            Fail: self._fail,
+            Resume: self._resume,
+            Dropped: self._dropped,
+        }
+        """The handler of each message a registered worker sends (``checkpoint`` runs as a
+        task of its own: :meth:`_serve`); each returns the reply, or a coroutine of it."""
 
     async def start(self, sock: socket.socket | None = None) -> None:
         """Serve on ``sock`` (the port already bound: :func:`rings.ports.bind_socket`), or
@@ -107,6 +157,11 @@ class ControlServer:
                 "authentication failed: the worker did not prove the cluster token "
                 "(check that every service is configured with the same token)"
             )
+        elif join.get("control_version") != CONTROL_VERSION:
+            error = (
+                f"this worker speaks control version {join.get('control_version')!r}, the "
+                f"controller {CONTROL_VERSION}: run the same build of diffring on both"
+            )
         if error is not None:
             writer.write(wire.pack_msg({"ok": False, "error": error}))
             await writer.drain()
@@ -143,36 +198,31 @@ class ControlServer:
                 await self._serve_doorbell(reader, writer)
                 return
             while True:
-                msg = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
-                seq = msg.get("seq")
+                raw = wire.unpack_msg(await self._read(reader, MAX_CONTROL_FRAME))
+                seq = raw.get("seq")
+                msg: ControlMessage | None = None
                 try:
-                    # The two ops that await (connections, a file write) are not in _dispatch.
-                    if msg.get("op") == Op.PREFLIGHT:
-                        reply = await connect_back(msg, f"{self.host}:{self.port}")
-                    elif msg.get("op") == Op.COMPLETE and worker is not None:
-                        reply = await self._complete(msg, worker)
-                    elif msg.get("op") == Op.CHECKPOINT and worker is not None:
-                        job = asyncio.ensure_future(self._checkpoint(msg, worker, writer))
+                    msg = messages.decode(raw)
+                    if isinstance(msg, Checkpoint) and worker is not None:
+                        job = asyncio.ensure_future(self._checkpoint(msg, seq, worker, writer))
                         checkpoints.add(job)
                         job.add_done_callback(checkpoints.discard)
                         continue
-                    else:
-                        reply, worker = self._dispatch(msg, worker)
-                    out = {"seq": seq, "ok": True, **reply}
-                except (ControlError, KeyError, TypeError, ValueError) as exc:
+                    reply, worker = await self._handle(msg, worker)
+                    out = {"seq": seq, "ok": True, **messages.encode(reply)}
+                except (BadMessage, ControlError, KeyError, TypeError, ValueError) as exc:
                     out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
                 writer.write(wire.pack_msg(out))
                 await writer.drain()
-                if msg.get("op") in (Op.BYE, Op.FATAL):
+                if isinstance(msg, Bye | Fatal):
                     reason = (
                         "deregistered"
-                        if msg.get("op") == Op.BYE
-                        else f"reported a fatal error: {msg.get('error')}"
+                        if isinstance(msg, Bye)
+                        else f"reported a fatal error: {msg.error}"
                     )
-                    if worker is None and msg.get("op") == Op.FATAL:
+                    if worker is None and isinstance(msg, Fatal):
                         log.warning("control: a %s worker (%s) failed before registering: %s",
-                                    join.get("worker_role"), join.get("peer_name"),
-                                    msg.get("error"))
+                                    join.get("worker_role"), join.get("peer_name"), msg.error)
                     return
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
@@ -221,15 +271,16 @@ class ControlServer:
                 writer.write(wire.pack_msg({"seq": seq, "ok": True, "wake": True}))
 
             try:
-                if msg.get("op") != Op.WAIT:
+                wait = messages.decode(msg)
+                if not isinstance(wait, Wait):
                     raise ControlError(f"the doorbell channel carries only 'wait', got "
                                        f"{msg.get('op')!r}")
                 if self.doorbell is None:
                     raise ControlError("this controller has no doorbell")
+                if wait.ticket is not None and wait.ticket < 0:
+                    raise ValueError(f"ticket must be a ring position (>= 0), got {wait.ticket}")
                 waiting = asyncio.ensure_future(
-                    self.doorbell.wait(str(msg["ring"]), float(msg["timeout_s"]), wake,
-                                       _ticket(msg.get("ticket")))
-                )
+                    self.doorbell.wait(wait.ring, wait.timeout_s, wake, wait.ticket))
                 # The worker sends nothing while it waits: anything read now is the
                 # connection ending (a stopped worker), and its waiter must go at once,
                 # or a wake-up would be spent on it.
@@ -250,21 +301,21 @@ class ControlServer:
                     # Else the worker's next wait: sent as soon as it read a wake-up that this
                     # loop had not yet resumed from (a busy controller); it is kept, not
                     # taken for the connection's end (that dropped the worker's doorbell).
-                out = None if rung else {"seq": seq, "ok": True, "wake": waiting.result()}
-            except (ControlError, KeyError, TypeError, ValueError) as exc:
+                out = None if rung else {
+                    "seq": seq, "ok": True, **messages.encode(WaitReply(wake=waiting.result()))}
+            except (BadMessage, ControlError, KeyError, TypeError, ValueError) as exc:
                 out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
             if out is not None:
                 writer.write(wire.pack_msg(out))
             await writer.drain()
 
-    async def _checkpoint(self, msg: dict[str, Any], worker: WorkerInfo,
+    async def _checkpoint(self, msg: Checkpoint, seq: Any, worker: WorkerInfo,
                           writer: asyncio.StreamWriter) -> None:
         """Keep a checkpoint (its pull in the worker's lane) and answer it, while the
         connection's handler goes on reading."""
-        seq = msg.get("seq")
         try:
             reply = await self.coordinator.on_checkpoint(worker, msg)
-            out = {"seq": seq, "ok": True, **reply}
+            out = {"seq": seq, "ok": True, **messages.encode(reply)}
         except (ControlError, KeyError, TypeError, ValueError) as exc:
             out = {"seq": seq, "ok": False, "error": str(exc) or repr(exc)}
         except Exception as exc:  # ours, not the peer's: answered, with its traceback here
@@ -276,138 +327,82 @@ class ControlServer:
         with contextlib.suppress(ConnectionError):
             await writer.drain()
 
-    async def _complete(self, msg: dict[str, Any], worker: WorkerInfo) -> dict[str, Any]:
-        try:
-            accepted = await self.coordinator.on_complete(
-                worker,
-                str(msg["task_id"]),
-                int(msg["attempt"]),
-                str(msg["extension"]),
-                str(msg["media_type"]),
-                bytes(msg["data"]),
-            )
-        except ResultWriteBlocked as exc:  # the decoder holds the result and retries
-            return {"accepted": False, "storage_error": str(exc)}
-        return {"accepted": accepted}
-
-    def _dispatch(
-        self, msg: dict[str, Any], worker: WorkerInfo | None
-    ) -> tuple[dict[str, Any], WorkerInfo | None]:
+    # -- one message: before register, then by a table from message type to handler -------
+    async def _handle(self, msg: ControlMessage, worker: WorkerInfo | None
+                      ) -> tuple[Reply, WorkerInfo | None]:
+        """The reply to ``msg`` from this connection's worker (None: not registered yet),
+        and the connection's worker after it."""
         co = self.coordinator
-        op = msg.get("op")
-        if op == Op.DESCRIBE:
-            return {"pipeline": co.config.pipeline}, worker
-        if op == Op.REGISTER:
+        if isinstance(msg, Preflight):  # before register: the worker's endpoints, checked
+            return await connect_back(msg, f"{self.host}:{self.port}"), worker
+        if isinstance(msg, Describe):
+            return DescribeReply(pipeline=co.config.pipeline), worker
+        if isinstance(msg, Register):
             if worker is not None:
                 raise ControlError("already registered on this connection")
             worker = co.on_register(
-                str(msg["role"]),
-                str(msg["name"]),
-                int(msg["pid"]),
-                str(msg["pipeline"]),
-                str(msg.get("segment", "")),
-                loras=_names(msg.get("loras")),
-                caches=_names(msg.get("caches")),
-                fused=_fused(msg.get("fused")),
-                recipe=_opt_str(msg.get("recipe")),
-                checkpoints=msg.get("checkpoints") is True,
-            )
-            return {
-                "worker_id": worker.worker_id,
-                "heartbeat_interval_s": co.config.heartbeat_interval_s,
-                "lease_timeout_s": co.config.lease_timeout_s,
-                "checkpoints": co.checkpoints is not None,
-            }, worker
-        if op in (Op.FATAL, Op.BYE):
-            return {}, worker  # _serve ends the connection (a worker failing at start too)
+                msg.role, msg.name, msg.pid, msg.pipeline, msg.segment,
+                loras=tuple(msg.loras), caches=tuple(msg.caches),
+                fused=tuple((f.name, f.strength) for f in msg.fused), recipe=msg.recipe,
+                checkpoints=msg.checkpoints)
+            return RegisterReply(worker_id=worker.worker_id,
+                                 heartbeat_interval_s=co.config.heartbeat_interval_s,
+                                 lease_timeout_s=co.config.lease_timeout_s,
+                                 checkpoints=co.checkpoints is not None), worker
+        if isinstance(msg, Fatal | Bye):
+            return Empty(), worker  # _serve ends the connection (a worker failing at start too)
         if worker is None:
-            raise ControlError(f"{op!r} before register")
-        if op == Op.HEARTBEAT:
-            if "storage" in msg:  # a decoder: the results it holds, or None
-                co.result_writes.report(worker.name, msg["storage"])
-            staged = [(str(t), int(a)) for t, a in msg.get("staged", [])]
-            worker.stats = _stats(msg.get("stats"))
-            tasks = [str(t) for t in msg.get("tasks", [])]
-            cancel, unwanted = co.on_heartbeat(worker, tasks, staged)
-            return {"cancel": cancel, "drop_staged": [[t, a] for t, a in unwanted],
-                    # For workers of an older build, which read only task ids (and free
-                    # every attempt of each, the current one too).
-                    "drop": sorted({t for t, _a in unwanted}),
-                    "yield": co.priorities.asked(tasks)}, worker
-        if op == Op.CLAIM:
-            ok, why = co.on_claim(worker, str(msg["task_id"]), int(msg["attempt"]))
-            return {"proceed": ok, "reason": why,
-                    "defer": not ok and why.startswith(DEFERRED)}, worker
-        if op == Op.PROGRESS:
-            stop = co.on_progress(
-                worker,
-                str(msg["task_id"]),
-                int(msg["attempt"]),
-                int(msg["step"]),
-                int(msg["steps"]),
-            )
-            return {"cancel": stop,
-                    "yield": bool(co.priorities.asked([str(msg["task_id"])]))}, worker
-        if op == Op.HANDOFF:
-            co.on_handoff(worker, str(msg["task_id"]), int(msg["attempt"]))
-            return {}, worker
-        if op == Op.FAIL:
-            co.on_fail(
-                worker,
-                str(msg["task_id"]),
-                int(msg["attempt"]),
-                str(msg["error"]),
-                str(msg.get("error_type", "error")),
-                bool(msg.get("retryable", False)),
-                _opt_str(msg.get("fault")),
-            )
-            return {}, worker
-        if op == Op.RESUME:
-            return co.on_resume(worker, str(msg["task_id"]), int(msg["attempt"])), worker
-        if op == Op.DROPPED:
-            attempt = msg.get("attempt")
-            co.on_dropped(
-                worker,
-                str(msg["ring"]),
-                str(msg.get("reason", "")),
-                _opt_str(msg.get("task_id")),
-                attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
-            )
-            return {}, worker
-        raise ControlError(f"unknown control op {op!r}")
+            raise ControlError(f"{OP[type(msg)].value!r} before register")
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            raise ControlError(f"{OP[type(msg)].value!r} is not an op of this channel")
+        reply = handler(msg, worker)
+        return (await reply if inspect.isawaitable(reply) else reply), worker
 
+    def _heartbeat(self, msg: Heartbeat, worker: WorkerInfo) -> HeartbeatReply:
+        co = self.coordinator
+        if worker.role == Role.DECODER:  # the results it holds, or None
+            co.result_writes.report(
+                worker.name, None if msg.storage is None else messages.encode(msg.storage))
+        worker.stats = _stats(msg.stats)
+        cancel, unwanted = co.on_heartbeat(worker, msg.tasks, msg.staged)
+        return HeartbeatReply(cancel=cancel, drop_staged=unwanted,
+                              yield_=co.priorities.asked(msg.tasks))
 
-def _names(value: Any) -> tuple[str, ...]:
-    """A register message's list of names (adapters, cache kinds); absent: none."""
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected a list of names, got {value!r}")
-    return tuple(value)
+    def _claim(self, msg: Claim, worker: WorkerInfo) -> ClaimReply:
+        ok, why = self.coordinator.on_claim(worker, msg.task_id, msg.attempt)
+        return ClaimReply(proceed=ok, reason=why, defer=not ok and why.startswith(DEFERRED))
 
+    def _progress(self, msg: Progress, worker: WorkerInfo) -> ProgressReply:
+        co = self.coordinator
+        stop = co.on_progress(worker, msg.task_id, msg.attempt, msg.step, msg.steps)
+        return ProgressReply(cancel=stop, yield_=bool(co.priorities.asked([msg.task_id])))
 
-def _fused(value: Any) -> tuple[tuple[str, float], ...]:
-    """A register message's fused adapters (``[{name, strength}]``); absent: none."""
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(
-            isinstance(v, dict) and isinstance(v.get("name"), str)
-            and isinstance(v.get("strength"), int | float) for v in value):
-        raise ValueError(f"expected a list of {{name, strength}}, got {value!r}")
-    return tuple((str(v["name"]), float(v["strength"])) for v in value)
+    def _handoff(self, msg: Handoff, worker: WorkerInfo) -> Empty:
+        self.coordinator.on_handoff(worker, msg.task_id, msg.attempt)
+        return Empty()
 
+    async def _complete(self, msg: Complete, worker: WorkerInfo) -> CompleteReply:
+        try:
+            accepted = await self.coordinator.on_complete(
+                worker, msg.task_id, msg.attempt, msg.extension, msg.media_type, msg.data)
+        except ResultWriteBlocked as exc:  # the decoder holds the result and retries
+            return CompleteReply(accepted=False, storage_error=str(exc))
+        return CompleteReply(accepted=accepted)
 
-def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)
+    def _fail(self, msg: Fail, worker: WorkerInfo) -> Empty:
+        self.coordinator.on_fail(worker, msg.task_id, msg.attempt, msg.error, msg.error_type,
+                                 msg.retryable, msg.fault)
+        return Empty()
 
+    def _resume(self, msg: Resume, worker: WorkerInfo) -> ResumeReply:
+        kept = self.coordinator.on_resume(worker, msg.task_id, msg.attempt)
+        return msgspec.convert(kept, ResumeReply)
 
-def _ticket(value: Any) -> int | None:
-    """A wait's ``ticket``: a ring position, or None (absent: the worker holds none)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"ticket must be a ring position (int >= 0), got {value!r}")
-    return value
+    def _dropped(self, msg: Dropped, worker: WorkerInfo) -> Empty:
+        reason = msg.reason if msg.slot is None else f"{msg.reason} (slot {msg.slot})"
+        self.coordinator.on_dropped(worker, msg.ring, reason, msg.task_id, msg.attempt)
+        return Empty()
 
 
 def _stats(value: Any) -> dict[str, float]:

@@ -15,9 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
 
+from contracts.messages import Checked, Preflight, PreflightReply
 from controller.errors import ControlError
 
 log = logging.getLogger("diffring.controller.preflight")
@@ -39,18 +38,18 @@ async def _reach(host: str, port: int, timeout: float) -> None:
 
 
 async def connect_back(
-    msg: Mapping[str, Any], controller: str, timeout: float = CONNECT_BACK_TIMEOUT_S
-) -> dict[str, Any]:
+    msg: Preflight, controller: str, timeout: float = CONNECT_BACK_TIMEOUT_S
+) -> PreflightReply:
     """Check every endpoint of a preflight message; the reply, or ControlError naming each
     endpoint that could not be reached and why."""
-    name = str(msg.get("name", "?"))
-    endpoints = msg.get("endpoints")
-    if not isinstance(endpoints, list) or not 0 < len(endpoints) <= MAX_ENDPOINTS:
+    name = msg.name
+    endpoints = msg.endpoints
+    if not 0 < len(endpoints) <= MAX_ENDPOINTS:
         raise ControlError(f"preflight must name 1 to {MAX_ENDPOINTS} endpoints to check")
-    checked: list[dict[str, Any]] = []
+    checked: list[Checked] = []
     problems: list[str] = []
     for ep in endpoints:
-        what, host, port = str(ep["what"]), str(ep["host"]), int(ep["port"])
+        what, host, port = ep.what, ep.host, ep.port
         t0 = time.monotonic()
         try:
             await _reach(host, port, timeout)
@@ -67,8 +66,8 @@ async def connect_back(
                 f"that worker {name} advertises: {exc.strerror or exc}"
             )
             continue
-        checked.append({"what": what, "host": host, "port": port,
-                        "seconds": round(time.monotonic() - t0, 4)})
+        checked.append(Checked(what=what, host=host, port=port,
+                               seconds=round(time.monotonic() - t0, 4)))
     if problems:
         hint = (
             "; set MOONCAKE_LOCAL_HOSTNAME (or local_hostname in the Mooncake config file, or "
@@ -78,5 +77,5 @@ async def connect_back(
         log.warning("preflight refused %s: %s", name, "; ".join(problems))
         raise ControlError("; ".join(problems) + hint)
     log.info("preflight of %s: reached %s", name,
-             ", ".join(f"{c['what']} {c['host']}:{c['port']}" for c in checked))
-    return {"checked": checked}
+             ", ".join(f"{c.what} {c.host}:{c.port}" for c in checked))
+    return PreflightReply(checked=checked)

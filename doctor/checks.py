@@ -23,7 +23,7 @@ from contracts.addresses import (
 )
 from contracts.config import DEFAULT_TOKEN, RING_NAMES, ServiceConfig
 from contracts.errors import ConfigError, DiffringError
-from contracts.messages import Op
+from contracts.messages import Describe, DescribeReply
 from contracts.pipelines import task_spec
 from contracts.roles import Role
 from rings.ports import port_holder
@@ -190,8 +190,8 @@ def _controller_pipeline(r: _Report, role: str, cfg: ServiceConfig, token: str) 
     client = ControlClient(d.bootstrap_addr, d.control_port, token, timeout=CONNECT_TIMEOUT_S)
     try:
         client.connect(role)
-        served = str(client.call(Op.DESCRIBE)["pipeline"])
-    except (DiffringError, OSError, KeyError) as exc:
+        served = client.call(Describe(), DescribeReply).pipeline
+    except (DiffringError, OSError) as exc:
         r.add("controller's pipeline", "warn", f"could not ask the controller at "
               f"{client.where}: {exc}")
         return

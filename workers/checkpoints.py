@@ -34,7 +34,7 @@ from prometheus_client import Counter
 
 from contracts import faults
 from contracts.errors import CheckpointError, DiffringError, StageYielded
-from contracts.messages import Op
+from contracts.messages import Checkpoint, CheckpointReply, RegisterReply, Resume, ResumeReply
 from contracts.stage_options import StageOptions
 from tensorplane.descriptor import TensorDescriptor
 from tensorplane.handoff import pull_tensors, stage_tensors
@@ -83,7 +83,7 @@ class Pending:
 class Sender:
     """Sends checkpoints on a thread of its own (one at a time), or on the caller's."""
 
-    def __init__(self, call: Callable[..., dict[str, Any]], pool: Any, engine: Any,
+    def __init__(self, call: Callable[..., Any], pool: Any, engine: Any,
                  metrics: WorkerMetrics, counter: Counter, name: str) -> None:
         self._call = call
         self._pool = pool
@@ -123,11 +123,12 @@ class Sender:
             if pending.phase1 is not None:
                 descs1 = stage_tensors(self._pool, self._engine, dict(pending.phase1),
                                        task_id=job.task_id)
-            reply = self._call(
-                Op.CHECKPOINT, task_id=job.task_id, attempt=job.attempt,
-                step=pending.state.step, steps=pending.state.steps, final=pending.final,
-                meta=meta, state=[d.to_dict() for d in descs],
-                phase1=[d.to_dict() for d in descs1] if pending.phase1 is not None else None)
+            reply = self._call(Checkpoint(
+                task_id=job.task_id, attempt=job.attempt, step=pending.state.step,
+                steps=pending.state.steps, final=pending.final, meta=meta,
+                state=[d.to_dict() for d in descs],
+                phase1=[d.to_dict() for d in descs1] if pending.phase1 is not None else None),
+                CheckpointReply)
         except DiffringError as exc:
             self._counter.labels("failed").inc()
             log.warning("task %s: checkpoint of step %d not sent: %s", job.task_id,
@@ -138,10 +139,10 @@ class Sender:
             self._pool.free_staged([*descs, *descs1])
         self._metrics.stage_seconds.labels("transformer", "checkpoint_send").observe(
             time.monotonic() - t0)
-        if not reply.get("accepted"):
+        if not reply.accepted:
             self._counter.labels("refused").inc()
             log.warning("task %s: checkpoint of step %d refused: %s", job.task_id,
-                        pending.state.step, reply.get("reason"))
+                        pending.state.step, reply.reason)
             return False
         self._counter.labels("final" if pending.final else "kept").inc()
         self._metrics.transfer_bytes.labels("checkpoint").inc(
@@ -254,12 +255,12 @@ class DitCheckpoints:
                                "worker sent, by outcome (kept, final, refused, failed)",
                                ["outcome"], registry=metrics.registry)
 
-    def start(self, call: Callable[..., dict[str, Any]], pool: Any, engine: Any) -> None:
+    def start(self, call: Callable[..., Any], pool: Any, engine: Any) -> None:
         if self.wanted:
             self.sender = Sender(call, pool, engine, self.metrics, self.counter, self.name)
 
-    def registered(self, reply: Mapping[str, Any]) -> None:
-        enabled = self.wanted and bool(reply.get("checkpoints"))
+    def registered(self, reply: RegisterReply) -> None:
+        enabled = self.wanted and reply.checkpoints
         if self.wanted and not enabled:
             log.warning("worker %s: checkpoint_every_* is set but the controller keeps no "
                         "checkpoints (its checkpoint_store_mb is 0): not checkpointing",
@@ -281,7 +282,7 @@ class DitCheckpoints:
         self.sender.send(Pending(job, LoopState(steps, steps, dict(outputs)), None,
                                  final=True))
 
-    def fetch(self, call: Callable[..., dict[str, Any]], engine: Any, pool: Any, job: Any,
+    def fetch(self, call: Callable[..., Any], engine: Any, pool: Any, job: Any,
               device: str, arrays: Any) -> tuple[dict[str, Any], LoopState]:
         """The encoder outputs and loop state a resumed attempt starts from (``resume``):
         kept by the controller, pulled here (nothing to release: the controller keeps
@@ -289,15 +290,14 @@ class DitCheckpoints:
         and the task starts over."""
         t0 = time.monotonic()
         try:
-            reply = call(Op.RESUME, task_id=job.task_id, attempt=job.attempt)
-            descs1 = [TensorDescriptor.from_dict(d) for d in reply["phase1"]]
-            descs = [TensorDescriptor.from_dict(d) for d in reply["state"]]
+            reply = call(Resume(task_id=job.task_id, attempt=job.attempt), ResumeReply)
+            descs1 = [TensorDescriptor.from_dict(d) for d in reply.phase1]
+            descs = [TensorDescriptor.from_dict(d) for d in reply.state]
             inputs = pull_tensors(engine, pool, descs1, device=device, task_id=job.task_id,
                                   arrays=arrays)
             tensors = pull_tensors(engine, pool, descs, device=device, task_id=job.task_id,
                                    arrays=arrays)
-            state = from_wire(int(reply["step"]), int(reply["steps"]), tensors, reply["meta"],
-                              device)
+            state = from_wire(reply.step, reply.steps, tensors, reply.meta, device)
         except (DiffringError, KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, CheckpointError):
                 raise

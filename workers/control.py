@@ -20,15 +20,26 @@ import socket
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from contracts import faults
+from contracts import faults, messages
 from contracts.errors import ConnectionLost, ControlRefused
-from contracts.messages import CONTROL_RING, DOORBELL_CHANNEL, Op
+from contracts.messages import (
+    CONTROL_RING,
+    CONTROL_VERSION,
+    DOORBELL_CHANNEL,
+    OP,
+    ControlMessage,
+    Reply,
+    Wait,
+    WaitReply,
+)
 from rings import wire
 from rings.handshake import handshake, open_socket, recv_frame
 
 log = logging.getLogger("diffring.worker.control")
+
+R = TypeVar("R", bound=Reply)
 
 REPLY_SLACK_S = 2.0
 """How long past its timeout a doorbell wait may stay unanswered before the worker polls its
@@ -54,7 +65,10 @@ class ControlChannel(Protocol):
 
     def connect(self, role: str) -> None: ...
 
-    def call(self, op: Op, **fields: Any) -> dict[str, Any]: ...
+    def call(self, msg: ControlMessage, reply: type[R]) -> R:
+        """Send ``msg`` (:mod:`contracts.messages`) and return the controller's answer, of
+        the type ``reply``."""
+        ...
 
     def close(self) -> None: ...
 
@@ -102,7 +116,7 @@ class ControlClient:
                 token=self.token,
                 transport="control",
                 role="peer",
-                extras={"worker_role": role},
+                extras={"worker_role": role, "control_version": CONTROL_VERSION},
             )
         except OSError as exc:  # reset mid-handshake: a controller dying or starting
             sock.close()
@@ -119,7 +133,8 @@ class ControlClient:
         threading.Thread(target=self._read, args=(conn,), name="control-answers",
                          daemon=True).start()
 
-    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
+    def call(self, msg: ControlMessage, reply: type[R]) -> R:
+        op = OP[type(msg)]
         answer: Future[dict[str, Any]] = Future()
         with self._send:
             conn = self._conn
@@ -138,17 +153,17 @@ class ControlClient:
                     raise self._lost(conn.lost)
                 conn.waiting[seq] = answer
             try:
-                conn.sock.sendall(wire.pack_msg({"op": op.value, "seq": seq, **fields}))
+                conn.sock.sendall(wire.pack_msg({**messages.encode(msg), "seq": seq}))
             except OSError as exc:
                 self._drop(conn, exc)
         try:
-            reply = answer.result(self.timeout)
+            got = answer.result(self.timeout)
         except FutureTimeout:
             self._drop(conn, TimeoutError(f"no answer to {op.value} within {self.timeout:g} s"))
-            reply = answer.result(self.timeout)  # failed by the drop, or answered just now
-        if not reply.get("ok"):
-            raise ControlRefused(f"controller refused {op.value}: {reply.get('error')}")
-        return reply
+            got = answer.result(self.timeout)  # failed by the drop, or answered just now
+        if not got.get("ok"):
+            raise ControlRefused(f"controller refused {op.value}: {got.get('error')}")
+        return messages.decode_reply(got, reply)
 
     def _lost(self, why: BaseException) -> ConnectionLost:
         return ConnectionLost(f"control channel to the controller at {self.where} lost: {why}")
@@ -221,7 +236,8 @@ class DoorbellClient:
         try:
             handshake(sock, ring=CONTROL_RING, layout=None, token=self.token,
                       transport="control", role="peer",
-                      extras={"worker_role": role, "channel": DOORBELL_CHANNEL})
+                      extras={"worker_role": role, "channel": DOORBELL_CHANNEL,
+                              "control_version": CONTROL_VERSION})
         except BaseException:
             sock.close()
             raise
@@ -244,9 +260,9 @@ class DoorbellClient:
             if not self._owed:
                 self._seq += 1
                 sock.settimeout(self.timeout)
-                sock.sendall(wire.pack_msg({"op": Op.WAIT.value, "seq": self._seq,
-                                            "ring": ring, "timeout_s": timeout_s,
-                                            "ticket": ticket}))
+                sock.sendall(wire.pack_msg({
+                    **messages.encode(Wait(ring=ring, timeout_s=timeout_s, ticket=ticket)),
+                    "seq": self._seq}))
                 self._owed = True
             ready, _, _ = select.select([sock, self._wake_r], [], [],
                                         timeout_s + REPLY_SLACK_S)
@@ -264,7 +280,7 @@ class DoorbellClient:
                                  f"lost: {exc}") from exc
         if not reply.get("ok"):
             raise ControlRefused(f"controller refused wait: {reply.get('error')}")
-        return bool(reply.get("wake"))
+        return messages.decode_reply(reply, WaitReply).wake
 
     def interrupt(self) -> None:
         """End a wait in progress (or the next one) at once. Safe from a signal handler."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import ConnectionLost, ResultWriteBlocked
+from contracts.messages import StorageReport
 
 log = logging.getLogger("diffring.worker.held")
 
@@ -104,14 +105,15 @@ class HeldResults:
         with self._cond:
             return self._cond.wait_for(lambda: len(self._held) < self.capacity, timeout)
 
-    def report(self) -> dict[str, Any] | None:
+    def report(self) -> StorageReport | None:
         """What the heartbeat tells the controller: None while nothing is held."""
         with self._cond:
             if not self._held:
                 return None
             oldest = min(self._held.values(), key=lambda h: h.since)
             latest = max(self._held.values(), key=lambda h: h.since)
-            return {"error": latest.error, "held": len(self._held), "since": oldest.since_wall}
+            return StorageReport(error=latest.error, held=len(self._held),
+                                 since=oldest.since_wall)
 
     # -- retrying --------------------------------------------------------------------------------
     def retry_due(self, now: float) -> float | None:

@@ -23,13 +23,26 @@ from typing import Any, Protocol
 from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost, ControlRefused, DiffringError, HandshakeError
-from contracts.messages import Fault, Op
+from contracts.messages import (
+    Bye,
+    ControlMessage,
+    Dropped,
+    Empty,
+    Fail,
+    Fatal,
+    Fault,
+    Heartbeat,
+    HeartbeatReply,
+    Register,
+    RegisterReply,
+    StorageReport,
+)
 from contracts.roles import ROLE_RINGS, Role
 from rings.ring import Ring
 from rings.transports import connect
 from tensorplane.engine import TransferEngine
 from workers import preflight
-from workers.control import ControlChannel, ControlClient, DoorbellClient
+from workers.control import ControlChannel, ControlClient, DoorbellClient, R
 from workers.staged import StagedOutputs
 
 log = logging.getLogger("diffring.worker")
@@ -54,7 +67,7 @@ class Heartbeats:
 
     def __init__(
         self,
-        call: Callable[..., dict[str, Any]],
+        call: Callable[[Heartbeat, type[HeartbeatReply]], HeartbeatReply],
         holding: Callable[[], HeldTask | None],
         staged: StagedOutputs,
         active: Callable[[], bool],
@@ -73,8 +86,9 @@ class Heartbeats:
         """The heartbeat failed: reconnect before taking anything from a ring."""
         self.report: Callable[[], dict[str, float]] = dict
         """Figures each heartbeat carries to the controller's status (the stage's memory)."""
-        self.fields: Callable[[], dict[str, Any]] = dict
-        """Further fields a role's heartbeats carry (the decoder: the results it holds)."""
+        self.storage: Callable[[], StorageReport | None] = lambda: None
+        """The decoder's results held because their files cannot be written (None: none;
+        other roles: always None)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -102,12 +116,12 @@ class Heartbeats:
     def _run(self, stop: threading.Event, interval_s: float, idle_interval_s: float) -> None:
         while self._active() and not stop.is_set():
             job = self._holding()
-            staged = [[t, a] for t, a in self._staged.keys()]
+            staged = list(self._staged.keys())
             try:
                 reply = self._call(
-                    Op.HEARTBEAT, tasks=[job.task_id] if job else [], staged=staged,
-                    stats=self.report(), **self.fields(),
-                )
+                    Heartbeat(tasks=[job.task_id] if job else [], staged=staged,
+                              stats=self.report(), storage=self.storage()),
+                    HeartbeatReply)
             except DiffringError as exc:
                 if self._active() and not stop.is_set():
                     log.error("worker %s: heartbeat failed: %s", self._name, exc)
@@ -115,12 +129,10 @@ class Heartbeats:
                 return
             self._beat()
             if job is not None:
-                job.asked(cancel=job.task_id in reply.get("cancel", []),
-                          hand_back=job.task_id in reply.get("yield", []))
-            if "drop_staged" in reply:  # by (task, attempt): never the attempt being read
-                self._staged.drop_keys({(str(t), int(a)) for t, a in reply["drop_staged"]})
-            elif reply.get("drop"):  # a controller of an older build names tasks only
-                self._staged.drop_tasks(set(reply["drop"]))
+                job.asked(cancel=job.task_id in reply.cancel,
+                          hand_back=job.task_id in reply.yield_)
+            if reply.drop_staged:  # by (task, attempt): never the attempt being read
+                self._staged.drop_keys(set(reply.drop_staged))
             holding = job is not None or bool(staged)
             stop.wait(interval_s if holding else idle_interval_s)
 
@@ -160,15 +172,16 @@ class ControlLink:
         self.offers: Callable[[], dict[str, Any]] = dict
         """What requests may ask of this worker's stage (a DiT's adapters and cache kinds),
         read again for every registration (a reconnected worker reports its folder now)."""
-        self.on_registered: Callable[[dict[str, Any]], None] = lambda _reply: None
+        self.on_registered: Callable[[RegisterReply], None] = lambda _reply: None
         """Told the controller's answer to each registration (a DiT: are checkpoints kept)."""
 
     @property
     def where(self) -> str:
         return self.control.where
 
-    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
-        return self.control.call(op, **fields)
+    def call(self, msg: ControlMessage, reply: type[R]) -> R:
+        """Send ``msg`` on the control channel; the controller's answer, of type ``reply``."""
+        return self.control.call(msg, reply)
 
     # -- connecting ------------------------------------------------------------------------
     def connect_back(self, engine: TransferEngine, running: Callable[[], bool]) -> None:
@@ -194,19 +207,15 @@ class ControlLink:
         preflight.connect_back(self.control, engine, self.role, self.name)
         self.doorbell.connect(self.role.value)
         reply = self.call(
-            Op.REGISTER,
-            role=self.role.value,
-            name=self.name,
-            pid=os.getpid(),
-            pipeline=self.cfg.pipeline,
-            segment=engine.session_id,
-            **self.offers(),
-        )
+            Register(role=self.role.value, name=self.name, pid=os.getpid(),
+                     pipeline=self.cfg.pipeline, segment=engine.session_id,
+                     **self.offers()),  # loras, caches, fused, recipe, checkpoints
+            RegisterReply)
         self.on_registered(reply)
-        interval = float(reply["heartbeat_interval_s"])
+        interval = reply.heartbeat_interval_s
         # A worker holding nothing renews no lease: it heartbeats less often (its liveness
         # is its connection), but well within a lease of the task it may claim next.
-        idle = max(interval, min(IDLE_HEARTBEAT_MAX_S, float(reply["lease_timeout_s"]) / 3))
+        idle = max(interval, min(IDLE_HEARTBEAT_MAX_S, reply.lease_timeout_s / 3))
         self.registered = True
         self.heartbeats.start(interval, idle)
         log.info(
@@ -287,15 +296,14 @@ class ControlLink:
         log.error("worker %s: dropped an item of ring %s (task %r): %s", self.name, ring, tid,
                   reason)
         try:
-            self.call(
-                Op.DROPPED,
+            self.call(Dropped(
                 ring=ring,
                 slot=slot,
                 reason=reason,
                 task_id=tid if isinstance(tid, str) else None,
                 attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool)
                 else None,
-            )
+            ), Empty)
         except ControlRefused as exc:
             log.error("controller refused the drop report: %s", exc)
 
@@ -304,16 +312,14 @@ class ControlLink:
     ) -> None:
         """Tell the controller an attempt failed, and whose fault it was."""
         try:
-            self.call(
-                Op.FAIL,
+            self.call(Fail(
                 task_id=task_id,
                 attempt=attempt,
-                stage=self.role.value,
                 error=error,
                 error_type=error_type,
                 retryable=fault in (Fault.SYSTEM, Fault.TRANSFER, Fault.TASK),
                 fault=fault.value,
-            )
+            ), Empty)
         except ControlRefused as exc:
             log.error("controller refused the failure report of %s: %s", task_id, exc)
 
@@ -335,7 +341,7 @@ class ControlLink:
                 client = ControlClient(d.bootstrap_addr, d.control_port, self.token,
                                        timeout=FATAL_REPORT_TIMEOUT_S)
                 client.connect(self.role.value)
-            client.call(Op.FATAL, error=error)
+            client.call(Fatal(error=error), Empty)
         except DiffringError as exc:
             log.warning("worker %s: the controller did not get the fatal report: %s",
                         self.name, exc)
@@ -350,7 +356,7 @@ class ControlLink:
         self.doorbell.interrupt()
         self.doorbell.close()
         try:
-            self.call(Op.BYE)
+            self.call(Bye(), Empty)
         except DiffringError:
             pass
         self.control.close()

@@ -24,7 +24,7 @@ import time
 
 from contracts.addresses import advertised_problem
 from contracts.errors import ControlRefused, DiffringError, PreflightFailed
-from contracts.messages import Op
+from contracts.messages import Endpoint, Preflight, PreflightReply
 from tensorplane.engine import TransferEngine
 from tensorplane.handoff import pull_tensors, stage_bytes
 from tensorplane.pool import StagingPool
@@ -93,15 +93,13 @@ def connect_back(
     host, port = engine.rpc_endpoint
     try:
         reply = control.call(
-            Op.PREFLIGHT,
-            role=role,
-            name=name,
-            endpoints=[{"what": "Mooncake segment", "host": host, "port": port}],
-        )
+            Preflight(role=role, name=name,
+                      endpoints=[Endpoint(what="Mooncake segment", host=host, port=port)]),
+            PreflightReply)
     except ControlRefused as exc:
         raise PreflightFailed(
             f"worker {name} refuses to register: {str(exc).removeprefix('controller refused ')}"
         ) from exc
-    for c in reply.get("checked", []):
-        log.info("preflight: controller reached %s %s:%s in %.1f ms", c["what"], c["host"],
-                 c["port"], 1e3 * float(c["seconds"]))
+    for c in reply.checked:
+        log.info("preflight: controller reached %s %s:%s in %.1f ms", c.what, c.host, c.port,
+                 1e3 * c.seconds)

@@ -18,7 +18,7 @@ import time
 from typing import Protocol
 
 from contracts.errors import DiffringError
-from contracts.messages import Op
+from contracts.messages import Progress, ProgressReply
 from workers.control import ControlChannel
 from workers.link import HeldTask
 
@@ -83,10 +83,9 @@ class ProgressReporter:
                 self._sending = job
             try:
                 reply = self._control.call(
-                    Op.PROGRESS, task_id=job.task_id, attempt=job.attempt, step=step,
-                    steps=steps,
-                )
-                job.asked(cancel=bool(reply.get("cancel")), hand_back=bool(reply.get("yield")))
+                    Progress(task_id=job.task_id, attempt=job.attempt, step=step, steps=steps),
+                    ProgressReply)
+                job.asked(cancel=reply.cancel, hand_back=reply.yield_)
             except DiffringError as exc:
                 # The loop's own calls (handoff, fail) see a lost controller too and
                 # reconnect; a progress report is not worth more than a log line.

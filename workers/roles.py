@@ -15,7 +15,7 @@ import numpy as np
 from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost, DiffringError, ResultWriteBlocked, storage_fault
-from contracts.messages import Fault, Kind, Op
+from contracts.messages import Complete, CompleteReply, Empty, Fault, Handoff, Kind
 from contracts.request import GenerationRequest
 from contracts.roles import Role
 from tensorplane.descriptor import TensorDescriptor
@@ -77,9 +77,7 @@ class ProducerWorker(StageWorker):
 
     def release(self, job: Job) -> None:
         """The next stage has the task: report the handoff (the lease ends)."""
-        self.link.call(
-            Op.HANDOFF, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
-        )
+        self.link.call(Handoff(task_id=job.task_id, attempt=job.attempt), Empty)
 
 
 class EncoderWorker(ProducerWorker):
@@ -210,7 +208,7 @@ class DecoderWorker(StageWorker):
         self.held = HeldResults(cfg.max_held_results, cfg.result_write_retry_s,
                                 self._redeliver, self._give_up)
         self.metrics.watch_held(lambda: self.held.count)
-        self.link.heartbeats.fields = self.heartbeat_report
+        self.link.heartbeats.storage = self.held.report
 
     def adapter_options(self) -> dict[str, Any]:
         return {"video": video_settings(self.cfg), "options": self.cfg.decoder}
@@ -221,8 +219,6 @@ class DecoderWorker(StageWorker):
         self.held.start()
         super().start(stop)
 
-    def heartbeat_report(self) -> dict[str, Any]:
-        return {"storage": self.held.report()}
 
     def claim(self) -> Job | Idle:
         # A full pool, or as many results held as allowed: claim nothing until a result is
@@ -284,7 +280,7 @@ class DecoderWorker(StageWorker):
 
     def _complete_or_hold(self, job: Job, art: Artifact, local: Path) -> None:
         try:
-            self._complete(job, art, local)
+            self._complete(job, art)
         except ResultWriteBlocked as exc:
             self._hold(job, art, exc, local)
 
@@ -298,7 +294,7 @@ class DecoderWorker(StageWorker):
         """A retry of a held result (the holder's thread): what is not written yet."""
         if held.local is None:
             held.local = self._write(held.job, held.result)
-        self._complete(held.job, held.result, held.local)
+        self._complete(held.job, held.result)
 
     def _give_up(self, held: Held, why: str) -> None:
         """Hand the task back uncharged (Fault.SYSTEM): the controller runs it again."""
@@ -334,21 +330,16 @@ class DecoderWorker(StageWorker):
         if local is not None:  # else held: its retry reports it
             self._complete_or_hold(job, art, local)
 
-    def _complete(self, job: Job, art: Artifact, local: Path) -> None:
+    def _complete(self, job: Job, art: Artifact) -> None:
         reply = self.link.call(
-            Op.COMPLETE,
-            task_id=job.task_id,
-            attempt=job.attempt,
-            extension=art.extension,
-            media_type=art.media_type,
-            data=art.data,
-            worker_path=str(local.resolve()),
-        )
-        if reply.get("storage_error"):
+            Complete(task_id=job.task_id, attempt=job.attempt, extension=art.extension,
+                     media_type=art.media_type, data=art.data),
+            CompleteReply)
+        if reply.storage_error:
             raise ResultWriteBlocked(
-                f"the controller cannot write the result: {reply['storage_error']}"
+                f"the controller cannot write the result: {reply.storage_error}"
             )
-        if not reply.get("accepted"):
+        if not reply.accepted:
             log.info(
                 "task %s: result of attempt %d not needed (already completed)",
                 job.task_id,

@@ -51,7 +51,7 @@ from contracts import faults
 from contracts.addresses import default_advertised_host
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost, PayloadCorrupt, StageError, StageYielded
-from contracts.messages import Fault, Op
+from contracts.messages import Claim, ClaimReply, Fault
 from contracts.metrics import LIVE_PATH, READY_PATH, serve_metrics
 from contracts.roles import Role
 from tensorplane.descriptor import TensorDescriptor
@@ -345,23 +345,21 @@ class StageWorker(StageHost):
             self.link.report_drop(ring, None, problem, item)
             return Idle.SKIPPED
         job = Job(item["task_id"], item["attempt"], item)
-        reply = self.link.call(
-            Op.CLAIM, task_id=job.task_id, attempt=job.attempt, stage=self.role.value
-        )
-        if reply.get("defer"):
+        reply = self.link.call(Claim(task_id=job.task_id, attempt=job.attempt), ClaimReply)
+        if reply.defer:
             # A more urgent task waits behind it (controller.ownership.priorities): the item goes
             # back to the ring's tail, its inputs untouched; should the ring be full, the
             # controller puts the task back in play instead (window 3).
             if in_ring.try_push(item) is not None:
                 self.link.report_drop(ring, None, "deferred and the ring is full", item)
             return Idle.SKIPPED
-        if not reply["proceed"]:
+        if not reply.proceed:
             log.info(
                 "task %s stage=%s worker=%s dropped: %s",
                 job.task_id,
                 self.role.value,
                 self.name,
-                reply.get("reason"),
+                reply.reason,
             )
             self.release_inputs(job)
             return Idle.SKIPPED

@@ -166,7 +166,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from contracts.messages import Fault
+from contracts.messages import Checkpoint as CheckpointMsg
+from contracts.messages import CheckpointReply, Fault
 from contracts.roles import Role
 from controller.config import CoordinatorConfig
 from controller.ownership.admission import Admission
@@ -416,7 +417,7 @@ class Coordinator:
         self.resumes.worker_gone(worker)  # window 8: its pulls and releases left are dropped
 
     # -- checkpoints (window 8: resumes) ---------------------------------------------------
-    async def on_checkpoint(self, worker: WorkerInfo, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def on_checkpoint(self, worker: WorkerInfo, msg: CheckpointMsg) -> CheckpointReply:
         """Keep a DiT's checkpoint (pulled off the loop, in the worker's own lane); answered
         once kept or refused. The control server runs it as a task of its own, so the
         worker's other messages, and its connection dropping, are not held up meanwhile."""

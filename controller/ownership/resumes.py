@@ -6,10 +6,11 @@ one starts its next attempt, and what a resuming DiT fetches. The tensors themse
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from contracts.errors import DiffringError
+from contracts.messages import Checkpoint as CheckpointMsg
+from contracts.messages import CheckpointReply
 from controller.errors import ControlError
 from controller.ownership.outbox import Outbox
 from controller.ownership.registry import WorkerInfo
@@ -46,39 +47,40 @@ class Resumes:
             return task
         return None
 
-    async def keep(self, worker: WorkerInfo, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def keep(self, worker: WorkerInfo, msg: CheckpointMsg) -> CheckpointReply:
         """A ``checkpoint`` message: pull and keep it, or say why not."""
         store = self.store
-        tid, attempt, final = str(msg["task_id"]), int(msg["attempt"]), bool(msg["final"])
-        step, steps = int(msg["step"]), int(msg["steps"])
+        tid, attempt, final, step, steps = msg.task_id, msg.attempt, msg.final, msg.step, msg.steps
         if store is None:
-            return {"accepted": False, "reason": "this controller keeps no checkpoints "
-                                                 "(checkpoint_store_mb is 0)"}
+            return CheckpointReply(accepted=False, reason="this controller keeps no "
+                                   "checkpoints (checkpoint_store_mb is 0)")
         if self.may_keep(worker, tid, attempt, final) is None:
-            return {"accepted": False, "reason": f"attempt {attempt} is not {worker.name}'s"}
-        phase1 = msg.get("phase1")
+            return CheckpointReply(accepted=False,
+                                   reason=f"attempt {attempt} is not {worker.name}'s")
+        phase1 = msg.phase1
         if phase1 is None and not final and not store.has_phase1(tid):
-            return {"accepted": False, "reason": "no encoder outputs kept: send them too"}
+            return CheckpointReply(accepted=False,
+                                   reason="no encoder outputs kept: send them too")
         try:
             kept1, kept = await store.pull(
                 tid, None if phase1 is None else [TensorDescriptor.from_dict(d) for d in phase1],
-                [TensorDescriptor.from_dict(d) for d in msg["state"]], worker.worker_id)
+                [TensorDescriptor.from_dict(d) for d in msg.state], worker.worker_id)
         except DiffringError as exc:
             store.counts["refused"] += 1
             log.warning("task %s: checkpoint of step %d refused: %s", tid, step, exc)
-            return {"accepted": False, "reason": str(exc)}
+            return CheckpointReply(accepted=False, reason=str(exc))
         task = self.may_keep(worker, tid, attempt, final)
         if task is None:  # the attempt ended during the pull: never replace its successor's
             store.discard(kept1, kept)
-            return {"accepted": False, "reason": f"attempt {attempt} ended meanwhile"}
-        ckpt = Checkpoint(step, steps, final, dict(msg["meta"]), kept, attempt)
+            return CheckpointReply(accepted=False, reason=f"attempt {attempt} ended meanwhile")
+        ckpt = Checkpoint(step, steps, final, dict(msg.meta), kept, attempt)
         store.put(tid, ckpt, kept1)
         task.checkpoint_step = step
         log.info("task %s: %s of step %d/%d kept from %s (%d bytes)", tid,
                  "final latents" if final else "checkpoint", step, steps, worker.name,
                  ckpt.nbytes)
         self.out.emit("checkpoint", task)
-        return {"accepted": True}
+        return CheckpointReply(accepted=True)
 
     def fetch(self, worker: WorkerInfo, task_id: str, attempt: int) -> dict[str, Any]:
         """What the lease holder of a resumed attempt fetches (``resume``); ControlError

@@ -31,7 +31,18 @@ import httpx
 import pytest
 
 from contracts.errors import ConnectionLost
-from contracts.messages import Op
+from contracts.messages import (
+    Checkpoint,
+    CheckpointReply,
+    Claim,
+    ClaimReply,
+    Heartbeat,
+    HeartbeatReply,
+    Progress,
+    ProgressReply,
+    Register,
+    RegisterReply,
+)
 from controller.control import ControlServer
 from controller.tasks.tasks import Task
 from launcher import LocalGroup, Service, group_config, wait_task
@@ -58,7 +69,7 @@ def test_the_control_handler_never_waits_on_a_checkpoints_tensor_io(tmp_path: Pa
     co = make_coordinator(tmp_path, request)
     pulling, cancelled = threading.Event(), threading.Event()
 
-    async def held(worker: Any, msg: Any) -> dict[str, Any]:
+    async def held(worker: Any, msg: Any) -> CheckpointReply:
         pulling.set()
         try:
             await asyncio.Event().wait()  # a pull from a wedged peer
@@ -81,19 +92,23 @@ def test_the_control_handler_never_waits_on_a_checkpoints_tensor_io(tmp_path: Pa
         client = ControlClient("127.0.0.1", server.port, TOKEN, timeout=10)
         try:
             await asyncio.to_thread(client.connect, "transformer")
-            await asyncio.to_thread(client.call, Op.REGISTER, role="transformer", name="dit",
-                                    pid=2, pipeline="qwen_t2i", segment="s2", checkpoints=True)
-            claim = await asyncio.to_thread(client.call, Op.CLAIM, task_id="x", attempt=1)
-            assert claim["proceed"] is True
+            await asyncio.to_thread(
+                client.call, Register(role="transformer", name="dit", pid=2,
+                                      pipeline="qwen_t2i", segment="s2", checkpoints=True),
+                RegisterReply)
+            claim = await asyncio.to_thread(client.call, Claim(task_id="x", attempt=1),
+                                            ClaimReply)
+            assert claim.proceed is True
             checkpoint = asyncio.ensure_future(asyncio.to_thread(
-                client.call, Op.CHECKPOINT, task_id="x", attempt=1, step=1, steps=4,
-                final=False, meta={}, state=[], phase1=[]))
+                client.call, Checkpoint(task_id="x", attempt=1, step=1, steps=4, final=False,
+                                        meta={}, state=[], phase1=[]), CheckpointReply))
             await asyncio.to_thread(pulling.wait, 30)
-            beat = await asyncio.to_thread(client.call, Op.HEARTBEAT, tasks=["x"], staged=[])
-            assert beat["cancel"] == []
-            step = await asyncio.to_thread(client.call, Op.PROGRESS, task_id="x", attempt=1,
-                                           step=2, steps=4)
-            assert step["cancel"] is False and task.step == 2
+            beat = await asyncio.to_thread(
+                client.call, Heartbeat(tasks=["x"], staged=[]), HeartbeatReply)
+            assert beat.cancel == []
+            step = await asyncio.to_thread(
+                client.call, Progress(task_id="x", attempt=1, step=2, steps=4), ProgressReply)
+            assert step.cancel is False and task.step == 2
             assert not checkpoint.done()
             client.close()  # the connection drops with the pull still held
             deadline = time.monotonic() + 5

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from contracts.errors import ControlRefused, PreflightFailed
-from contracts.messages import Op
+from contracts.messages import Endpoint, Heartbeat, HeartbeatReply, Preflight, PreflightReply
 from launcher import MULTI_HOST, LocalGroup, group_config, submit
 from tests.support.paths import ROOT
 
@@ -209,18 +209,20 @@ def test_controller_connect_back(controller: Any) -> None:
             srv.bind(("127.0.0.12", 0))
             srv.listen()
             open_port = srv.getsockname()[1]
-            reply = client.call(Op.PREFLIGHT, role="transformer", name="t-1", endpoints=[
-                {"what": "Mooncake segment", "host": "127.0.0.12", "port": open_port}])
-            assert reply["checked"][0]["port"] == open_port
+            reply = client.call(Preflight(role="transformer", name="t-1", endpoints=[
+                Endpoint(what="Mooncake segment", host="127.0.0.12", port=open_port)]),
+                PreflightReply)
+            assert reply.checked[0].port == open_port
         closed = _free("127.0.0.13")
         with pytest.raises(ControlRefused) as err:
-            client.call(Op.PREFLIGHT, role="transformer", name="t-2", endpoints=[
-                {"what": "Mooncake segment", "host": "127.0.0.13", "port": closed}])
+            client.call(Preflight(role="transformer", name="t-2", endpoints=[
+                Endpoint(what="Mooncake segment", host="127.0.0.13", port=closed)]),
+                PreflightReply)
         msg = str(err.value)
         assert f"127.0.0.13:{closed}" in msg and "Connection refused" in msg and "t-2" in msg
         # The connection stays usable: a refused preflight is an answer, not a drop.
         with pytest.raises(ControlRefused, match="before register"):
-            client.call(Op.HEARTBEAT, tasks=[], staged=[])
+            client.call(Heartbeat(tasks=[], staged=[]), HeartbeatReply)
     finally:
         client.close()
 

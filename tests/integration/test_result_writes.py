@@ -82,7 +82,7 @@ def test_a_held_result_is_retried_and_delivered_when_the_disk_is_freed() -> None
     assert h.report() is None
     assert h.hold(Job("a", 1, {}), "art", "disk full")
     report = h.report()
-    assert report is not None and (report["error"], report["held"]) == ("disk full", 1)
+    assert report is not None and (report.error, report.held) == ("disk full", 1)
     due = h.retry_due(st.now)  # not due yet: nothing tried
     assert due == st.now + RETRY_FIRST_S and st.tries == []
     st.now = due
@@ -231,14 +231,14 @@ def test_the_decoder_holds_a_result_its_disk_refuses(tmp_path: Path, disk_full: 
     worker, control = decoder(tmp_path)
     publish_and_release(worker, "a")
     assert control.ops() == [] and worker.held.count == 1  # neither completed nor failed
-    report = worker.heartbeat_report()["storage"]
-    assert report["held"] == 1 and "No space left" in report["error"]
+    report = worker.held.report()  # what its heartbeats carry
+    assert report is not None and report.held == 1 and "No space left" in report.error
     assert not list((tmp_path / "out").glob("*"))
     disk_full.unlink()
     worker.held.retry_due(time.monotonic() + RETRY_MAX_S)
     assert control.ops() == [Op.COMPLETE] and worker.held.count == 0
     assert (tmp_path / "out" / "a.png").read_bytes() == ART.data
-    assert worker.heartbeat_report() == {"storage": None}
+    assert worker.held.report() is None
 
 
 def test_the_decoder_holds_a_result_the_controller_cannot_write(tmp_path: Path) -> None:

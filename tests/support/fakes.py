@@ -18,15 +18,20 @@ import ctypes
 import itertools
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+import msgspec
+
+from contracts import messages
 from contracts.errors import ConnectionLost, ControlRefused
-from contracts.messages import Op
+from contracts.messages import OP, ControlMessage, Op, Reply
 from tensorplane.errors import EngineError, TransferFailed
 
 if TYPE_CHECKING:
     from tensorplane.transport import Transport
     from workers.control import ControlChannel
+
+R = TypeVar("R", bound=Reply)
 
 Answer = Mapping[str, Any] | Callable[[dict[str, Any]], Mapping[str, Any]]
 """What a :class:`FakeControl` answers to an op: fields (over the default answer), or a
@@ -36,7 +41,7 @@ REPLIES: dict[Op, dict[str, Any]] = {
     Op.PREFLIGHT: {"checked": []},
     Op.REGISTER: {"worker_id": 1, "heartbeat_interval_s": 1.0, "lease_timeout_s": 15.0,
                   "checkpoints": False},
-    Op.HEARTBEAT: {"cancel": [], "drop_staged": [], "drop": [], "yield": []},
+    Op.HEARTBEAT: {"cancel": [], "drop_staged": [], "yield": []},
     Op.CLAIM: {"proceed": True, "reason": "ok", "defer": False},
     Op.PROGRESS: {"cancel": False, "yield": False},
     Op.COMPLETE: {"accepted": True},
@@ -71,17 +76,19 @@ class FakeControl:
         self.role = role
         self._connected = True
 
-    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
+    def call(self, msg: ControlMessage, reply: type[R]) -> R:
+        op = OP[type(msg)]
+        fields = msgspec.structs.asdict(msg)  # every field, defaults too
         with self._lock:
             if not self._connected:
                 raise ConnectionLost(f"control channel to {self.where} is closed")
             self.calls.append((op, fields))
         answer = self.answers.get(op, {})
-        reply = {"ok": True, **REPLIES.get(op, {}),
-                 **(answer(fields) if callable(answer) else answer)}
-        if not reply["ok"]:
-            raise ControlRefused(f"controller refused {op.value}: {reply.get('error')}")
-        return reply
+        got = {"ok": True, **REPLIES.get(op, {}),
+               **(answer(fields) if callable(answer) else answer)}
+        if not got["ok"]:
+            raise ControlRefused(f"controller refused {op.value}: {got.get('error')}")
+        return messages.decode_reply(got, reply)
 
     def close(self) -> None:
         self._connected = False

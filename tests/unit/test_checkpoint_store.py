@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from contracts import faults
+from contracts import faults, messages
+from contracts.messages import Checkpoint as CheckpointMsg
 from contracts.messages import Fault
 from controller.config import CoordinatorConfig
 from controller.ownership.coordinator import Coordinator
@@ -97,7 +98,7 @@ def latents(step: int) -> np.ndarray:
 
 def staged(s: Setup, pool: StagingPool, tid: str, attempt: int, step: int, *,
            phase1: bool = True, final: bool = False
-           ) -> tuple[dict[str, Any], list[TensorDescriptor]]:
+           ) -> tuple[CheckpointMsg, list[TensorDescriptor]]:
     """What a DiT's Sender stages for a checkpoint: the ``checkpoint`` message, and what it
     frees once answered."""
     state = LoopState(step, 4, {"latents": latents(step)},
@@ -106,9 +107,9 @@ def staged(s: Setup, pool: StagingPool, tid: str, attempt: int, step: int, *,
     descs = stage_tensors(pool, s.engine, tensors, task_id=tid)
     descs1 = stage_tensors(pool, s.engine, {"prompt_embeds": PROMPT}, task_id=tid) \
         if phase1 else []
-    msg = {"task_id": tid, "attempt": attempt, "step": step, "steps": 4, "final": final,
-           "meta": meta, "state": [d.to_dict() for d in descs],
-           "phase1": [d.to_dict() for d in descs1] if phase1 else None}
+    msg = CheckpointMsg(task_id=tid, attempt=attempt, step=step, steps=4, final=final,
+                        meta=meta, state=[d.to_dict() for d in descs],
+                        phase1=[d.to_dict() for d in descs1] if phase1 else None)
     return msg, [*descs, *descs1]
 
 
@@ -117,7 +118,7 @@ def checkpoint(s: Setup, pool: StagingPool, worker: WorkerInfo, tid: str, attemp
     """What a DiT's Sender does: stage, send ``checkpoint``, free what was not pulled."""
     msg, descs = staged(s, pool, tid, attempt, step, phase1=phase1, final=final)
     try:
-        return asyncio.run(s.co.on_checkpoint(worker, msg))
+        return messages.encode(asyncio.run(s.co.on_checkpoint(worker, msg)))
     finally:
         pool.free_staged(descs)
 
@@ -225,8 +226,8 @@ def test_a_wedged_pull_holds_up_only_its_own_worker_and_a_gone_one_is_not_releas
             await until(lambda: faults.fired().get("keep.release") == 1)
             msg_b, descs_b = staged(s, b_pool, "wb", 1, 1)
             # B's pull is not queued behind A's (one lane each): kept while A is held.
-            assert await asyncio.wait_for(s.co.on_checkpoint(b, msg_b), 30) == {
-                "accepted": True}
+            assert messages.encode(await asyncio.wait_for(s.co.on_checkpoint(b, msg_b), 30)) \
+                == {"accepted": True}
             b_released = b_pool.stats().remote_releases
             assert b_released == sum(bool(d.release_token) for d in descs_b) > 0
             b_pool.free_staged(descs_b)
@@ -244,7 +245,8 @@ def test_a_wedged_pull_holds_up_only_its_own_worker_and_a_gone_one_is_not_releas
         faults.configure(None)
         for pool in (a_pool, b_pool):
             pool.close()
-    assert reply == {"accepted": False, "reason": "attempt 1 ended meanwhile"}, reply
+    assert messages.encode(reply) == {"accepted": False,
+                                      "reason": "attempt 1 ended meanwhile"}, reply
     assert a_released == 0  # A's releases dropped: none was sent
     assert s.store.get("wa") is None and s.store.get("wb").step == 1  # type: ignore[union-attr]
     s.store.flush()
@@ -322,13 +324,13 @@ def test_a_full_store_refuses_and_keeps_the_older(
         assert checkpoint(s, dit_pool, s.dit, "f", 1, 1)["accepted"]
         big = np.zeros((1, 300_000), dtype=np.float32)  # 1.2 MB: more than the store holds
         descs = stage_tensors(dit_pool, engine, {"latents": big}, task_id="f")
-        msg = {"task_id": "f", "attempt": 1, "step": 2, "steps": 4, "final": False,
-               "meta": {"tensors": {"latents": {"t": "ndarray", "k": "latents"}},
-                        "scheduler": {}},
-               "state": [d.to_dict() for d in descs], "phase1": None}
+        msg = CheckpointMsg(task_id="f", attempt=1, step=2, steps=4, final=False,
+                            meta={"tensors": {"latents": {"t": "ndarray", "k": "latents"}},
+                                  "scheduler": {}},
+                            state=[d.to_dict() for d in descs], phase1=None)
         reply = asyncio.run(s.co.on_checkpoint(s.dit, msg))
         dit_pool.free_staged(descs)
-        assert reply["accepted"] is False and "cannot keep" in reply["reason"]
+        assert reply.accepted is False and "cannot keep" in reply.reason
         assert s.store.get("f").step == 1 and s.store.counts["refused"] == 1  # type: ignore[union-attr]
     finally:
         s.close()

@@ -31,14 +31,17 @@ REQUEST = {"task": "wan_t2v", "prompt": "x", "height": 32, "width": 32, "num_fra
 
 
 class Control(FakeControl):
-    """Also notes what is on disk when the controller hears of a completion."""
+    """Also notes what is on disk (the decoder's own copy, in ``out``) when the controller
+    hears of a completion."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: Path) -> None:
         super().__init__({Op.COMPLETE: self._read_file})
+        self.out = out
         self.files_at_complete: list[bytes] = []
 
     def _read_file(self, fields: dict[str, Any]) -> dict[str, Any]:
-        self.files_at_complete.append(Path(fields["worker_path"]).read_bytes())
+        local = self.out / f"{fields['task_id']}.{fields['extension']}"
+        self.files_at_complete.append(local.read_bytes())
         return {}
 
 
@@ -67,7 +70,7 @@ class FakeStage:
 def decoder(tmp_path: Path) -> Any:
     cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=1)
     worker = DecoderWorker(cfg, "token", {})
-    worker.link.control = Control()
+    worker.link.control = Control(tmp_path)
     worker.stage = FakeStage()
     worker.encoder_pool = EncodePool(cfg.encode_queue)
     worker.fetch_inputs = lambda job: {}  # type: ignore[method-assign]
@@ -163,7 +166,7 @@ def test_drain_reports_what_is_in_flight(decoder: Any) -> None:
 def test_foreground_when_disabled(tmp_path: Path) -> None:
     cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=0)
     worker = DecoderWorker(cfg, "token", {})
-    worker.link.control = Control()
+    worker.link.control = Control(tmp_path)
     stage = FakeStage()
     stage.release.set()
 

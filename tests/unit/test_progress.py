@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from contracts.messages import Op
+from contracts.messages import Progress, ProgressReply
 from workers.progress import ProgressReporter
 from workers.worker import Job
 
@@ -23,11 +23,11 @@ class SlowControl:
         self.release = threading.Event()
         self.cancel: set[str] = set()
 
-    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
-        assert op == Op.PROGRESS
+    def call(self, msg: Any, reply: type[Any]) -> ProgressReply:
+        assert isinstance(msg, Progress) and reply is ProgressReply
         assert self.release.wait(60), "the test never released the control call"
-        self.sent.append((fields["task_id"], fields["step"]))
-        return {"ok": True, "cancel": fields["task_id"] in self.cancel}
+        self.sent.append((msg.task_id, msg.step))
+        return ProgressReply(cancel=msg.task_id in self.cancel)
 
 
 def test_reports_never_block_keep_their_order_flush_and_cancel() -> None:

@@ -51,7 +51,7 @@ import torch
 from contracts.dit_request import LORA_NAME_RE, LoraRef
 from contracts.errors import AdapterError, ModelLoadError
 
-from ..lora_layers import adapter_bytes, prepare, regroup
+from .lora_layers import adapter_bytes, prepare, regroup
 
 log = logging.getLogger("diffring.lora")
 
