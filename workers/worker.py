@@ -112,6 +112,9 @@ class Job:
     phase1_kept: bool = False
     """The controller keeps this task's encoder outputs (a checkpoint with them was kept,
     or the attempt resumed from one): later checkpoints leave them out."""
+    steps: int | None = None
+    """A DiT's step count, from its progress (image-to-image runs the last steps of
+    ``infer_steps`` only); None before its first step."""
 
     def asked(self, cancel: bool = False, hand_back: bool = False) -> None:
         """The controller's word on this task (a heartbeat's or a progress report's reply):

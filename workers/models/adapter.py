@@ -20,6 +20,7 @@ from contracts.roles import Role
 from contracts.stage_options import StageOptions
 
 from .components import (
+    ON_DEMAND,
     STAGE_COMPONENTS,
     WEIGHTS,
     check_stage_settings,
@@ -121,8 +122,10 @@ class StageAdapter(ABC):
             return
         from .memory import apply_budget, check_budget, estimate_weights
 
+        # On-demand weights count too: the budget admits the requests that load them.
         folders = [self.source_dir / c for c, kind in
-                   STAGE_COMPONENTS[self.spec.name][self.role.value].items() if kind == WEIGHTS]
+                   STAGE_COMPONENTS[self.spec.name][self.role.value].items()
+                   if kind in (WEIGHTS, ON_DEMAND)]
         weights = estimate_weights(folders, self.dtype.itemsize)
         check_budget(self.role.value, self.options, weights, self.working_bytes())
         apply_budget(self.device, self.options)
@@ -189,6 +192,13 @@ class StageAdapter(ABC):
         loaded = load_component(loader, self.source_dir, component, self.task, self.role)
         if self.on_component is not None:
             self.on_component(component)
+        return loaded
+
+    def _on_demand(self, loader: Callable[[str], T], component: str) -> T:
+        """An on-demand component (``weights, on demand`` in the component table), loaded
+        now by the request that needs it: no start-up boundary, the memory report updated."""
+        loaded = load_component(loader, self.source_dir, component, self.task, self.role)
+        self.memory.loaded()
         return loaded
 
     def _config(self, component: str) -> dict[str, Any]:
