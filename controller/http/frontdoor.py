@@ -214,8 +214,8 @@ class FrontDoor:
             raise http_error(422, f"{self.pipeline} takes no input image; leave image_path unset")
         if spec.image_to_image and bool(values) != (strength is not None):
             raise http_error(422, (
-                f"{self.pipeline} takes an input image for image-to-image only, with "
-                "i2i_denoise_strength in (0, 1]: set both, or neither for text-to-image")
+                f"{self.pipeline} takes no input image without i2i_denoise_strength: set it "
+                "too, in (0, 1], for image-to-image, or leave image_path unset")
                 if values else (
                 "i2i_denoise_strength needs an input image (image_path): image-to-image "
                 f"starts from it; {self.pipeline} without one is text-to-image"))
