@@ -377,7 +377,7 @@ def _checkpoint(r: _Report, cfg: ServiceConfig, roles: list[str]) -> Any:
         return None  # the model check says so
     dit = cfg.dit_original_ckpt if "transformer" in roles else None
     try:
-        found = check_model_folder(Path(cfg.model_path), cfg.pipeline, dit)
+        found = check_model_folder(Path(cfg.model_path), cfg.pipeline, dit, cfg.vae_path)
     except DiffringError as exc:
         r.add("checkpoint", "fail", str(exc))
         return None

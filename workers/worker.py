@@ -189,7 +189,7 @@ class StageWorker(StageHost):
         own = default_advertised_host(self.cfg, controller=False)
         dit = self.cfg.dit_original_ckpt if self.role.value == "transformer" else None
         self.model_folder = check_stage_folder(Path(self.model_path()), self.cfg.pipeline,
-                                             self.role.value, dit)
+                                             self.role.value, dit, self.cfg.vae_path)
         log.info("worker %s: model folder %s is %s", self.name, self.model_path(),
                  self.model_folder.describe())
         settings = MooncakeSettings.resolve(

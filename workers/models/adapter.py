@@ -90,6 +90,9 @@ class StageAdapter(ABC):
         self.dit_file: str | None = None
         """A single-file DiT replacing the folder's (``dit_original_ckpt``; the transformer
         stage's constructor takes it)."""
+        self.vae_file: str | None = None
+        """A VAE file or folder replacing the folder's (``vae_path``), for every stage (each
+        reads the same view of the folder; set before :meth:`load`)."""
         self.on_component: Callable[[str], None] | None = None
         """Called with a component's name after it loaded (the worker's start-up boundary:
         a stop asked for during a long load ends it there)."""
@@ -107,7 +110,8 @@ class StageAdapter(ABC):
         if self.model_folder is None:  # a worker checked it at start, before Mooncake
             # The folder must be a checkpoint of this task's pipeline (JSON only, before
             # any weight is read).
-            self.model_folder = check_model_folder(self.model_dir, self.task, self.dit_file)
+            self.model_folder = check_model_folder(self.model_dir, self.task, self.dit_file,
+                                                   self.vae_file)
         self._resolve_settings()
         self._check_budget()
         self._load()

@@ -150,15 +150,17 @@ def component_problem(folder: Path, kind: str) -> str | None:
 
 
 def check_stage_folder(model_dir: Path, task: str, role: str,
-                       dit_file: str | Path | None = None) -> ModelFolder:
+                       dit_file: str | Path | None = None,
+                       vae_file: str | Path | None = None) -> ModelFolder:
     """Fail fast (seconds, not the minutes of a load) when the folder is in no layout
     diffring serves, lacks something the ``role`` stage of ``task`` reads, or is a checkpoint
     ``task`` does not serve (:func:`~workers.models.model_folder.check_model_folder`); the
     error names folder and component, or the pipeline class. Returns what the folder is.
-    ``dit_file``: the transformer's single-file DiT (``dit_original_ckpt``)."""
+    ``dit_file``: the transformer's single-file DiT (``dit_original_ckpt``); ``vae_file``:
+    the VAE replacing the folder's (``vae_path``)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist (task {task})")
-    found = check_model_folder(model_dir, task, dit_file)
+    found = check_model_folder(model_dir, task, dit_file, vae_file)
     source = found.source or model_dir
     for component, kind in STAGE_COMPONENTS[task_spec(task).name][role].items():
         if kind == ON_DEMAND:
