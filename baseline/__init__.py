@@ -65,7 +65,7 @@ class BaselineWorker:
             prompt_cache_bytes=cfg.prompt_cache_mb << 20,
             stage_options={role: cfg.stage_options(role) for role in STAGE_SECTIONS},
             budget_shapes=cfg.warmup_shapes, attention_fallback=cfg.attention_fallback,
-            dit_file=cfg.dit_original_ckpt,
+            dit_file=cfg.dit_original_ckpt, vae_file=cfg.vae_path,
         )
         # The workers' stage-time histogram, so that benchmarks read both modes alike.
         self.metrics = WorkerMetrics(Role.DECODER.value)

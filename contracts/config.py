@@ -267,6 +267,12 @@ class ServiceConfig:
     model folder's own DiT, converted at load by diffusers' single-file loader: the
     original key names, ComfyUI's, or diffusers' (docs/models.md). The DiT's config is the
     folder's."""
+    vae_path: str | None = None
+    """Stages that read the VAE: a VAE loaded instead of the model folder's own (LightX2V's
+    key): a single file in the original Wan VAE names (``Wan2.1_VAE.pth``, ComfyUI's VAE
+    files) or diffusers' names, converted at load by diffusers' Wan VAE converter (Qwen-Image
+    too: its VAE has the same names), or a diffusers VAE folder. A file's config is the
+    folder's VAE config (Wan: the published one where the folder has none)."""
     request_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Controller (and ``all``): what a request that leaves a field unset gets, before the
     pipeline's own defaults: ``infer_steps``, ``height``, ``width``, ``num_frames``, ``fps``,

@@ -53,6 +53,19 @@ class TaskSpec:
     max_pixels: int = 4096 * 4096
     """The largest height x width a request may ask for (far past what the checkpoints
     were trained at, a request only runs out of device memory after minutes of work)."""
+    image_to_image: bool = False
+    """A text-to-image pipeline that also serves image-to-image: a request may carry one
+    input image together with ``i2i_denoise_strength`` (diffusers' img2img pipeline of the
+    same checkpoint, e.g. ``QwenImageImg2ImgPipeline``), and then must carry both."""
+    denoise_strength: bool = False
+    """Whether a request may carry ``i2i_denoise_strength`` (Qwen-Image: image-to-image
+    from the T2I checkpoint; the edits: LightX2V's redraw strength of one input image)."""
+
+    @property
+    def takes_image(self) -> bool:
+        """Whether requests of this pipeline may carry an input image at all (then the
+        controller stages input images for the encoders)."""
+        return self.needs_image or self.image_to_image
 
 
 # Defaults follow the published checkpoints and diffusers' own pipeline defaults; the tiny
@@ -119,7 +132,8 @@ def _qwen(task: str, needs_image: bool, pipeline_class: str, multi_image: bool =
           **defaults: Any) -> TaskSpec:
     return TaskSpec(f"qwen_{task}", "qwen", "qwen_image", task, "image", needs_image, 16, 1,
                     {**_QWEN_DEFAULTS, **defaults}, pipeline_class, multi_image,
-                    min_steps=2, max_side=3072, max_pixels=3072 * 1536)
+                    min_steps=2, max_side=3072, max_pixels=3072 * 1536,
+                    image_to_image=not needs_image, denoise_strength=True)
 
 
 # Qwen-Image-Edit-2509 and -2511 are a pipeline of their own (``qwen_i2i_plus``, config

@@ -73,6 +73,14 @@ class GenerationRequest:
     cache: CacheSpec | None = None
     """Step cache for this request (``{kind, ...}``, diffusers' names); None: the DiT
     worker's default (``transformer.cache``), ``{"kind": "none"}``: no cache even there."""
+    i2i_denoise_strength: float | None = None
+    """Qwen only, 0 < strength <= 1 (LightX2V's field): how much of the input image is
+    redrawn. The denoising starts from the input image's latents noised to the schedule's
+    timestep at ``strength`` and runs the last ``infer_steps - int(infer_steps * (1 -
+    strength))`` steps (diffusers' img2img). ``qwen_t2i``: image-to-image, with exactly one
+    input image (diffusers' ``QwenImageImg2ImgPipeline``); the edits: the (one) input image
+    is both the condition and the start. None: no input image for ``qwen_t2i``, the whole
+    schedule from noise for the edits."""
 
     def __post_init__(self) -> None:
         spec = task_spec(self.task)
@@ -86,7 +94,7 @@ class GenerationRequest:
             if getattr(self, name) is None and default is not None:
                 object.__setattr__(self, name, default)
         # Accept ints where a float is meant (msgpack and JSON clients send 5 for 5.0).
-        for name in ("guidance_scale", "true_cfg_scale"):
+        for name in ("guidance_scale", "true_cfg_scale", "i2i_denoise_strength"):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))
@@ -172,6 +180,14 @@ class GenerationRequest:
                     need_float(name, 0.0)
             need_int("max_sequence_length", 1, 1024)
 
+        if self.i2i_denoise_strength is not None:
+            if not spec.denoise_strength:
+                fail("i2i_denoise_strength applies to Qwen-Image pipelines only; leave it unset")
+            strength = need_float("i2i_denoise_strength", 0.0)
+            if not 0.0 < strength <= 1.0:
+                fail(f"i2i_denoise_strength must be in (0, 1] (1: the input image is noised "
+                     f"away completely), got {strength}")
+
     # -- conversions --------------------------------------------------------------------------
     @classmethod
     def defaults_for(cls, task: str) -> dict[str, Any]:
@@ -184,9 +200,11 @@ class GenerationRequest:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain ``str`` / ``int`` / ``float`` / ``None`` (msgpack-able);
-        ``loras`` and ``cache`` as lists and maps, and only when set (a request without
-        them travels exactly as before they existed)."""
+        ``loras``, ``cache`` and ``i2i_denoise_strength`` as lists, maps and a number, and
+        only when set (a request without them travels exactly as before they existed)."""
         out = {name: getattr(self, name) for name in self.field_names()}
+        if out["i2i_denoise_strength"] is None:
+            del out["i2i_denoise_strength"]
         for name in ("loras", "cache"):
             if not out[name]:
                 del out[name]

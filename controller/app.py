@@ -297,9 +297,10 @@ async def serve_all(cfg: ServiceConfig, front: FrontDoor, app: Any, ports: Fixed
 
 def tensor_engine(cfg: ServiceConfig, env: Mapping[str, str]) -> Any:
     """The controller's own Mooncake engine, started, when it moves tensors: the input
-    images of I2V / I2I pipelines, denoising checkpoints (``checkpoint_store_mb``); else
-    None. Its pools are host pools: no torch either way."""
-    if not task_spec(cfg.pipeline).needs_image and not cfg.checkpoint_store_mb:
+    images of I2V / I2I pipelines (and of qwen_t2i, for image-to-image), denoising
+    checkpoints (``checkpoint_store_mb``); else None. Its pools are host pools: no torch
+    either way."""
+    if not task_spec(cfg.pipeline).takes_image and not cfg.checkpoint_store_mb:
         return None
     from tensorplane.engine import MooncakeSettings, TransferEngine
 
@@ -329,7 +330,8 @@ def open_checkpoints(cfg: ServiceConfig, engine: Any, output_dir: Path) -> Any:
 
 
 class ImageStager:
-    """The controller's pool for I2V / I2I input images (on its engine)."""
+    """The controller's pool for input images (I2V, I2I, qwen_t2i's image-to-image), on
+    its engine."""
 
     def __init__(self, engine: Any, pool: Any) -> None:
         self.engine = engine
@@ -337,7 +339,7 @@ class ImageStager:
 
     @classmethod
     def for_pipeline(cls, cfg: ServiceConfig, engine: Any) -> ImageStager | None:
-        if not task_spec(cfg.pipeline).needs_image:
+        if not task_spec(cfg.pipeline).takes_image:
             return None
         from tensorplane.pool import StagingPool
 

@@ -80,7 +80,7 @@ def run_checks(
     devices = _rdma(r, cfg, infiniband_dir)
     if (workers and service != "all") or (service == "controller" and task_spec(
         cfg.pipeline
-    ).needs_image):
+    ).takes_image):
         _mooncake(r, service, cfg, env, infiniband_dir, devices)
     _token(r, cfg, token, env)
     found = _checkpoint(r, cfg, workers) if workers else None
@@ -340,7 +340,7 @@ def _mooncake(
 
 # -- model folder and device -------------------------------------------------------------------
 def _model(r: _Report, role: str, cfg: ServiceConfig, found: Any) -> None:
-    from workers.models.components import STAGE_COMPONENTS, component_problem
+    from workers.models.components import ON_DEMAND, STAGE_COMPONENTS, component_problem
 
     name = f"model ({role})"
     if not cfg.model_path:
@@ -354,11 +354,15 @@ def _model(r: _Report, role: str, cfg: ServiceConfig, found: Any) -> None:
         return  # the folder's layout or checkpoint check failed and says why
     source = found.source or root  # a folder in another layout: its diffusers view
     needs = STAGE_COMPONENTS[cfg.pipeline][role]
-    problems = [f"{c} ({kind}): {p}" for c, kind in needs.items()
-                if (p := component_problem(source / c, kind)) is not None]
-    if problems:
+    problems = {c: f"{c} ({kind}): {p}" for c, kind in needs.items()
+                if (p := component_problem(source / c, kind)) is not None}
+    required = [p for c, p in problems.items() if needs[c] != ON_DEMAND]
+    if required:
         r.add(name, "fail", f"{root} is incomplete for the {role} of {cfg.pipeline}: "
-              + "; ".join(problems))
+              + "; ".join(required))
+    elif problems:  # what only some requests load: those fail, the others are served
+        r.add(name, "warn", f"{root}: " + "; ".join(problems.values()) + " (the requests "
+              "that need it fail; the others are served)")
     else:
         r.add(name, "ok", f"{root}: {', '.join(f'{c} ({k})' for c, k in needs.items())}")
 
@@ -373,7 +377,7 @@ def _checkpoint(r: _Report, cfg: ServiceConfig, roles: list[str]) -> Any:
         return None  # the model check says so
     dit = cfg.dit_original_ckpt if "transformer" in roles else None
     try:
-        found = check_model_folder(Path(cfg.model_path), cfg.pipeline, dit)
+        found = check_model_folder(Path(cfg.model_path), cfg.pipeline, dit, cfg.vae_path)
     except DiffringError as exc:
         r.add("checkpoint", "fail", str(exc))
         return None

@@ -198,18 +198,20 @@ def clip_vision(seed: int, hidden: int = WAN_CLIP_DIM, heads: int = 4) -> tuple[
     return model, processor
 
 
-def qwen_vae(seed: int) -> Any:
+def qwen_vae(seed: int, published: bool = False) -> Any:
     from diffusers import AutoencoderKLQwenImage
 
     seeded(seed, "qwen.vae")
-    # Real: base_dim 96, dim_mult [1, 2, 4, 4]. Qwen-Image-Edit VAE-encodes its condition image
-    # at ~1 megapixel, so this VAE is the slowest part of the tiny models on CPU: a flat width
-    # of 8 channels measured fastest (narrower convolutions fall off PyTorch's oneDNN path).
+    # Real: base_dim 96, dim_mult [1, 2, 4, 4], num_res_blocks 2. Qwen-Image-Edit VAE-encodes
+    # its condition image at ~1 megapixel, so this VAE is the slowest part of the tiny models
+    # on CPU: a flat width of 8 channels measured fastest (narrower convolutions fall off
+    # PyTorch's oneDNN path). ``published``: the real structure at a tiny width, for the
+    # single-file VAE tests (diffusers' Wan VAE converter follows the real block count).
     model: Any = AutoencoderKLQwenImage(
-        base_dim=8,
+        base_dim=4 if published else 8,
         z_dim=16,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
+        dim_mult=[1, 2, 4, 4] if published else [1, 1, 1, 1],
+        num_res_blocks=2 if published else 1,
         attn_scales=[],
         temperal_downsample=[False, True, True],
     )

@@ -11,6 +11,11 @@ another layout gives the pixels of the same weights in diffusers' layout.
   loader drops).
 * :func:`write_single_file_dit`: a folder's DiT as one file, in diffusers' key names or
   ComfyUI's (``model.diffusion_model.`` before each), or for Wan in the original names.
+* :func:`write_single_file_vae`: a folder's VAE (Wan2.1's or Qwen-Image's, whose parameters
+  have the same names) as one file, in the original Wan VAE names (``.pth`` as
+  ``Wan2.1_VAE.pth``, ``.safetensors`` as ComfyUI's VAE files) or in diffusers' names.
+* :func:`build_qwen_published_vae`: a tiny Qwen-Image folder whose VAE keeps the published
+  structure (two residual blocks per level, as the Wan VAE converter's mapping assumes).
 
 The DiT and VAE names are the inverse of diffusers' converters
 (``convert_wan_transformer_to_diffusers``, ``convert_wan_vae_to_diffusers``), and each file
@@ -240,6 +245,43 @@ def write_single_file_dit(src: Path, dst: Path, names: str = "comfyui") -> Path:
         state = {COMFY_PREFIX + k: v for k, v in state.items()}
     save_file({k: v.contiguous() for k, v in state.items()}, str(dst))
     return dst
+
+
+def write_single_file_vae(src: Path, dst: Path, names: str = "original") -> Path:
+    """The VAE of diffusers-layout folder ``src`` as the single file ``dst`` (``.pth`` or
+    ``.safetensors``), in the ``original`` Wan VAE names (checked against diffusers' own
+    converter) or in ``diffusers``' names."""
+    import torch
+    from safetensors.torch import save_file
+
+    state = _load_dir(src / "vae")
+    if names == "original":
+        original = vae_to_original(state)
+        _check_inverse("vae", original, state)
+        state = original
+    if dst.suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, str(dst))
+    else:
+        torch.save(state, dst)
+    return dst
+
+
+def build_qwen_published_vae(src: Path, dest: Path, seed: int = 0) -> Path:
+    """Tiny Qwen-Image folder ``src`` (diffusers' layout) with its VAE replaced by one of
+    the published structure (:func:`modelkit.components.qwen_vae` ``published``), built
+    once at ``dest`` (every other component linked)."""
+    from modelkit import components as c
+    from modelkit.tiny import _in_place
+
+    done = lambda: (dest / "vae" / "config.json").is_file()  # noqa: E731
+    if not done():
+        with _in_place(dest, dest.name, keep=done) as tmp:
+            for entry in src.iterdir():
+                if entry.name != "vae":
+                    (tmp / entry.name).symlink_to(entry.resolve())
+            c.qwen_vae(seed, published=True).save_pretrained(tmp / "vae",
+                                                             safe_serialization=True)
+    return dest
 
 
 def build_wan_pair(out: Path, task: str, seed: int = 0) -> tuple[Path, Path]:

@@ -128,7 +128,7 @@ def _addresses(service: str, cfg: ServiceConfig, env: dict[str, str]) -> dict[st
     """What ``service`` binds, advertises or joins; a worker (and the controller of an
     image pipeline) also advertises its Mooncake address to peers."""
     out = cfg.addresses(service)
-    if service == "all" or (service == "controller" and not task_spec(cfg.pipeline).needs_image):
+    if service == "all" or (service == "controller" and not task_spec(cfg.pipeline).takes_image):
         return out
     from tensorplane.engine import MooncakeSettings
 

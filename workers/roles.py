@@ -168,7 +168,7 @@ class TransformerWorker(ProducerWorker):
         with self.stage.guarded(_size(req)):
             out: dict[str, Any] = self.stage.denoise(
                 req, inputs,
-                on_step=lambda k, n: self.progress.report(job, k, n),
+                on_step=lambda k, n: self._step(job, k, n),
                 should_stop=job.cancel.is_set,
                 loop=hooks,
             )
@@ -176,11 +176,15 @@ class TransformerWorker(ProducerWorker):
         job.result = out
         return out
 
+    def _step(self, job: Job, step: int, steps: int) -> None:
+        job.steps = steps
+        self.progress.report(job, step, steps)
+
     def release(self, job: Job) -> None:
         """Send the final latents to the controller's keeping (a lost decoder then costs a
         decode), then report the handoff."""
         if job.result is not None and self.checkpoints.enabled:
-            steps = _request(job).infer_steps
+            steps = job.steps or _request(job).infer_steps
             assert steps is not None
             self.checkpoints.send_final(job, job.result, steps)
         super().release(job)

@@ -112,6 +112,9 @@ class Job:
     phase1_kept: bool = False
     """The controller keeps this task's encoder outputs (a checkpoint with them was kept,
     or the attempt resumed from one): later checkpoints leave them out."""
+    steps: int | None = None
+    """A DiT's step count, from its progress (image-to-image runs the last steps of
+    ``infer_steps`` only); None before its first step."""
 
     def asked(self, cancel: bool = False, hand_back: bool = False) -> None:
         """The controller's word on this task (a heartbeat's or a progress report's reply):
@@ -186,7 +189,7 @@ class StageWorker(StageHost):
         own = default_advertised_host(self.cfg, controller=False)
         dit = self.cfg.dit_original_ckpt if self.role.value == "transformer" else None
         self.model_folder = check_stage_folder(Path(self.model_path()), self.cfg.pipeline,
-                                             self.role.value, dit)
+                                             self.role.value, dit, self.cfg.vae_path)
         log.info("worker %s: model folder %s is %s", self.name, self.model_path(),
                  self.model_folder.describe())
         settings = MooncakeSettings.resolve(

@@ -89,9 +89,9 @@ class FrontDoor:
 
     # -- request building -----------------------------------------------------------------
     def _generation_request(self, body: TaskRequest) -> dict[str, Any]:
-        for name in ("last_frame_path", "i2i_denoise_strength"):
-            if getattr(body, name, None) not in (None, ""):
-                raise http_error(422, f"{name} is not supported by diffring; leave it unset")
+        if getattr(body, "last_frame_path", None) not in (None, ""):
+            raise http_error(422, "last_frame_path is not supported by diffring (no "
+                             "first-last-frame DiT is served); leave it unset")
         spec = task_spec(self.pipeline)
         fields: dict[str, Any] = {"task": self.pipeline, "prompt": body.prompt}
         fields.update(lora_fields(body))
@@ -101,8 +101,9 @@ class FrontDoor:
             "infer_steps",
             "guidance_scale",
             "true_cfg_scale",
+            "i2i_denoise_strength",
         ):
-            value = getattr(body, name)
+            value = getattr(body, name, None)
             if value is not None:
                 fields[name] = value
         fields.update(size_fields(body, spec, self.defaults))
@@ -150,7 +151,7 @@ class FrontDoor:
                 422, "task_id must be 1-128 characters of letters, digits, '_', '.', '-'"
             )
         values = body.image_values()
-        self._check_image_count(spec, values)
+        self._check_image_count(spec, values, request.get("i2i_denoise_strength"))
         save = safe_relative_path(body.save_result_path) if body.save_result_path else ""
         if save:
             self._check_result_path_free(save)
@@ -210,14 +211,28 @@ class FrontDoor:
                     409, f"save_result_path {save!r} is the result file of task {t.task_id}, "
                     f"still {t.stage.value}; choose another path, or wait until it is over")
 
-    def _check_image_count(self, spec: TaskSpec, values: list[str]) -> None:
+    def _check_image_count(self, spec: TaskSpec, values: list[str],
+                           strength: float | None = None) -> None:
         """Refuse a wrong number of input images before anything is decoded: none where one
-        is needed, any for a text task (422), several for a one-image pipeline (422), more
-        than ``server.max_input_images`` (413)."""
+        is needed, any for a text task (422), several for a one-image pipeline or with
+        ``i2i_denoise_strength`` (422), more than ``server.max_input_images`` (413). A
+        text-to-image pipeline that serves image-to-image takes its one image together with
+        ``i2i_denoise_strength``, and the strength only with an image."""
         if spec.needs_image and not values:
             raise http_error(422, f"{self.pipeline} needs an input image: set image_path")
-        if not spec.needs_image and values:
+        if not spec.takes_image and values:
             raise http_error(422, f"{self.pipeline} takes no input image; leave image_path unset")
+        if spec.image_to_image and bool(values) != (strength is not None):
+            raise http_error(422, (
+                f"{self.pipeline} takes no input image without i2i_denoise_strength: set it "
+                "too, in (0, 1], for image-to-image, or leave image_path unset")
+                if values else (
+                "i2i_denoise_strength needs an input image (image_path): image-to-image "
+                f"starts from it; {self.pipeline} without one is text-to-image"))
+        if strength is not None and len(values) > 1:
+            raise http_error(422, f"i2i_denoise_strength redraws one input image, got "
+                                  f"{len(values)} in image_path; send one, or leave the "
+                                  "strength unset")
         if len(values) > 1 and not spec.multi_image:
             raise http_error(
                 422, f"{self.pipeline} takes one input image, got {len(values)} in image_path "

@@ -82,6 +82,9 @@ class ImageParams(_Extensions):
     background: Literal["auto", "opaque"] | None = None
     stream: bool | None = None
     partial_images: int | None = Field(None, ge=0, le=0)
+    i2i_denoise_strength: float | None = Field(
+        None, description="LightX2V's extension, Qwen-Image edits (0, 1]: how much of the "
+        "input image is redrawn; on a qwen_t2i controller an edit is image-to-image and needs it")
     # OpenAI fields with no effect here: accepted so that existing clients work unchanged.
     model: str | None = None
     user: str | None = None
@@ -174,11 +177,18 @@ class OpenAIDoor:
     def _route_for_pipeline(self) -> str:
         if self.spec.output == "video":
             return "POST /v1/videos"
+        if self.spec.image_to_image:
+            return ("POST /v1/images/generations (or /v1/images/edits with "
+                    "i2i_denoise_strength: image-to-image)")
         return "POST /v1/images/edits" if self.spec.needs_image else "POST /v1/images/generations"
 
     def require(self, output: str, needs_image: bool | None) -> None:
+        """Refuse a route of another pipeline. ``needs_image``: the route takes an input
+        image (edits; a text-to-image pipeline that serves image-to-image takes them too),
+        or not (generations); None: either."""
         ok = self.spec.output == output and (
-            needs_image is None or self.spec.needs_image == needs_image)
+            needs_image is None or self.spec.needs_image == needs_image
+            or (needs_image and self.spec.image_to_image))
         if not ok:
             raise OpenAIError(
                 400, f"this controller serves {self.front.pipeline}; use "
@@ -198,7 +208,8 @@ class OpenAIDoor:
                 exc.status_code)
             # The size reaches the task as height / width: name the parameter the client sent.
             param = "size" if re.search(r"\b(height|width)\b", message) else None
-            for name in ("loras", "cache", "priority"):  # their errors name them
+            # Their errors name them.
+            for name in ("loras", "cache", "priority", "i2i_denoise_strength"):
                 if re.search(rf"\b({name}|{name.rstrip('s')})\b", message, re.I):
                     param = param or name
             if image_param in message:
@@ -232,6 +243,8 @@ class OpenAIDoor:
         base_seed = fields.pop("seed", 0)
         if height is not None:
             fields["height"], fields["width"] = height, width
+        if p.i2i_denoise_strength is not None:
+            fields["i2i_denoise_strength"] = p.i2i_denoise_strength
         encoded: str | list[str] | None = None
         if isinstance(image, list):  # one image travels as a string, as it always has
             encoded = [base64.b64encode(i).decode() for i in image]

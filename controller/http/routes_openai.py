@@ -155,7 +155,8 @@ async def images_generations(body: ImageParams, request: Request, door: Door
 async def images_edits(request: Request, door: Door) -> dict[str, Any]:
     """Image edit (I2I controllers), multipart ``image`` + ``prompt``: waits for the images.
     A multi-image edit (qwen_i2i_plus) takes several ``image`` (or ``image[]``) parts, in
-    "Picture" order."""
+    "Picture" order. On a qwen_t2i controller an edit is image-to-image: one image and
+    ``i2i_denoise_strength`` (LightX2V's form field, the openai package's ``extra_body``)."""
     door.require("image", needs_image=True)
     fields, files = await _form(request, ("image", "mask"))
     if "mask" in files:

@@ -34,11 +34,13 @@ class TaskRequest(BaseModel):
     prompt: str = Field(..., min_length=1, max_length=100_000)
     negative_prompt: str | None = Field(None, max_length=100_000)
     image_path: str | list[str] | None = Field(
-        None, description="input image for i2v / i2i: base64 or a data: URL (or an http(s) "
+        None, description="input image for i2v / i2i (and qwen_t2i's image-to-image, with "
+        "i2i_denoise_strength): base64 or a data: URL (or an http(s) "
         "URL of an allowed host, a file under the input folder, where configured); qwen_i2i_plus "
         "takes a list of them (Picture 1, Picture 2, ..., at most server.max_input_images)"
     )
-    last_frame_path: str | None = Field(None, description="not supported by diffring")
+    last_frame_path: str | None = Field(None, description="not supported by diffring "
+                                        "(no first-last-frame DiT is served)")
     save_result_path: str | None = Field(
         None, description="result file name, relative to the controller's output folder"
     )
@@ -100,7 +102,10 @@ class VideoTaskRequest(TaskRequest):
 
 class ImageTaskRequest(TaskRequest):
     aspect_ratio: str | None = Field(None, description='e.g. "16:9"')
-    i2i_denoise_strength: float | None = Field(None, description="not supported by diffring")
+    i2i_denoise_strength: float | None = Field(
+        None, description="Qwen-Image, 0 < strength <= 1: how much of the one input image is "
+        "redrawn (qwen_t2i: image-to-image, with image_path; the edits: the input image is "
+        "also the start); unset: text-to-image, or the whole edit from noise")
 
 
 class SyncImageTaskRequest(ImageTaskRequest):

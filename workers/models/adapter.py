@@ -20,6 +20,7 @@ from contracts.roles import Role
 from contracts.stage_options import StageOptions
 
 from .components import (
+    ON_DEMAND,
     STAGE_COMPONENTS,
     WEIGHTS,
     check_stage_settings,
@@ -89,6 +90,9 @@ class StageAdapter(ABC):
         self.dit_file: str | None = None
         """A single-file DiT replacing the folder's (``dit_original_ckpt``; the transformer
         stage's constructor takes it)."""
+        self.vae_file: str | None = None
+        """A VAE file or folder replacing the folder's (``vae_path``), for every stage (each
+        reads the same view of the folder; set before :meth:`load`)."""
         self.on_component: Callable[[str], None] | None = None
         """Called with a component's name after it loaded (the worker's start-up boundary:
         a stop asked for during a long load ends it there)."""
@@ -106,7 +110,8 @@ class StageAdapter(ABC):
         if self.model_folder is None:  # a worker checked it at start, before Mooncake
             # The folder must be a checkpoint of this task's pipeline (JSON only, before
             # any weight is read).
-            self.model_folder = check_model_folder(self.model_dir, self.task, self.dit_file)
+            self.model_folder = check_model_folder(self.model_dir, self.task, self.dit_file,
+                                                   self.vae_file)
         self._resolve_settings()
         self._check_budget()
         self._load()
@@ -121,8 +126,10 @@ class StageAdapter(ABC):
             return
         from .memory import apply_budget, check_budget, estimate_weights
 
+        # On-demand weights count too: the budget admits the requests that load them.
         folders = [self.source_dir / c for c, kind in
-                   STAGE_COMPONENTS[self.spec.name][self.role.value].items() if kind == WEIGHTS]
+                   STAGE_COMPONENTS[self.spec.name][self.role.value].items()
+                   if kind in (WEIGHTS, ON_DEMAND)]
         weights = estimate_weights(folders, self.dtype.itemsize)
         check_budget(self.role.value, self.options, weights, self.working_bytes())
         apply_budget(self.device, self.options)
@@ -189,6 +196,13 @@ class StageAdapter(ABC):
         loaded = load_component(loader, self.source_dir, component, self.task, self.role)
         if self.on_component is not None:
             self.on_component(component)
+        return loaded
+
+    def _on_demand(self, loader: Callable[[str], T], component: str) -> T:
+        """An on-demand component (``weights, on demand`` in the component table), loaded
+        now by the request that needs it: no start-up boundary, the memory report updated."""
+        loaded = load_component(loader, self.source_dir, component, self.task, self.role)
+        self.memory.loaded()
         return loaded
 
     def _config(self, component: str) -> dict[str, Any]:

@@ -75,6 +75,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 # -- what each stage reads ---------------------------------------------------------------
 
 WEIGHTS, CONFIG, FILES, FILE = "weights", "config", "files", "file"
+ON_DEMAND = "weights, on demand"
 _TEXT = {"tokenizer": FILES, "text_encoder": WEIGHTS}
 _DIT = {"transformer": WEIGHTS, "scheduler": FILES, "vae": CONFIG}
 _EDIT = {
@@ -90,7 +91,11 @@ STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
         "transformer": _DIT,
         "decoder": {"vae": WEIGHTS},
     },
-    "qwen_t2i": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
+    # The T2I encoder's VAE encodes the input image of an image-to-image request only: it is
+    # loaded by the first such request, so a worker serving text-to-image holds no more than
+    # before image-to-image existed.
+    "qwen_t2i": {"encoder": {**_TEXT, "vae": ON_DEMAND}, "transformer": _DIT,
+                 "decoder": {"vae": WEIGHTS}},
     "qwen_i2i": _EDIT,
     "qwen_i2i_plus": _EDIT,  # the same components; the model index names another pipeline
     # No model: one settings file, read directly by each stage
@@ -100,9 +105,11 @@ STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
 """task -> role -> the components of the model folder its stage reads, and how much of each:
 ``weights`` (config and weights), ``config`` (the config file only: the DiT reads the VAE's
 geometry), ``files`` (tokenizer, processor, scheduler: their own files), ``file`` (a single
-file the stage reads itself, not a component folder). What a worker checks
-before anything slow (:func:`check_stage_folder`) and ``run_service.py --check`` reports; a
-test loads every stage and checks that it reads exactly these."""
+file the stage reads itself, not a component folder), ``weights, on demand`` (weights
+loaded by the first request that needs them, not at start: a folder without them serves
+every other request). What a worker checks before anything slow (:func:`check_stage_folder`)
+and ``run_service.py --check`` reports; a test loads every stage and checks that it reads
+exactly these (the on-demand ones when a request needs them)."""
 assert set(STAGE_COMPONENTS) == set(TASKS)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -143,17 +150,21 @@ def component_problem(folder: Path, kind: str) -> str | None:
 
 
 def check_stage_folder(model_dir: Path, task: str, role: str,
-                       dit_file: str | Path | None = None) -> ModelFolder:
+                       dit_file: str | Path | None = None,
+                       vae_file: str | Path | None = None) -> ModelFolder:
     """Fail fast (seconds, not the minutes of a load) when the folder is in no layout
     diffring serves, lacks something the ``role`` stage of ``task`` reads, or is a checkpoint
     ``task`` does not serve (:func:`~workers.models.model_folder.check_model_folder`); the
     error names folder and component, or the pipeline class. Returns what the folder is.
-    ``dit_file``: the transformer's single-file DiT (``dit_original_ckpt``)."""
+    ``dit_file``: the transformer's single-file DiT (``dit_original_ckpt``); ``vae_file``:
+    the VAE replacing the folder's (``vae_path``)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist (task {task})")
-    found = check_model_folder(model_dir, task, dit_file)
+    found = check_model_folder(model_dir, task, dit_file, vae_file)
     source = found.source or model_dir
     for component, kind in STAGE_COMPONENTS[task_spec(task).name][role].items():
+        if kind == ON_DEMAND:
+            continue  # checked by the request that needs it (load_component's message)
         if kind != FILE:
             component_dir(source, component, task, role)  # the loader's own message
         problem = component_problem(source / component, kind)

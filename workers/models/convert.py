@@ -4,9 +4,12 @@
 The DiTs and the Wan VAE go through the key converters of diffusers' own single-file
 loader (the mapping ``from_single_file`` uses for the class, from
 ``diffusers.loaders.single_file_utils``: ``convert_wan_transformer_to_diffusers``,
-``convert_wan_vae_to_diffusers``), which read the original and ComfyUI key names; the config
-is the view's, and the load is strict. What diffusers and transformers
-lack is written here, each mapping a table of names:
+``convert_wan_vae_to_diffusers``), which read the original and ComfyUI key names (and pass
+diffusers' names through); the config is the view's, and the load is strict. diffusers
+registers no single-file mapping for ``AutoencoderKLQwenImage``, whose parameters have the
+Wan VAE's names key for key (a test checks it): a Qwen-Image VAE file goes through the Wan
+VAE's converter. What diffusers and transformers lack is written here, each mapping a table
+of names:
 
 * Wan's UMT5 text encoder (``models_t5_umt5-xxl-enc-bf16.pth``, Wan's own T5 module) into
   transformers' ``UMT5EncoderModel``: neither library converts that file;
@@ -70,6 +73,10 @@ def load_converted(cls: Any, folder: Path, source: Mapping[str, Any], dtype: tor
                              f"{cls.__name__} ({kind}): {type(exc).__name__}: {exc}") from exc
 
 
+_MAPPING_OF = {"AutoencoderKLQwenImage": "AutoencoderKLWan"}
+"""Classes read through another class's single-file mapping (the same parameter names)."""
+
+
 def _diffusers(cls: Any, state: dict[str, torch.Tensor], folder: Path,
                dtype: torch.dtype) -> Any:
     """diffusers' own key converter of ``cls`` (the mapping its ``from_single_file`` uses),
@@ -78,7 +85,7 @@ def _diffusers(cls: Any, state: dict[str, torch.Tensor], folder: Path,
     from accelerate import init_empty_weights
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
-    entry: Any = SINGLE_FILE_LOADABLE_CLASSES[cls.__name__]
+    entry: Any = SINGLE_FILE_LOADABLE_CLASSES[_MAPPING_OF.get(cls.__name__, cls.__name__)]
     mapping = entry["checkpoint_mapping_fn"]
     converted = mapping(checkpoint=dict(state))
     # The dtypes diffusers' from_pretrained gives: modules the class keeps in float32 (Wan's

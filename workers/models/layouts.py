@@ -12,6 +12,10 @@ Served layouts:
   ``models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth``.
 * either of them with a single-file DiT (``dit_original_ckpt``, LightX2V's key): original,
   ComfyUI (``model.diffusion_model.`` prefix) or diffusers key names.
+* either of them with another VAE (``vae_path``, LightX2V's key): a single file in the
+  original Wan VAE names (``Wan2.1_VAE.pth``, ComfyUI's VAE files) or diffusers' names, for
+  Wan2.1 and for Qwen-Image (whose VAE has the Wan VAE's module names), or a diffusers VAE
+  folder (LightX2V's Qwen-Image meaning of the key).
 
 A folder in another layout is served through a *view*: a small folder in diffusers' layout
 (:func:`view_of`) holding every component's config, links to the files that need no
@@ -59,6 +63,8 @@ LAYOUTS_SERVED = (
     f"the original Wan2.1 layout (config.json of a WanModel, {WAN_DIT}*.safetensors, {WAN_T5},"
     f" {WAN_VAE}, {WAN_TOKENIZER}/; for I2V also {WAN_CLIP})",
     "either with a single-file DiT (dit_original_ckpt: original, ComfyUI or diffusers keys)",
+    "either with another VAE (vae_path: a single file in the original Wan VAE or diffusers "
+    "names, or a diffusers VAE folder)",
 )
 
 # Wan2.1's published scheduler (diffusers' Wan2.1 folders): UniPC in flow-matching mode,
@@ -212,8 +218,11 @@ def wan_dit_config(original: dict[str, Any], shapes: dict[str, tuple[int, ...]],
 
 
 def _wan_vae_config(shapes: dict[str, tuple[int, ...]], file: Path) -> dict[str, Any]:
-    return {**_WAN_VAE, "base_dim": _need(shapes, "encoder.conv1.weight", file)[0],
-            "z_dim": _need(shapes, "conv2.weight", file)[0]}
+    # The original names, else diffusers' (a single file may carry either).
+    first, post = (("encoder.conv1.weight", "conv2.weight") if "conv2.weight" in shapes
+                   else ("encoder.conv_in.weight", "post_quant_conv.weight"))
+    return {**_WAN_VAE, "base_dim": _need(shapes, first, file)[0],
+            "z_dim": _need(shapes, post, file)[0]}
 
 
 def _umt5_config(shapes: dict[str, tuple[int, ...]], file: Path) -> dict[str, Any]:
@@ -271,9 +280,33 @@ def _source(folder: Path, convert: str, files: list[Path]) -> None:
     _write(folder, SOURCE_FILE, {"convert": convert, "files": [str(f.resolve()) for f in files]})
 
 
-def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None) -> None:
+def _vae_component(view: Path, vae: Path, own_config: Path | None, wan: bool) -> None:
+    """The view's VAE from ``vae_path``: a diffusers VAE folder as it is, or a single file
+    converted at load (``wan_vae``: diffusers' Wan VAE converter; Qwen-Image's VAE has the
+    same module names). A file's config is the folder's own VAE config where it has one
+    (its latent statistics, its class), else for Wan the published one sized from the
+    file's shapes; a Qwen-Image file needs the folder's."""
+    if vae.is_dir():
+        if not (vae / "config.json").is_file():
+            raise ModelLoadError(f"vae_path {vae} is a folder without config.json: give a "
+                                 "diffusers VAE folder or a single VAE file")
+        view.symlink_to(vae.resolve())
+        return
+    if own_config is not None and own_config.is_file():
+        config = json.loads(own_config.read_text())
+    elif wan:
+        config = _wan_vae_config(checkpoint_shapes(vae), vae)
+    else:
+        raise ModelLoadError(f"vae_path {vae} needs the VAE's config: {own_config} is "
+                             "missing (the file holds the weights only)")
+    _write(view, "config.json", config)
+    _source(view, "wan_vae", [vae])
+
+
+def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None,
+                        vae_file: Path | None = None) -> None:
     original = json.loads((model_dir / "config.json").read_text())
-    need = [WAN_T5, WAN_VAE, f"{WAN_TOKENIZER}/"]
+    need = [WAN_T5, f"{WAN_TOKENIZER}/"] + ([] if vae_file is not None else [WAN_VAE])
     i2v = original.get("model_type") == "i2v" or int(original.get("in_dim", 16)) != 16
     if i2v:
         need.append(WAN_CLIP)
@@ -286,9 +319,7 @@ def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None) -> N
               else safetensors_shapes(dit_files))
     _write(view / "transformer", "config.json", wan_dit_config(original, shapes, model_dir))
     _source(view / "transformer", "wan_transformer", dit_files)
-    vae = model_dir / WAN_VAE
-    _write(view / "vae", "config.json", _wan_vae_config(checkpoint_shapes(vae), vae))
-    _source(view / "vae", "wan_vae", [vae])
+    _vae_component(view / "vae", vae_file or model_dir / WAN_VAE, None, wan=True)
     t5 = model_dir / WAN_T5
     _write(view / "text_encoder", "config.json", _umt5_config(checkpoint_shapes(t5), t5))
     _source(view / "text_encoder", "wan_t5", [t5])
@@ -313,29 +344,42 @@ def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None) -> N
     _write(view, "model_index.json", index)
 
 
-def _build_dit_override(model_dir: Path, view: Path, dit_file: Path) -> None:
-    """A diffusers folder whose DiT comes from ``dit_file``: every other entry linked."""
+def _build_overrides(model_dir: Path, view: Path, dit_file: Path | None,
+                     vae_file: Path | None) -> None:
+    """A diffusers folder whose DiT comes from ``dit_file`` and / or whose VAE from
+    ``vae_file``: every other entry linked."""
+    replaced = {name for name, file in (("transformer", dit_file), ("vae", vae_file))
+                if file is not None}
     config = model_dir / "transformer" / "config.json"
-    if not config.is_file():
+    if dit_file is not None and not config.is_file():
         raise ModelLoadError(f"dit_original_ckpt {dit_file} needs the DiT's config: "
                              f"{config} is missing")
     for entry in model_dir.iterdir():
-        if entry.name != "transformer" and not entry.name.startswith("."):
+        if entry.name not in replaced and not entry.name.startswith("."):
             (view / entry.name).symlink_to(entry.resolve())
-    dit = json.loads(config.read_text())
-    (view / "transformer").mkdir()
-    (view / "transformer" / "config.json").write_text(config.read_text())
-    family = "wan" if dit.get("_class_name") == "WanTransformer3DModel" else "qwen"
-    _source(view / "transformer", f"{family}_transformer", [dit_file])
+    names = [json.loads(f.read_text()).get("_class_name", "") for f in
+             (config, model_dir / "model_index.json") if f.is_file()]
+    family = "wan" if any(str(n).startswith("Wan") for n in names) else "qwen"
+    if dit_file is not None:
+        (view / "transformer").mkdir()
+        (view / "transformer" / "config.json").write_text(config.read_text())
+        _source(view / "transformer", f"{family}_transformer", [dit_file])
+    if vae_file is not None:
+        _vae_component(view / "vae", vae_file, model_dir / "vae" / "config.json",
+                       wan=family == "wan")
 
 
-def view_of(model_dir: Path, layout: str, dit_file: Path | None = None) -> Path:
+def view_of(model_dir: Path, layout: str, dit_file: Path | None = None,
+            vae_file: Path | None = None) -> Path:
     """The diffusers-layout view of ``model_dir`` (see the module's docstring), built now
-    under the temporary folder (one per folder, DiT file and process; a dead process's
-    views are removed by the next build). Reads JSON and tensor headers only."""
+    under the temporary folder (one per folder, DiT and VAE file and process; a dead
+    process's views are removed by the next build). Reads JSON and tensor headers only."""
     if dit_file is not None and not dit_file.is_file():
         raise ModelLoadError(f"dit_original_ckpt {dit_file} does not exist")
-    key = hashlib.sha1(f"{model_dir.resolve()}|{layout}|{dit_file}".encode()).hexdigest()[:16]
+    if vae_file is not None and not vae_file.exists():
+        raise ModelLoadError(f"vae_path {vae_file} does not exist")
+    key = hashlib.sha1(f"{model_dir.resolve()}|{layout}|{dit_file}|{vae_file}".encode()
+                       ).hexdigest()[:16]
     root = Path(tempfile.gettempdir()) / "diffring-views"
     root.mkdir(parents=True, exist_ok=True)
     for old in root.glob(f"{key}-*"):
@@ -347,10 +391,9 @@ def view_of(model_dir: Path, layout: str, dit_file: Path | None = None) -> Path:
     view.mkdir()
     try:
         if layout == "wan_original":
-            _build_wan_original(model_dir, view, dit_file)
+            _build_wan_original(model_dir, view, dit_file, vae_file)
         else:
-            assert dit_file is not None
-            _build_dit_override(model_dir, view, dit_file)
+            _build_overrides(model_dir, view, dit_file, vae_file)
     except BaseException:
         shutil.rmtree(view, ignore_errors=True)
         raise

@@ -43,7 +43,8 @@ class ModelFolder:
     """Which checkpoints of the class this is, in words (e.g. Edit-2511's ``zero_cond_t``)."""
     layout: str = "diffusers"
     """The folder's layout (:mod:`workers.models.layouts`): ``diffusers`` or
-    ``wan_original``, with ``+ single-file DiT`` when ``dit_original_ckpt`` replaces its DiT."""
+    ``wan_original``, with ``+ single-file DiT`` when ``dit_original_ckpt`` replaces its DiT
+    and ``+ VAE from vae_path`` when ``vae_path`` replaces its VAE."""
     source: Path | None = None
     """Where the stages read the components from: the diffusers-layout view of a folder in
     another layout (None: the folder itself)."""
@@ -135,21 +136,25 @@ def _dit_variant(model_dir: Path, dit: dict[str, Any], spec: TaskSpec) -> tuple[
     return None, ""
 
 
-def check_model_folder(model_dir: Path, task: str, dit_file: str | Path | None = None
-                       ) -> ModelFolder:
+def check_model_folder(model_dir: Path, task: str, dit_file: str | Path | None = None,
+                       vae_file: str | Path | None = None) -> ModelFolder:
     """Refuse (:class:`ModelLoadError`) a folder in no layout diffring serves, or whose
     pipeline ``task`` does not serve; return what it is and where its components are read
-    from. ``dit_file``: a single-file DiT that replaces the folder's (``dit_original_ckpt``).
-    JSON and tensor headers only: seconds before any weight is read."""
+    from. ``dit_file``: a single-file DiT that replaces the folder's (``dit_original_ckpt``);
+    ``vae_file``: a VAE file or folder that replaces the folder's (``vae_path``). JSON and
+    tensor headers only: seconds before any weight is read."""
     spec = task_spec(task)
     if spec.pipeline_class is None:  # the synthetic pipeline reads its own settings file
         return ModelFolder(None, "")
     layout = detect_layout(model_dir)
     source = None
-    if layout != "diffusers" or dit_file is not None:
-        source = view_of(model_dir, layout, None if dit_file is None else Path(dit_file))
+    if layout != "diffusers" or dit_file is not None or vae_file is not None:
+        source = view_of(model_dir, layout, None if dit_file is None else Path(dit_file),
+                         None if vae_file is None else Path(vae_file))
         if dit_file is not None:
             layout += " + single-file DiT"
+        if vae_file is not None:
+            layout += " + VAE from vae_path"
     read_from = source or model_dir
     index = read_json(read_from / "model_index.json")
     if index is not None:

@@ -41,6 +41,7 @@ class LocalPipeline:
         budget_shapes: Sequence[str] = (),
         attention_fallback: str | None = None,
         dit_file: str | None = None,
+        vae_file: str | None = None,
     ) -> None:
         """``stage_options``: each stage's memory and precision options by role name
         ("encoder", "transformer", "decoder"; a missing one: all off). One process has one
@@ -58,6 +59,8 @@ class LocalPipeline:
         )
         self.decoder = DecoderAdapter.for_task(
             model_dir, task, device, dtype, video=video, options=opts.get("decoder"))
+        for stage in (self.encoder, self.transformer, self.decoder):
+            stage.vae_file = vae_file  # ``vae_path``: the same view of the folder for all
         self.task = task
 
     def load(self) -> None:

@@ -18,6 +18,12 @@ encoder -> transformer
                                      the (first) input image resized to ~1 megapixel
     ``image_latents_2``, ``_3``, ... EditPlus only: the same for each further input image
                                      ("Picture 2", ...), each at its own ~1 megapixel size
+    ``init_latents``                 (1, z, 1, h, w), T2I image-to-image only: normalised
+                                     VAE latents of the start image at the output size,
+                                     sampled from the latent distribution
+    ``init_generator``               (5056,) uint8, with ``init_latents``: the state of the
+                                     request's generator after that sample; it draws the
+                                     initial noise (one generator, as in the pipeline)
 transformer -> decoder
     ``latents``                      (1, z, 1, h, w) in the transformer's dtype: unpacked
                                      (VAE layout), normalised (VAE stats not applied)
@@ -26,6 +32,14 @@ with h, w = height / 8, width / 8 for the published VAE. Edit requests without a
 the pipeline's default, the (last) condition image's ~1 megapixel size, which the
 transformer stage reads from its latents. Edit-2511's ``zero_cond_t`` (the condition
 images' tokens modulated at timestep 0) is the DiT's own: it follows from ``img_shapes``.
+
+``i2i_denoise_strength`` (LightX2V's field): the loop runs the last steps of the schedule
+(``QwenImageImg2ImgPipeline.get_timesteps``) from a start image's latents noised to the first
+of them (the scheduler's ``scale_noise``). T2I: the start is ``init_latents``, and the
+result that of ``QwenImageImg2ImgPipeline``. The edits (LightX2V's meaning of the field):
+the start is the (one) condition image's latents, resized bilinearly where the output size
+differs, as LightX2V does; no diffusers pipeline does this (its checks: the edit pipeline
+given the same truncated schedule and start).
 
 The encoder stage is :mod:`workers.models.families.qwen_encoder`; this module is the family's
 (:func:`workers.models.get_family`): transformer and decoder here, all three exported.
@@ -36,6 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -127,7 +142,6 @@ class QwenTransformer(TransformerAdapter):
         loop: LoopHooks | None = None,
     ) -> dict[str, torch.Tensor]:
         from diffusers import QwenImagePipeline
-        from diffusers.utils.torch_utils import randn_tensor
 
         self._require_loaded()
         check_request_task(req, self.task, self.role)
@@ -141,16 +155,13 @@ class QwenTransformer(TransformerAdapter):
         with torch.no_grad():
             # The schedule depends only on the packed sequence length: (lat_h/2) x (lat_w/2).
             self._schedule(scheduler, (inp.lat_h // 2) * (inp.lat_w // 2), req.infer_steps)
-            # The packed initial noise, or the latents and scheduler state of a checkpoint.
-            latents, first = loop_state.start(loop, scheduler, lambda: QwenImagePipeline
-                                              ._pack_latents(randn_tensor(
-                                                  (1, 1, inp.channels, inp.lat_h, inp.lat_w),
-                                                  generator=cpu_generator(req.seed),
-                                                  device=self.device,
-                                                  dtype=inp.prompt.dtype,
-                                              ), 1, inp.channels, inp.lat_h, inp.lat_w),
-                                              self.device)
             timesteps = scheduler.timesteps
+            if req.i2i_denoise_strength is not None:
+                timesteps = self._strength_steps(scheduler, req)
+            # The packed initial latents, or the latents and scheduler state of a checkpoint.
+            latents, first = loop_state.start(
+                loop, scheduler, lambda: self._initial(req, tensors, inp, scheduler, timesteps),
+                self.device)
             total = len(timesteps)
             for i in range(first, total):
                 t = timesteps[i]
@@ -184,6 +195,65 @@ class QwenTransformer(TransformerAdapter):
             ).contiguous()
         self._synchronize()
         return {"latents": latents}
+
+    def _strength_steps(self, scheduler: Any, req: GenerationRequest) -> Any:
+        """The last timesteps of the schedule, as many as ``i2i_denoise_strength`` asks;
+        the scheduler begins at the first of them."""
+        from diffusers import QwenImageImg2ImgPipeline
+
+        assert req.infer_steps is not None
+        # diffusers' own arithmetic (a pipeline method that reads only the scheduler):
+        # infer_steps - int(infer_steps * (1 - strength)) steps, never fewer than one.
+        timesteps, _ = QwenImageImg2ImgPipeline.get_timesteps(
+            SimpleNamespace(scheduler=scheduler), req.infer_steps, req.i2i_denoise_strength,
+            self.device)
+        return timesteps
+
+    def _initial(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor],
+                 inp: _DitInputs, scheduler: Any, timesteps: Any) -> torch.Tensor:
+        """The packed latents the loop starts from: the initial noise (from the request's
+        seed), or with ``i2i_denoise_strength`` the start image's latents noised to the
+        first timestep left (the pipelines' ``scale_noise``)."""
+        from diffusers import QwenImagePipeline
+        from diffusers.utils.torch_utils import randn_tensor
+
+        generator = cpu_generator(req.seed)
+        start = None
+        if req.i2i_denoise_strength is not None:
+            start = self._start(tensors, inp, generator)
+        latents = randn_tensor((1, 1, inp.channels, inp.lat_h, inp.lat_w), generator=generator,
+                               device=self.device, dtype=inp.prompt.dtype)
+        if start is not None:
+            latents = scheduler.scale_noise(start, timesteps[:1], latents)
+        return QwenImagePipeline._pack_latents(latents, 1, inp.channels, inp.lat_h, inp.lat_w)
+
+    def _start(self, tensors: Mapping[str, torch.Tensor], inp: _DitInputs,
+               generator: torch.Generator) -> torch.Tensor:
+        """The start image's latents (1, 1, z, h, w) of a strength request. T2I: the
+        encoder's ``init_latents``, and ``generator`` set to the state the encoder's sample
+        left (the pipeline draws both from one generator). Edits: the condition image's."""
+        if self.edit:
+            if inp.conditions != 1:
+                raise InvalidRequestError(
+                    f"{self.task}: i2i_denoise_strength redraws one input image, got "
+                    f"{inp.conditions}")
+            start = inp.first_condition
+            assert start is not None
+            if start.shape[-2:] != (inp.lat_h, inp.lat_w):
+                # Another output size than the image's: LightX2V resizes the latents so.
+                start = torch.nn.functional.interpolate(
+                    start[:, :, 0], size=(inp.lat_h, inp.lat_w), mode="bilinear",
+                    align_corners=False).unsqueeze(2)
+        else:
+            start = require_tensor(tensors, "init_latents", self.role, ndim=5)
+            state = require_tensor(tensors, "init_generator", self.role, ndim=1)
+            want = (1, inp.channels, 1, inp.lat_h, inp.lat_w)
+            if tuple(start.shape) != want:
+                raise StageInputError(f"transformer stage input 'init_latents' has shape "
+                                      f"{tuple(start.shape)}, expected {want}")
+            generator.set_state(state.cpu())
+            start = start.to(self.device, dtype=inp.prompt.dtype)
+        return start.transpose(1, 2)
 
     def _predict_both(
         self,
@@ -276,6 +346,8 @@ class QwenTransformer(TransformerAdapter):
             packed.append(QwenImagePipeline._pack_latents(latents, 1, channels, cond_h, cond_w))
             shapes.append((1, cond_h // 2, cond_w // 2))
         return _DitInputs(
+            conditions=len(conditions),
+            first_condition=conditions[0] if conditions else None,
             prompt=prompt_embeds,
             prompt_mask=prompt_mask,
             negative=negative_embeds,
@@ -370,6 +442,10 @@ class QwenTransformer(TransformerAdapter):
 
 
 class _DitInputs(NamedTuple):
+    conditions: int
+    """How many condition images (edits)."""
+    first_condition: torch.Tensor | None
+    """The first condition image's latents (1, z, 1, h', w'), unpacked (edits)."""
     prompt: torch.Tensor
     prompt_mask: torch.Tensor | None
     negative: torch.Tensor | None
