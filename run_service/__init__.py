@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(format_report(service, checks))
             return 1 if any(c.status == "fail" for c in checks) else 0
         require_token(token, _addresses(service, cfg, env), service)
+        _log_lightx2v(cfg)
         faults.configure(cfg.faults)
         if service == "controller":
             from controller.main import run_controller
@@ -177,6 +178,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         logging.getLogger("diffring").error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _log_lightx2v(cfg: ServiceConfig) -> None:
+    """What each LightX2V key of the file became, in the service's log at start: a key
+    ignored is a warning (the operator set it for a reason), a mapped one information
+    (``--check`` prints the same lines)."""
+    log = logging.getLogger("diffring.config")
+    for note in cfg.lightx2v:
+        if note.to is None:
+            log.warning("config %s is ignored: %s", note.key, note.why)
+        else:
+            log.info("config %s", note.line())
 
 
 def _leave(status: int) -> NoReturn:

@@ -160,9 +160,13 @@ def test_edit_size_defaults_to_condition_image(tiny_models: Path, input_png: byt
 
 def test_unusable_schedule_is_refused(tiny_models: Path) -> None:
     # Qwen-Image's terminal shift divides by zero for a one-step schedule (diffusers would
-    # quietly produce NaN latents); the stage says so instead.
-    req = small_request("qwen_t2i", infer_steps=1)
+    # quietly produce NaN latents): the request is refused (the pipeline's min_steps) before
+    # any stage runs, and the DiT, asked anyway, says so too.
+    with pytest.raises(InvalidRequestError, match="infer_steps must be at least 2"):
+        small_request("qwen_t2i", infer_steps=1)
+    req = small_request("qwen_t2i", infer_steps=2)
     tensors = stage("encoder", tiny_models, "qwen_t2i").encode(req)
+    object.__setattr__(req, "infer_steps", 1)  # past the request's own check
     with pytest.raises(InvalidRequestError, match="no valid noise schedule for 1 step"):
         stage("transformer", tiny_models, "qwen_t2i").denoise(req, tensors)
 
@@ -369,9 +373,9 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"infer_steps": 2.5}, "infer_steps must be an integer, got 2.5"),
     ({"seed": -1}, "seed must be between 0 and"),
     ({"seed": True}, "seed must be an integer, got True"),
-    ({"height": 0}, "height must be between 16 and 4096, got 0"),
+    ({"height": 0}, "height must be between 16 and 1920, got 0"),  # Wan2.1's limit
     ({"height": 40}, "height must be a multiple of 16, got 40"),
-    ({"width": 8192}, "width must be between 16 and 4096, got 8192"),
+    ({"width": 8192}, "width must be between 16 and 1920, got 8192"),
     ({"num_frames": 10}, "num_frames must be 4k+1 (1, 5, 9, ... 81), got 10"),
     ({"fps": 0}, "fps must be between 1 and 240, got 0"),
     ({"guidance_scale": math.nan}, "guidance_scale must be a finite number"),

@@ -19,7 +19,7 @@ from rings.ring import Ring
 from rings.soak import stop_process
 from rings.transports import connect
 from tests.support.paths import ROOT
-from tests.support.waits import wait_port
+from tests.support.waits import wait_log, wait_port
 
 TOKEN = "test-cluster-token"
 """The cluster token of the controllers and ring hosts the tests start."""
@@ -86,14 +86,18 @@ def start_controller(
         "phase1": d["rdma_phase1_handshake_port"],
         "phase2": d["rdma_phase2_handshake_port"],
     }
+    ctl = Controller(proc, path, cfg, ports, log_path)
     try:
+        # Its ports are bound at start, before it serves them: ready is what it logs once
+        # every part (rings, task store, Mooncake, control channel, front door) is up.
+        wait_log(ctl, "controller ready")
         for port in ports.values():
             wait_port(port, proc)
-        wait_port(d["control_port"], proc)  # opened after the rings (and the task store)
+        wait_port(d["control_port"], proc)
     except Exception:
         stop_process(proc)
         raise RuntimeError(f"controller did not start:\n{log_path.read_text()}") from None
-    return Controller(proc, path, cfg, ports, log_path)
+    return ctl
 
 
 def run_controller_to_exit(
