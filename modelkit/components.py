@@ -41,15 +41,15 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def wan_scheduler() -> Any:
+def wan_scheduler(flow_shift: float = 3.0) -> Any:
     from diffusers import UniPCMultistepScheduler
 
     # Wan2.1's published scheduler: UniPC in flow-matching mode; flow_shift 3.0 is the 480p
-    # setting (5.0 for 720p).
+    # setting (5.0 for 720p). Wan2.2's sample shifts: T2V-A14B 12.0, I2V-A14B and TI2V-5B 5.0.
     return UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
-        flow_shift=3.0,
+        flow_shift=flow_shift,
         num_train_timesteps=1000,
         solver_order=2,
         solver_type="bh2",
@@ -169,6 +169,61 @@ def wan_transformer(seed: int, i2v: bool, image_dim: int = WAN_CLIP_DIM) -> Any:
         # Real Wan2.1 I2V checkpoints set this to the model width (5120 for 14B).
         added_kv_proj_dim=inner if i2v else None,
         rope_max_seq_len=1024,
+    )
+    return model.eval()
+
+
+def wan22_transformer(seed: int, salt: str, in_channels: int, out_channels: int) -> Any:
+    """A tiny Wan2.2 DiT: an expert of A14B (``salt`` ``high`` / ``low``: two experts of one
+    shape, other weights; I2V takes 16 noise + 4 mask + 16 condition channels, and no CLIP
+    context) or TI2V-5B's (48 latent channels in and out)."""
+    from diffusers import WanTransformer3DModel
+
+    seeded(seed, f"wan22.transformer.{salt}")
+    model: Any = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=WAN_HEADS,
+        attention_head_dim=WAN_HEAD_DIM,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        text_dim=WAN_TEXT_DIM,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        image_dim=None,
+        added_kv_proj_dim=None,
+        rope_max_seq_len=1024,
+    )
+    return model.eval()
+
+
+def wan22_vae(seed: int) -> Any:
+    """A tiny Wan2.2 VAE (TI2V-5B's): residual, 2x2 pixel patches in front (12 channels),
+    48 latent channels, 16x spatial compression. Real: base_dim 160, decoder_base_dim 256,
+    num_res_blocks 2; the same structure and strides."""
+    from diffusers import AutoencoderKLWan
+
+    seeded(seed, "wan22.vae")
+    model: Any = AutoencoderKLWan(
+        base_dim=4,
+        decoder_base_dim=8,
+        z_dim=48,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        # Statistics of the right length (the real ones are the encoder's, per channel).
+        latents_mean=[round(-0.5 + i / 48, 4) for i in range(48)],
+        latents_std=[round(0.8 + i / 96, 4) for i in range(48)],
     )
     return model.eval()
 

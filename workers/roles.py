@@ -168,7 +168,7 @@ class TransformerWorker(ProducerWorker):
         with self.stage.guarded(_size(req)):
             out: dict[str, Any] = self.stage.denoise(
                 req, inputs,
-                on_step=lambda k, n: self.progress.report(job, k, n),
+                on_step=lambda k, n: self.progress.report(job, k, n, self.stage.active_expert),
                 should_stop=job.cancel.is_set,
                 loop=hooks,
             )

@@ -15,19 +15,18 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher import LocalGroup, free_ports, group_config, wait_task
 from tests.support.groups import start_group
-from tests.support.http import openai_client, png, post_ok, result
+from tests.support.http import openai_client, png, post_ok, read_events, result
 
 CHROMIUM = Path("/usr/bin/chromium")
 # The openai package marks the video calls deprecated (the hosted API's schedule); the
@@ -129,20 +128,6 @@ def test_cached_prompt_output_is_bit_identical_across_processes(
 
 
 # -- progress events ------------------------------------------------------------------------------
-def read_events(url: str, task_id: str, on_open: Callable[[], object] | None = None
-                ) -> list[tuple[str, dict[str, Any]]]:
-    """Every event of the task's stream; ``on_open`` runs once its first event arrived."""
-    out = []
-    with httpx.Client(timeout=httpx.Timeout(30, read=120)) as c, \
-            connect_sse(c, "GET", f"{url}/v1/tasks/{task_id}/events") as source:
-        assert source.response.headers["content-type"].startswith("text/event-stream")
-        for sse in source.iter_sse():
-            out.append((sse.event, json.loads(sse.data)))
-            if on_open is not None and len(out) == 1:
-                on_open()
-    return out  # the server ended the stream
-
-
 def test_task_events_stream_stages_steps_and_completion(t2i: tuple[LocalGroup, int]) -> None:
     group, _ = t2i
     # The transformers are held (SIGSTOP) until the stream is open, so the task is waiting

@@ -158,6 +158,9 @@ class TransformerAdapter(StageAdapter):
     """The DiT (a diffusers model), set by the family's ``_load``."""
     requests: RequestOptions | None = None
     """Per-request LoRA adapters and step cache, set at load (None: no model)."""
+    active_expert: str | None = None
+    """Wan2.2-A14B: the expert of the step that ran last (``high`` / ``low``); None for a
+    one-DiT model. What the worker's progress reports carry to status and events."""
 
     def __init__(
         self,
@@ -213,7 +216,8 @@ class TransformerAdapter(StageAdapter):
         if self.options.linear == "fp8":
             from .dit.dit_options import apply_fp8_linear
 
-            apply_fp8_linear(self.transformer, self.device)
+            for dit in self.dits():
+                apply_fp8_linear(dit, self.device)
             self.memory.loaded()
         if self.options.compile_cache_dir is not None:
             from .dit.dit_options import configure_compile_cache
@@ -229,7 +233,13 @@ class TransformerAdapter(StageAdapter):
             # Blocks only: the embeddings and RoPE tables around them change shape with the
             # request and are cheap; dynamic=None lets a second text length turn that
             # dimension symbolic instead of compiling once per prompt length.
-            self.transformer.compile_repeated_blocks(dynamic=None)
+            for dit in self.dits():
+                dit.compile_repeated_blocks(dynamic=None)
+
+    def dits(self) -> list[Any]:
+        """The DiTs of this stage: one, or Wan2.2-A14B's two experts (high-noise first).
+        FP8 linear layers and compile apply to each."""
+        return [self.transformer]
 
     def working_bytes(self) -> int:
         """Activations of one DiT forward at the largest of ``budget_shapes`` (the worker's
