@@ -228,3 +228,40 @@ def test_a_group_serves_a14b_through_both_apis(tiny_models: Path, input_png: byt
         assert done.status == "completed" and done.model == task, done
         mp4 = oc.videos.download_content(job.id).content
         assert np.array_equal(pixels(mp4, "mp4"), pixels(want.data, "mp4"))
+
+
+def test_swap_with_fp8_storage_equals_both_with_it(tiny_models: Path) -> None:
+    """FP8 storage applies to each expert (the low-noise one built in host memory under
+    swap): the two placements still compute the same bytes."""
+    task = "wan22_a14b_t2v"
+    req = small_request(task)
+    cond = wire(stage("encoder", tiny_models, task).encode(req))
+    out = {}
+    for placement in ("both", "swap"):
+        dit = TransformerAdapter.for_task(tiny_models / task, task, options=StageOptions(
+            experts=placement, weight_storage="fp8"))
+        dit.load()
+        assert all(m.weight.dtype == torch.float8_e4m3fn for dit_ in dit.dits()
+                   for m in [dit_.blocks[0].ffn.net[2]])
+        out[placement] = dit.denoise(req, cond)["latents"]
+    assert torch.equal(out["both"], out["swap"])
+    plain = stage("transformer", tiny_models, task).denoise(req, cond)["latents"]
+    assert not torch.equal(out["both"], plain)  # FP8 storage is lossy: it did apply
+
+
+def test_the_budget_counts_one_expert_under_swap(tiny_models: Path) -> None:
+    """``max_vram_gb`` between one expert and two (plus the working memory): ``swap``
+    loads, ``both`` is refused naming the estimate."""
+    import json
+
+    from workers.models.memory import GIB, dit_working_bytes, estimate_weights
+
+    task = "wan22_a14b_t2v"
+    config = json.loads((tiny_models / task / "transformer" / "config.json").read_text())
+    one = estimate_weights([tiny_models / task / "transformer"], 4).full
+    budget = (dit_working_bytes(config, "video", (), False, 4) + 1.5 * one) / GIB
+    with pytest.raises(ModelLoadError, match="but max_vram_gb is"):
+        TransformerAdapter.for_task(tiny_models / task, task, options=StageOptions(
+            max_vram_gb=budget)).load()
+    TransformerAdapter.for_task(tiny_models / task, task, options=StageOptions(
+        experts="swap", max_vram_gb=budget)).load()
