@@ -80,7 +80,8 @@ def test_swap_gives_the_pixels_of_both_and_of_diffusers(tiny_models: Path, input
     for n in (1, 2):  # the second request starts on the high-noise expert again
         where: list[int] = []
         latents = swap.denoise(req, wire(cond),
-                               on_step=lambda k, n: where.append(swap.experts.resident))
+                               on_step=lambda k, n, seen=where: seen.append(
+                                   swap.experts.resident))
         assert where == [0, 0, 1] and swap.experts.resident == 0
         assert swap.experts.moves == 2 * n
         both = stage("transformer", tiny_models, task).denoise(req, wire(cond))

@@ -21,9 +21,9 @@ from contracts.request import GenerationRequest
 from contracts.stage_options import StageOptions
 from controller.http.events import task_event
 from tests.support.coordinators import queue_coordinator, task, workers
+from workers.models.components import check_stage_folder
 from workers.models.dit.experts import Experts, check_placement
 from workers.models.loop_state import LoopState, from_wire, to_wire
-from workers.models.components import check_stage_folder
 from workers.models.model_folder import check_model_folder
 
 A14B = ("wan22_a14b_t2v", "wan22_a14b_i2v")
@@ -66,10 +66,10 @@ def test_guidance_scale_2_is_the_a14b_tasks_own() -> None:
     assert req.guidance_scale_2 == 2.0 and isinstance(req.guidance_scale_2, float)
     assert GenerationRequest.from_dict(req.to_dict()) == req
     for other in ("wan_t2v", "wan22_5b_t2v", "qwen_t2i", "synthetic"):
-        with pytest.raises(InvalidRequestError, match="guidance_scale_2 applies to the two-"
-                                                      "expert Wan2.2-A14B tasks only"):
+        with pytest.raises(InvalidRequestError, match=r"guidance_scale_2 applies to the two-"
+                                                      r"expert Wan2\.2-A14B tasks only"):
             GenerationRequest(task=other, prompt="p", guidance_scale_2=3.0)
-    with pytest.raises(InvalidRequestError, match="guidance_scale_2 must be >= 0.0"):
+    with pytest.raises(InvalidRequestError, match=r"guidance_scale_2 must be >= 0\.0"):
         GenerationRequest(task="wan22_a14b_i2v", prompt="p", guidance_scale_2=-1.0)
     # A request without it travels exactly as before the field existed.
     assert "guidance_scale_2" not in GenerationRequest(task="wan_t2v", prompt="p").to_dict()
@@ -176,7 +176,7 @@ def test_lightx2v_pair_of_scales_is_high_then_low() -> None:
                                  "sample_guide_scale": [4.0, 3.0]})
 
 
-# -- the experts option -----------------------------------------------------------------------------
+# -- the experts option -------------------------------------------------------------------------
 def test_experts_option_is_checked() -> None:
     with pytest.raises(ConfigError, match="experts must be one of both, swap"):
         StageOptions(experts="split")

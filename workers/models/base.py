@@ -199,11 +199,12 @@ class TransformerAdapter(StageAdapter):
 
             self.placement = dataclasses.replace(self.placement, before=self._fuse)
 
-    def _fuse(self, model: Any) -> None:
+    def _fuse(self, model: Any, half: str | None = None) -> None:
+        """``half``: the Wan2.2-A14B expert ``model`` is (each gets its half of a pair)."""
         from .dit.lora import fuse
 
         assert self.options.lora_dir is not None  # StageOptions requires it with lora_fuse
-        fuse(model, self.spec.family, Path(self.options.lora_dir), self.options.fused)
+        fuse(model, self.spec.family, Path(self.options.lora_dir), self.options.fused, half)
 
     def load(self) -> None:
         if self._loaded:
@@ -226,7 +227,7 @@ class TransformerAdapter(StageAdapter):
         if self.torch_model:
             from .dit.dit_requests import RequestOptions
 
-            self.requests = RequestOptions(self.transformer, self.spec.family, self.task,
+            self.requests = RequestOptions(self.dits(), self.spec.family, self.task,
                                            self.options, self.compile,
                                            self.recipe_name())
         if self.compile:

@@ -248,20 +248,20 @@ class WanTransformer(TransformerAdapter):
             if self.group is not None:
                 raise ModelLoadError(f"{self.task}: a transformer group (parallel) cannot run "
                                      "a two-expert DiT yet; serve it on one device per worker")
+        high = low = self.placement
+        if two and self.options.fused:  # each expert gets its half of a fused pair
+            high = dataclasses.replace(high, before=functools.partial(self._fuse, half="high"))
+            low = dataclasses.replace(low, before=functools.partial(self._fuse, half="low"))
         self.transformer: Any = self._component(
-            lambda p: load_diffusers_model(WanTransformer3DModel, p, self.placement),
-            "transformer",
-        )
+            lambda p: load_diffusers_model(WanTransformer3DModel, p, high), "transformer")
         dits = [self.transformer]
         if two:
             # With swap the low-noise expert is built in host memory: the device never holds
             # both (the point of swap on a card that cannot).
-            placement = self.placement if self.options.experts == "both" else \
-                dataclasses.replace(self.placement, device=torch.device("cpu"))
+            if self.options.experts == "swap":
+                low = dataclasses.replace(low, device=torch.device("cpu"))
             self.transformer_2: Any = self._component(
-                lambda p: load_diffusers_model(WanTransformer3DModel, p, placement),
-                "transformer_2",
-            )
+                lambda p: load_diffusers_model(WanTransformer3DModel, p, low), "transformer_2")
             dits.append(self.transformer_2)
         overrides = self.scheduler_overrides()  # flow_shift: the option's, else the recipe's
         self.scheduler: Any = self._component(lambda p: load_scheduler(p, **overrides),
