@@ -150,8 +150,12 @@ class Experts:
     def get(self, index: int) -> Any:
         """The DiT of expert ``index``, on the device (``swap``: moved in now unless it is
         there or on its way; the compute stream then waits for its copy)."""
-        if self.placement == "swap" and self.resident != index:
-            self._bring(index)
+        if self.placement == "swap":
+            if self.resident != index:
+                self._bring(index)
+            if self._ready is not None:  # queued: the copy lands before the step reads it
+                torch.cuda.current_stream(self.device).wait_event(self._ready)
+                self._ready = None
         return self.dits[index]
 
     def upcoming(self, index: int) -> None:
@@ -165,21 +169,18 @@ class Experts:
         self.moves += 1
 
     def finished(self) -> None:
-        """After a loop: bring the high-noise expert back, so the next request starts on it
-        (on CUDA the copy runs on the side stream while the worker hands the result on)."""
+        """After a loop (and after its device work): bring the high-noise expert back, so
+        the next request starts on it. On CUDA the copy runs on the side stream while the
+        worker hands the result on; nothing waits for it before the next :meth:`get`."""
         if self.placement == "swap" and self.resident != HIGH:
             self._bring(HIGH)
 
     def _bring(self, index: int) -> None:
-        ahead = self._incoming == index
-        if not ahead:  # make room first, then move it in
+        if self._incoming != index:  # make room first, then move it in
             self._park(self.resident)
             self._copy_in(index)
             self.moves += 1
-        if self._ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._ready)
-            self._ready = None
-        if ahead:  # moved in beside the other one: that one leaves now
+        else:  # moved in beside the other one (upcoming): that one leaves now
             self._park(self.resident)
         self._incoming = None
         self.resident = index
@@ -193,8 +194,10 @@ class Experts:
             room = min(room, self.limit_bytes - allocated)
         return room >= need
 
-    def _keep(self, index: int) -> None:
-        """Host copies of expert ``index``'s tensors (pinned on CUDA), made once."""
+    def _keep(self, index: int, park: bool = False) -> None:
+        """Host copies of expert ``index``'s tensors (pinned on CUDA), made once; ``park``:
+        each tensor becomes its host copy at once, so that an expert built in host memory
+        is never there twice (14B: 28.6 GiB in bf16)."""
         cuda = self.device.type == "cuda"
         host = self._host[index]
         for qualified, owner, name, param in _tensors(self.dits[index]):
@@ -204,24 +207,24 @@ class Experts:
                     kept.dtype != tensor.dtype:
                 kept = tensor.detach()
                 if cuda and not (kept.device.type == "cpu" and kept.is_pinned()):
-                    kept = kept.to("cpu", copy=True).pin_memory()
+                    # One copy, straight into pinned memory.
+                    kept = torch.empty_like(kept, device="cpu", pin_memory=True).copy_(kept)
                 # On the CPU the host copy is the tensor itself: a move there is nothing.
                 host[qualified] = kept
+            if park:
+                _set(owner, name, param, kept)
 
     def _park(self, index: int) -> None:
         """Expert ``index`` to host memory: its tensors become their host copies (kept
         copies of the weights; LoRA weights copied now), the device copies are freed."""
         if self.device.type == "cuda":  # the last step that read them ran before this
             torch.cuda.current_stream(self.device).synchronize()
-        self._keep(index)
-        host = self._host[index]
-        for qualified, owner, name, param in _tensors(self.dits[index]):
-            _set(owner, name, param, host[qualified])
+        self._keep(index, park=True)
 
     def _copy_in(self, index: int) -> None:
         """Expert ``index``'s host copies to the device. On CUDA the memory is taken on the
         compute stream (its pool holds what the parked expert freed) and filled on a copy
-        stream; :meth:`_bring` makes the compute stream wait for the copy."""
+        stream; :meth:`get` makes the compute stream wait for the copy."""
         self._keep(index)  # adapters loaded while it was parked are new tensors
         host = self._host[index]
         if self.device.type != "cuda":

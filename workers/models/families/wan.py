@@ -411,8 +411,8 @@ class WanTransformer(TransformerAdapter):
             if keep is not None and condition is not None:
                 latents = (1 - keep) * condition + keep * latents
             latents = latents.contiguous()
-        self.experts.finished()
         self._synchronize()
+        self.experts.finished()  # after the sync: the copy back is off the request's path
         return {"latents": latents}
 
     def _condition(self, tensors: Mapping[str, torch.Tensor], frames: int, lat_h: int,
