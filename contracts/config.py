@@ -465,7 +465,8 @@ class ServiceConfig:
 
     @property
     def pipeline(self) -> str:
-        """Short pipeline name: wan_t2v, wan_i2v, qwen_t2i, qwen_i2i or qwen_i2i_plus."""
+        """Short pipeline name: a row of :data:`contracts.pipelines.TASK_SPECS` (wan_t2v,
+        wan22_a14b_i2v, qwen_i2i_plus, ...)."""
         return pipeline_name(self.model_cls, self.task)
 
     @classmethod

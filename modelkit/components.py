@@ -147,57 +147,36 @@ def wan_text_encoder(seed: int, vocab_size: int) -> Any:
 
 
 def wan_transformer(seed: int, i2v: bool, image_dim: int = WAN_CLIP_DIM) -> Any:
-    from diffusers import WanTransformer3DModel
-
     seeded(seed, "wan.transformer.i2v" if i2v else "wan.transformer.t2v")
     inner = WAN_HEADS * WAN_HEAD_DIM
-    model: Any = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=WAN_HEADS,
-        attention_head_dim=WAN_HEAD_DIM,
-        # I2V input: 16 noise channels + 4 first-frame mask channels + 16 condition channels.
-        in_channels=36 if i2v else 16,
-        out_channels=16,
-        text_dim=WAN_TEXT_DIM,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        image_dim=image_dim if i2v else None,
-        # Real Wan2.1 I2V checkpoints set this to the model width (5120 for 14B).
-        added_kv_proj_dim=inner if i2v else None,
-        rope_max_seq_len=1024,
-    )
-    return model.eval()
+    # I2V input: 16 noise channels + 4 first-frame mask channels + 16 condition channels.
+    # Real Wan2.1 I2V checkpoints set added_kv_proj_dim to the model width (5120 for 14B).
+    return wan_dit_model(WAN_HEADS, WAN_HEAD_DIM, WAN_TEXT_DIM, ffn_dim=32, num_layers=2,
+                         in_channels=36 if i2v else 16, image_dim=image_dim if i2v else None,
+                         added_kv_proj_dim=inner if i2v else None).eval()
+
+
+def wan_dit_model(heads: int, head_dim: int, text_dim: int, **sizes: Any) -> Any:
+    """A WanTransformer3DModel with what every Wan DiT shares (2x2 patches, RMS norm across
+    heads, cross-attention norm, the frequency width and RoPE table) and ``sizes`` (depth,
+    widths, channels, the I2V image context): the tiny models' and :mod:`modelkit.real`'s."""
+    from diffusers import WanTransformer3DModel
+
+    config: dict[str, Any] = {"in_channels": 16, "out_channels": 16, "image_dim": None,
+                              "added_kv_proj_dim": None, **sizes}
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
+        text_dim=text_dim, freq_dim=256, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **config)
 
 
 def wan22_transformer(seed: int, salt: str, in_channels: int, out_channels: int) -> Any:
     """A tiny Wan2.2 DiT: an expert of A14B (``salt`` ``high`` / ``low``: two experts of one
     shape, other weights; I2V takes 16 noise + 4 mask + 16 condition channels, and no CLIP
     context) or TI2V-5B's (48 latent channels in and out)."""
-    from diffusers import WanTransformer3DModel
-
     seeded(seed, f"wan22.transformer.{salt}")
-    model: Any = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=WAN_HEADS,
-        attention_head_dim=WAN_HEAD_DIM,
-        in_channels=in_channels,
-        out_channels=out_channels,
-        text_dim=WAN_TEXT_DIM,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        image_dim=None,
-        added_kv_proj_dim=None,
-        rope_max_seq_len=1024,
-    )
-    return model.eval()
+    return wan_dit_model(WAN_HEADS, WAN_HEAD_DIM, WAN_TEXT_DIM, ffn_dim=32, num_layers=2,
+                         in_channels=in_channels, out_channels=out_channels).eval()
 
 
 def wan22_vae(seed: int) -> Any:

@@ -46,6 +46,7 @@ from modelkit.components import (
     round_up,
     save_edit_processor,
     umt5_config,
+    wan_dit_model,
     wan_scheduler,
 )
 from modelkit.tokenizers import build_qwen_tokenizer, build_t5_tokenizer
@@ -148,23 +149,11 @@ QWEN_DIT = {
 def wan_dit(arch: str, layers: int | None = None) -> Any:
     """A Wan2.1 DiT of ``arch`` (``wan-1.3b`` / ``wan-14b``) as published, ``layers`` deep if
     given; random weights in the current default dtype and device."""
-    from diffusers import WanTransformer3DModel
-
-    cfg: dict[str, Any] = {"in_channels": 16, "out_channels": 16, "image_dim": None,
-                           "added_kv_proj_dim": None, **WAN_DIT[arch]}
+    cfg: dict[str, Any] = dict(WAN_DIT[arch])
+    heads = cfg.pop("num_attention_heads")
     if layers is not None:
         cfg["num_layers"] = layers
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        attention_head_dim=128,
-        text_dim=4096,
-        freq_dim=256,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=1024,
-        **cfg,
-    )
+    return wan_dit_model(heads, 128, 4096, **cfg)
 
 
 def qwen_dit(layers: int | None = None, zero_cond_t: bool = False) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher import LocalGroup, free_ports, group_config, wait_task
-from tests.support.groups import start_group
+from tests.support.groups import events_of, start_group
 from tests.support.http import openai_client, png, post_ok, read_events, result
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -130,27 +129,9 @@ def test_cached_prompt_output_is_bit_identical_across_processes(
 # -- progress events ------------------------------------------------------------------------------
 def test_task_events_stream_stages_steps_and_completion(t2i: tuple[LocalGroup, int]) -> None:
     group, _ = t2i
-    # The transformers are held (SIGSTOP) until the stream is open, so the task is waiting
-    # in phase1 when it opens and every later event must come through it, in order (a tiny
-    # model otherwise finishes before a client can connect).
-    transformers = [svc.proc.pid for svc in group.services if svc.role == "transformer"]
-    for pid in transformers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        r = httpx.post(f"{group.url}/v1/tasks/image/", json={
-            "prompt": "events", "height": 32, "width": 32, "infer_steps": 4,
-            "task_id": "ev-1"})
-        assert r.status_code == 200
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{group.url}/v1/tasks/ev-1/status").json()["stage"] != "phase1":
-            assert time.monotonic() < deadline, "the task never reached phase1"
-            time.sleep(0.05)
-        # Released once the stream is open (its first event came), not after a guess.
-        events = read_events(group.url, "ev-1",
-                             lambda: [os.kill(pid, signal.SIGCONT) for pid in transformers])
-    finally:
-        for pid in transformers:
-            os.kill(pid, signal.SIGCONT)
+    # The stream is open while the task waits in phase1: every later event comes through it.
+    events = events_of(group, "image", {"prompt": "events", "height": 32, "width": 32,
+                                        "infer_steps": 4, "task_id": "ev-1"})
     names = [name for name, _ in events]
     assert names[0] == "status" and names[-1] == "completed", names
     # The stream opens with the task's status, then one event per stage change and one per

@@ -10,15 +10,11 @@ around them: tests/unit/test_wan22_contracts.py.
 from __future__ import annotations
 
 import base64
-import os
-import signal
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -29,8 +25,8 @@ from contracts.errors import CheckpointError, ModelLoadError, StageYielded  # no
 from contracts.request import GenerationRequest  # noqa: E402
 from contracts.stage_options import StageOptions  # noqa: E402
 from launcher import wait_task  # noqa: E402
-from tests.support.groups import start_group  # noqa: E402
-from tests.support.http import openai_client, pixels, read_events, result  # noqa: E402
+from tests.support.groups import events_of, start_group  # noqa: E402
+from tests.support.http import openai_client, pixels, result  # noqa: E402
 from tests.support.models import (  # noqa: E402
     diffusers_reference,
     small_request,
@@ -196,23 +192,9 @@ def test_a_group_serves_a14b_through_both_apis(tiny_models: Path, input_png: byt
     want = local.run(req, input_png)
     with start_group(task, tiny_models, tmp_path,
                      settings={"transformer": {"transformer": {"experts": "swap"}}}) as group:
-        dits = [svc.proc.pid for svc in group.services if svc.role == "transformer"]
-        for pid in dits:  # held until the event stream is open: every step comes through it
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            r = httpx.post(f"{group.url}/v1/tasks/video/", timeout=30, json={
-                "prompt": "a tiny wave", "task_id": "moe-1", **fields,
-                "image_path": base64.b64encode(input_png).decode()})
-            assert r.status_code == 200, r.text
-            deadline = time.monotonic() + 120
-            while httpx.get(f"{group.url}/v1/tasks/moe-1/status").json()["stage"] != "phase1":
-                assert time.monotonic() < deadline, "the task never reached phase1"
-                time.sleep(0.05)
-            events = read_events(group.url, "moe-1",
-                                 lambda: [os.kill(pid, signal.SIGCONT) for pid in dits])
-        finally:
-            for pid in dits:
-                os.kill(pid, signal.SIGCONT)
+        events = events_of(group, "video", {
+            "prompt": "a tiny wave", "task_id": "moe-1", **fields,
+            "image_path": base64.b64encode(input_png).decode()})
         assert [(d["step"], d["expert"]) for name, d in events if name == "progress"] == \
             [(1, "high"), (2, "high"), (3, "low")]
         st = wait_task(group.url, "moe-1", timeout=60)

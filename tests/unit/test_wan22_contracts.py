@@ -20,7 +20,7 @@ from contracts.pipelines import pipeline_name, rows_for_folder, task_spec
 from contracts.request import GenerationRequest
 from contracts.stage_options import StageOptions
 from controller.http.events import task_event
-from tests.support.coordinators import queue_coordinator, task, workers
+from tests.support.coordinators import denoising, queue_coordinator
 from workers.models.components import check_stage_folder
 from workers.models.dit.experts import Experts, check_placement
 from workers.models.loop_state import LoopState, from_wire, to_wire
@@ -256,12 +256,9 @@ def test_progress_carries_the_expert_to_status_and_events(tmp_path: Path) -> Non
     msg = decode(encode(Progress(task_id="a", attempt=1, step=2, steps=3, expert="low")))
     assert isinstance(msg, Progress) and msg.expert == "low"
     co = queue_coordinator(tmp_path)
-    enc, dit, _dec = workers(co)
-    t = task("a")
-    co.submit(t)
-    co.on_claim(enc, "a", 1)
-    co.on_handoff(enc, "a", 1)
-    co.on_claim(dit, "a", 1)
+    _enc, dit, _dec = denoising(co, "a")
+    t = co.table.get("a")
+    assert t is not None
     co.on_progress(dit, "a", 1, 1, 3, "high")
     assert t.public()["expert"] == "high"
     co.on_progress(dit, "a", 1, 3, 3, "low")
