@@ -128,6 +128,8 @@ def test_a_wan22_folder_under_a_wan21_task_says_what_to_set(tmp_path: Path) -> N
     assert "served by diffring as wan22_a14b_t2v (model_cls 'wan2.2_moe', task 't2v')" \
         in message
     assert "Set model_cls to 'wan2.2_moe' and task to 't2v'" in message
+    flux = folder(tmp_path, "flux", {"_class_name": "FluxPipeline"}, WAN22_DIT)
+    assert "two-expert (Wan2.2-A14B) WanPipeline (wan22_a14b_t2v)" in refused(flux, "wan_t2v")
     message = refused(folder(tmp_path, "wan22_5b"), "wan_i2v")
     assert "expand_timesteps (Wan2.2-TI2V-5B) WanPipeline checkpoint" in message
     assert "served by diffring as wan22_5b_i2v" in message  # the row of its kind of output

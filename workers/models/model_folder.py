@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import ModelLoadError
-from contracts.pipelines import TaskSpec, rows_for_folder, served_classes, task_spec
+from contracts.pipelines import TASK_SPECS, TaskSpec, rows_for_folder, served_classes, task_spec
 
 from .layouts import detect_layout, view_of
 
@@ -71,7 +71,8 @@ def read_json(file: Path) -> dict[str, Any] | None:
 
 
 def _served_list() -> str:
-    return ", ".join(f"{cls} ({spec.name})" for cls, spec in served_classes().items())
+    return ", ".join(f"{_want(spec)} ({spec.name})" for spec in TASK_SPECS.values()
+                     if spec.folder_pipeline is not None)
 
 
 def _kind(experts: int, expand: bool) -> str:
