@@ -153,7 +153,8 @@ class BaselineWorker:
         stop = threading.Event()
 
         def on_step(k: int, n: int) -> None:
-            if self.on_loop(self.co.on_progress, dit, tid, attempt, k, n):
+            if self.on_loop(self.co.on_progress, dit, tid, attempt, k, n,
+                            self.pipeline.transformer.active_expert):
                 stop.set()
 
         def timed(role: Role, step: str = "compute") -> Any:

@@ -388,6 +388,14 @@ class ServiceConfig:
         if self.transformer.flow_shift is not None and task_spec(self.pipeline).family != "wan":
             raise ConfigError("transformer.flow_shift is the Wan scheduler's shift; Qwen-Image "
                               "shifts by the image's size")
+        if self.transformer.experts != "both":
+            if task_spec(self.pipeline).experts != 2:
+                raise ConfigError(f"transformer.experts {self.transformer.experts!r} places the "
+                                  "two experts of Wan2.2-A14B; "
+                                  f"{self.pipeline} has one DiT")
+            if self.compile:
+                raise ConfigError("transformer.experts 'swap' cannot be combined with "
+                                  "compile (it moves the weights a compiled graph holds)")
         if self.attention_fallback is not None and self.attention_fallback not in (
                 ATTENTION_BACKENDS):
             raise ConfigError(f"attention_fallback must be one of {', '.join(ATTENTION_BACKENDS)}"
@@ -463,7 +471,8 @@ class ServiceConfig:
 
     @property
     def pipeline(self) -> str:
-        """Short pipeline name: wan_t2v, wan_i2v, qwen_t2i, qwen_i2i or qwen_i2i_plus."""
+        """Short pipeline name: a row of :data:`contracts.pipelines.TASK_SPECS` (wan_t2v,
+        wan22_a14b_i2v, qwen_i2i_plus, ...)."""
         return pipeline_name(self.model_cls, self.task)
 
     @classmethod

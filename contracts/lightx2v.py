@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from contracts.pipelines import MODEL_TASKS, pipeline_name
+from contracts.pipelines import MODEL_TASKS, pipeline_name, task_spec
 
 __all__ = ["DISAGG_ROOMS", "LIGHTX2V_KEYS", "LIGHTX2V_PORTS", "MOONCAKE_KEYS", "NO_ROOMS", "Note",
            "translate"]
@@ -102,6 +102,7 @@ class _Run:
     role: str | None
     notes: list[Note]
     problems: list[str]
+    model_cls: str = "wan2.1"
 
     def set(self, key: str, value: Any, to: str, why: str = "", target: Any = None) -> None:
         """Set diffring's ``to`` (dotted: ``section.key``) to ``target`` (default: the
@@ -159,6 +160,18 @@ def _guide_scale(run: _Run, key: str, value: Any) -> None:
     name = "guidance_scale" if run.family == "wan" else "true_cfg_scale"
     if run.src.get("enable_cfg") is False:
         run.ignore(key, value, "enable_cfg is false: guidance is off")
+        return
+    if isinstance(value, list | tuple):
+        # Wan2.2-A14B's pair, LightX2V's order: the high-noise expert's scale, then the
+        # low-noise one's (its MoE runner reads [0] above the boundary, [1] below).
+        if run.model_cls != "wan2.2_moe" or len(value) != 2:
+            run.bad(key, value, "a pair of scales is for the two experts of Wan2.2-A14B "
+                    "(model_cls wan2.2_moe): [high_noise, low_noise]")
+            return
+        run.set(key, value[0], "request_defaults.guidance_scale", "the high-noise expert's",
+                target=value[0])
+        run.set(key, value[1], "request_defaults.guidance_scale_2", "the low-noise expert's",
+                target=value[1])
         return
     run.set(key, value, f"request_defaults.{name}")
 
@@ -373,6 +386,10 @@ LIGHTX2V_KEYS: Final[dict[str, Rule]] = {
     "USE_IMAGE_ID_IN_PROMPT": _ignored("'Picture N:' before each image, as diffusers' "
                                        "QwenImageEditPlusPipeline: built in (task i2i_plus)"),
     "seed": _ignored("each request carries its own seed (default 0)"),
+    "boundary": _ignored("Wan2.2-A14B's switch between its experts is the model folder's "
+                         "boundary_ratio (model_index.json), as in diffusers' pipelines"),
+    "boundary_step_index": _ignored("the experts switch at the folder's boundary timestep, "
+                                    "whatever the step count"),
     "denoising_step_list": _ignored("diffring runs the folder's scheduler (UniPC) for "
                                     "infer_steps steps; a fixed timestep list is not served"),
     "feature_caching": _ignored("step caches are diffusers' (transformer.cache, "
@@ -397,7 +414,7 @@ def _family_task(data: Mapping[str, Any]) -> tuple[str, str]:
         name = pipeline_name(str(model_cls), str(task))
     except Exception:  # a bad pair is the config's own error, reported by the reader
         return ("qwen" if model_cls == "qwen_image" else "wan"), str(task)
-    return name.split("_")[0], str(task)
+    return task_spec(name).family, str(task)
 
 
 def translate(data: Mapping[str, Any], role: str | None = None
@@ -409,7 +426,7 @@ def translate(data: Mapping[str, Any], role: str | None = None
     mode = out.get("disagg_mode")
     role = role or {"decode": "decoder", "encode": "encoder"}.get(str(mode), mode)
     family, task = _family_task(out)
-    run = _Run(data, out, family, task, role, [], [])
+    run = _Run(data, out, family, task, role, [], [], str(out.get("model_cls", "wan2.1")))
     for key in [k for k in data if k in LIGHTX2V_KEYS]:
         LIGHTX2V_KEYS[key](run, key, out.pop(key))
     disagg = out.get("disagg_config")

@@ -243,6 +243,8 @@ class Progress(Message, tag="progress"):
     attempt: int
     step: int
     steps: int
+    expert: str | None = None
+    """Wan2.2-A14B: the expert that ran the step (``high`` / ``low``); None: one DiT."""
 
 
 class ProgressReply(Reply):

@@ -21,8 +21,9 @@ class TaskSpec:
     """Static facts about a pipeline that hold for every checkpoint of its family."""
 
     name: str
-    """Pipeline name: ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i``, ``qwen_i2i_plus``
-    or ``synthetic``."""
+    """Pipeline name: ``wan_t2v``, ``wan_i2v`` (Wan2.1), ``wan22_a14b_t2v``,
+    ``wan22_a14b_i2v``, ``wan22_5b_t2v``, ``wan22_5b_i2v`` (Wan2.2), ``qwen_t2i``,
+    ``qwen_i2i``, ``qwen_i2i_plus`` or ``synthetic``."""
     family: Literal["wan", "qwen", "synthetic"]
     model_cls: str
     """LightX2V's ``model_cls`` of the family (config files name pipelines this way)."""
@@ -61,11 +62,28 @@ class TaskSpec:
     """Whether a request may carry ``i2i_denoise_strength`` (Qwen-Image: image-to-image
     from the T2I checkpoint; the edits: LightX2V's redraw strength of one input image)."""
 
+    experts: int = 1
+    """The DiTs of the checkpoint: 2 for Wan2.2-A14B (``transformer`` runs the high-noise
+    steps, ``transformer_2`` the low-noise ones, switching at the folder's
+    ``boundary_ratio``; a request may set ``guidance_scale_2`` for the second)."""
+    expand_timesteps: bool = False
+    """Wan2.2-TI2V-5B: the DiT takes a timestep per latent token (image-to-video keeps the
+    first latent frame at timestep 0); the folder's ``model_index.json`` says so."""
+    folder_class: str | None = None
+    """The ``_class_name`` of the folders this row serves, where it is not
+    ``pipeline_class``: TI2V-5B's one folder names ``WanPipeline`` and serves
+    image-to-video through ``WanImageToVideoPipeline`` too."""
+
     @property
     def takes_image(self) -> bool:
         """Whether requests of this pipeline may carry an input image at all (then the
         controller stages input images for the encoders)."""
         return self.needs_image or self.image_to_image
+
+    @property
+    def folder_pipeline(self) -> str | None:
+        """The ``_class_name`` a model folder of this row names."""
+        return self.folder_class or self.pipeline_class
 
 
 # Defaults follow the published checkpoints and diffusers' own pipeline defaults; the tiny
@@ -128,6 +146,29 @@ def _wan(task: str, needs_image: bool, pipeline_class: str) -> TaskSpec:
                     _WAN_DEFAULTS, pipeline_class, max_side=1920, max_pixels=1920 * 1088)
 
 
+# Wan2.2. A14B (T2V, I2V): two DiTs of the Wan2.1-14B shape; the defaults are Wan's published
+# generation settings (40 steps; T2V guidance 4.0 for the high-noise expert and 3.0 for the
+# low-noise one, I2V 3.5 for both), the sizes diffusers' examples use (T2V 720x1280, I2V
+# 480x832). Its I2V has no CLIP image encoder: the first frame reaches the DiT through the VAE
+# condition only, so its text length is free as in T2V. TI2V-5B: one DiT over the Wan2.2 VAE
+# (48 latent channels, 16x spatial compression: sizes are multiples of 16 x the DiT's 2x2
+# patch), 1280x704 at 121 frames and 24 fps, 50 steps, guidance 5.0; text-to-video and
+# image-to-video on the one folder (``WanPipeline`` in its model index).
+_WAN22_A14B: Mapping[str, Any] = {**_WAN_DEFAULTS, "infer_steps": 40}
+_WAN22_5B: Mapping[str, Any] = {**_WAN_DEFAULTS, "height": 704, "width": 1280,
+                                "num_frames": 121, "fps": 24}
+
+
+def _wan22(task: str, needs_image: bool, pipeline_class: str, a14b: bool,
+           **defaults: Any) -> TaskSpec:
+    size = 16 if a14b else 32
+    return TaskSpec(f"wan22_{'a14b' if a14b else '5b'}_{task}", "wan",
+                    "wan2.2_moe" if a14b else "wan2.2", task, "video", needs_image, size, 4,
+                    {**(_WAN22_A14B if a14b else _WAN22_5B), **defaults}, pipeline_class,
+                    max_side=1920, max_pixels=1920 * 1088, experts=2 if a14b else 1,
+                    expand_timesteps=not a14b, folder_class=None if a14b else "WanPipeline")
+
+
 def _qwen(task: str, needs_image: bool, pipeline_class: str, multi_image: bool = False,
           **defaults: Any) -> TaskSpec:
     return TaskSpec(f"qwen_{task}", "qwen", "qwen_image", task, "image", needs_image, 16, 1,
@@ -154,6 +195,12 @@ TASK_SPECS: Final[dict[str, TaskSpec]] = {
     for spec in (
         _wan("t2v", needs_image=False, pipeline_class="WanPipeline"),
         _wan("i2v", needs_image=True, pipeline_class="WanImageToVideoPipeline"),
+        _wan22("t2v", False, "WanPipeline", a14b=True, height=720, width=1280,
+               guidance_scale=4.0, guidance_scale_2=3.0),
+        _wan22("i2v", True, "WanImageToVideoPipeline", a14b=True, guidance_scale=3.5,
+               guidance_scale_2=3.5),
+        _wan22("t2v", False, "WanPipeline", a14b=False),
+        _wan22("i2v", True, "WanImageToVideoPipeline", a14b=False),
         _qwen("t2i", needs_image=False, pipeline_class="QwenImagePipeline"),
         # None: output at ~1 megapixel with the input image's aspect ratio, as diffusers.
         _qwen("i2i", needs_image=True, pipeline_class="QwenImageEditPipeline", height=None,
@@ -194,8 +241,20 @@ def pipeline_name(model_cls: str, task: str) -> str:
 
 
 def served_classes() -> dict[str, TaskSpec]:
-    """diffusers pipeline class -> the row that serves folders naming it."""
-    return {s.pipeline_class: s for s in TASK_SPECS.values() if s.pipeline_class is not None}
+    """diffusers pipeline class -> the first row that serves folders naming it (a Wan2.2
+    folder names the class of Wan2.1's: :func:`rows_for_folder` tells them apart)."""
+    out: dict[str, TaskSpec] = {}
+    for spec in TASK_SPECS.values():
+        if spec.folder_pipeline is not None:
+            out.setdefault(spec.folder_pipeline, spec)
+    return out
+
+
+def rows_for_folder(class_name: str, experts: int, expand_timesteps: bool) -> list[TaskSpec]:
+    """The rows serving a model folder whose ``model_index.json`` names ``class_name`` with
+    that many DiTs and that timestep mode (TI2V-5B's folder: two rows, T2V and I2V)."""
+    return [s for s in TASK_SPECS.values() if s.folder_pipeline == class_name
+            and s.experts == experts and s.expand_timesteps == expand_timesteps]
 
 
 # -- settings every stage shares -----------------------------------------------------------

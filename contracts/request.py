@@ -36,8 +36,8 @@ class GenerationRequest:
     """
 
     task: str
-    """One of ``wan_t2v``, ``wan_i2v``, ``qwen_t2i``, ``qwen_i2i``, ``qwen_i2i_plus``,
-    ``synthetic``."""
+    """A pipeline of :data:`contracts.pipelines.TASK_SPECS` (``wan_t2v``, ``wan22_a14b_i2v``,
+    ``qwen_t2i``, ...)."""
     prompt: str
     """What to generate (or, for ``qwen_i2i`` / ``qwen_i2i_plus``, how to edit the input
     images). Not empty."""
@@ -63,6 +63,10 @@ class GenerationRequest:
     guidance of guidance-distilled checkpoints only; None for the published ones."""
     true_cfg_scale: float | None = None
     """Qwen only: true classifier-free guidance scale (> 1 enables it; default 4.0)."""
+    guidance_scale_2: float | None = None
+    """Wan2.2-A14B only: the guidance scale of the low-noise expert (``guidance_scale`` is
+    the high-noise one's; T2V default 3.0, I2V 3.5). Whether CFG runs at all follows
+    ``guidance_scale`` alone, as in diffusers' pipelines."""
     max_sequence_length: int | None = None
     """Text tokens given to the DiT. Wan: 512 (I2V checkpoints require exactly 512); Qwen:
     1..1024 (default 512)."""
@@ -94,7 +98,8 @@ class GenerationRequest:
             if getattr(self, name) is None and default is not None:
                 object.__setattr__(self, name, default)
         # Accept ints where a float is meant (msgpack and JSON clients send 5 for 5.0).
-        for name in ("guidance_scale", "true_cfg_scale", "i2i_denoise_strength"):
+        for name in ("guidance_scale", "true_cfg_scale", "i2i_denoise_strength",
+                     "guidance_scale_2"):
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(value))
@@ -166,6 +171,11 @@ class GenerationRequest:
             if self.true_cfg_scale is not None:
                 fail("true_cfg_scale applies to Qwen tasks only; Wan uses guidance_scale")
             need_int("max_sequence_length", 1, 512)
+            if spec.experts == 2:
+                need_float("guidance_scale_2", 0.0)
+            elif self.guidance_scale_2 is not None:
+                fail("guidance_scale_2 applies to the two-expert Wan2.2-A14B tasks only "
+                     "(the low-noise expert's scale); leave it unset")
             if spec.name == "wan_i2v" and self.max_sequence_length != 512:
                 # The I2V DiT splits image from text context at a fixed 512 text tokens.
                 fail(f"max_sequence_length must be 512 for wan_i2v, got {self.max_sequence_length}")
@@ -179,6 +189,8 @@ class GenerationRequest:
                 if getattr(self, name) is not None:
                     need_float(name, 0.0)
             need_int("max_sequence_length", 1, 1024)
+        if spec.family != "wan" and self.guidance_scale_2 is not None:
+            fail("guidance_scale_2 applies to the two-expert Wan2.2-A14B tasks only")
 
         if self.i2i_denoise_strength is not None:
             if not spec.denoise_strength:
@@ -200,12 +212,13 @@ class GenerationRequest:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain ``str`` / ``int`` / ``float`` / ``None`` (msgpack-able);
-        ``loras``, ``cache`` and ``i2i_denoise_strength`` as lists, maps and a number, and
-        only when set (a request without them travels exactly as before they existed)."""
+        ``loras``, ``cache``, ``i2i_denoise_strength`` and ``guidance_scale_2`` as lists, maps
+        and numbers, and only when set (a request without them travels exactly as before they
+        existed)."""
         out = {name: getattr(self, name) for name in self.field_names()}
         if out["i2i_denoise_strength"] is None:
             del out["i2i_denoise_strength"]
-        for name in ("loras", "cache"):
+        for name in ("loras", "cache", "guidance_scale_2"):
             if not out[name]:
                 del out[name]
         if self.loras:
@@ -264,7 +277,8 @@ image (the front door picks the size and crops the image: controller/http/resize
 _FRONT_DOOR_DEFAULTS = ("aspect_ratio", "resize_mode")
 REQUEST_DEFAULT_KEYS = (
     "negative_prompt", "infer_steps", "height", "width", "num_frames", "fps",
-    "guidance_scale", "true_cfg_scale", "max_sequence_length", *_FRONT_DOOR_DEFAULTS,
+    "guidance_scale", "true_cfg_scale", "guidance_scale_2", "max_sequence_length",
+    *_FRONT_DOOR_DEFAULTS,
 )
 """What a service's ``request_defaults`` may set: the request fields a model's config knows
 (the front door's ``aspect_ratio`` and ``resize_mode`` among them)."""

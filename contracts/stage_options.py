@@ -39,6 +39,9 @@ torch's own mechanisms:
   preempted one hands its task back at a step boundary, and the final latents are kept until
   the result is written (docs/operations.md, "What survives what"). Exact: a resumed loop
   computes the same bytes.
+* ``experts`` (transformer, Wan2.2-A14B): where its two DiTs live: ``"both"`` on the device,
+  or ``"swap"``: one on the device and the other in pinned host memory, swapped at the
+  boundary (:mod:`workers.models.dit.experts`). Exact either way (the same weights, moved).
 * ``parallel`` (transformer): the layout of a transformer group, one DiT worker over several
   devices (``"cfg=2,ulysses=2"``: :mod:`contracts.parallel`; the devices are the service's
   ``devices``), with ``group_timeout_s`` and ``group_restarts`` for its faults.
@@ -57,15 +60,17 @@ from contracts.dit_request import CacheSpec, LoraRef, parse_cache, parse_loras
 from contracts.errors import ConfigError, InvalidRequestError
 from contracts.parallel import ParallelLayout
 
-__all__ = ["LINEAR_MODES", "OFFLOAD_MODES", "WEIGHT_STORAGE", "StageOptions"]
+__all__ = ["EXPERT_PLACEMENTS", "LINEAR_MODES", "OFFLOAD_MODES", "WEIGHT_STORAGE",
+           "StageOptions"]
 
 WEIGHT_STORAGE: Final[tuple[str, ...]] = ("dtype", "fp8")
 OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
 LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
+EXPERT_PLACEMENTS: Final[tuple[str, ...]] = ("both", "swap")
 _TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "lora_dir", "lora_fuse", "lora_max_loaded",
                      "lora_max_mb", "lora_max_rank", "cache", "parallel", "group_timeout_s",
                      "group_restarts", "checkpoint_every_s", "checkpoint_every_steps",
-                     "flow_shift")
+                     "flow_shift", "experts")
 _DECODER_ONLY = ("vae_tiling",)
 
 
@@ -144,7 +149,17 @@ class StageOptions:
     ``flow_shift=...``); LightX2V's ``sample_shift``. None: the folder's (3.0 for Wan2.1
     480p)."""
 
+    experts: str = "both"
+    """Transformer, Wan2.2-A14B: where its two experts live. 'both': on the device (twice
+    one expert's memory); 'swap': the one running on the device, the other in pinned host
+    memory, swapped when the schedule crosses the boundary (on a copy stream, overlapped
+    with the last high-noise step where both fit) and back after the loop. Not with
+    ``linear: "fp8"``, offload or ``compile``."""
+
     def __post_init__(self) -> None:
+        if self.experts not in EXPERT_PLACEMENTS:
+            raise ConfigError(f"experts must be one of {', '.join(EXPERT_PLACEMENTS)}, got "
+                              f"{self.experts!r}")
         layout = ParallelLayout.parse(self.parallel)  # a bad layout is refused by name
         if self.cache is not None and layout.sequence > 1:
             raise ConfigError(

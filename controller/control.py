@@ -375,7 +375,8 @@ class ControlServer:
 
     def _progress(self, msg: Progress, worker: WorkerInfo) -> ProgressReply:
         co = self.coordinator
-        stop = co.on_progress(worker, msg.task_id, msg.attempt, msg.step, msg.steps)
+        stop = co.on_progress(worker, msg.task_id, msg.attempt, msg.step, msg.steps,
+                              msg.expert)
         return ProgressReply(cancel=stop, yield_=bool(co.priorities.asked([msg.task_id])))
 
     def _handoff(self, msg: Handoff, worker: WorkerInfo) -> Empty:

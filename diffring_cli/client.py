@@ -82,6 +82,11 @@ SMALL_REQUESTS: dict[str, dict[str, Any]] = {
     "qwen_i2i_plus": {"height": 32, "width": 32, "infer_steps": 4},
     "synthetic": {"height": 64, "width": 64, "infer_steps": 4},
 }
+# Wan2.2: A14B's 3 steps cross its boundary (both experts run); TI2V-5B's VAE compresses 16x.
+for _task, _side in (("a14b_t2v", 32), ("a14b_i2v", 32), ("5b_t2v", 64), ("5b_i2v", 64)):
+    SMALL_REQUESTS[f"wan22_{_task}"] = {"height": _side, "width": _side,
+                                        "target_video_length": 9, "infer_steps": 3,
+                                        "target_fps": 8}
 """A small request per pipeline (``--small``; the demo's): a few steps at a tiny size, done in
 seconds on the tiny random-weight models of ``python -m modelkit.tiny`` on a CPU. The
 defaults (50 steps, 480x832x81 for Wan) take over 20 minutes there."""

@@ -37,8 +37,10 @@ _PORT_KEYS = ("control_port", "rdma_request_handshake_port", "rdma_phase1_handsh
 
 def lightx2v_files(group: str, config_dir: Path) -> dict[str, Path] | None:
     """The three LightX2V stage files of ``group`` in ``config_dir``, or None when they are
-    not all there."""
-    prefix = PREFIXES[group]
+    not all there (or LightX2V publishes none for the group: Wan2.2)."""
+    prefix = PREFIXES.get(group)
+    if prefix is None:
+        return None
     files = {role: config_dir / f"{prefix}_{suffix}.json" for role, suffix in SUFFIXES.items()}
     return files if all(f.is_file() for f in files.values()) else None
 

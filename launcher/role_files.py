@@ -52,9 +52,10 @@ def role_files(group: str, config_dir: Path) -> tuple[dict[str, Path], bool]:
     theirs = lightx2v_files(group, config_dir)
     if theirs is not None:
         return theirs, True
-    prefix = PREFIXES[group]
-    raise GroupError(f"missing config file(s): {', '.join(missing)} (or LightX2V's "
-                     f"{prefix}_disagg_{{encoder,transformer,decode}}.json)")
+    prefix = PREFIXES.get(group)
+    theirs_too = "" if prefix is None else \
+        f" (or LightX2V's {prefix}_disagg_{{encoder,transformer,decode}}.json)"
+    raise GroupError(f"missing config file(s): {', '.join(missing)}{theirs_too}")
 
 
 def shift_ports(data: dict[str, Any], offset: int, is_controller: bool) -> None:

@@ -41,15 +41,15 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def wan_scheduler() -> Any:
+def wan_scheduler(flow_shift: float = 3.0) -> Any:
     from diffusers import UniPCMultistepScheduler
 
     # Wan2.1's published scheduler: UniPC in flow-matching mode; flow_shift 3.0 is the 480p
-    # setting (5.0 for 720p).
+    # setting (5.0 for 720p). Wan2.2's sample shifts: T2V-A14B 12.0, I2V-A14B and TI2V-5B 5.0.
     return UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
-        flow_shift=3.0,
+        flow_shift=flow_shift,
         num_train_timesteps=1000,
         solver_order=2,
         solver_type="bh2",
@@ -147,28 +147,62 @@ def wan_text_encoder(seed: int, vocab_size: int) -> Any:
 
 
 def wan_transformer(seed: int, i2v: bool, image_dim: int = WAN_CLIP_DIM) -> Any:
-    from diffusers import WanTransformer3DModel
-
     seeded(seed, "wan.transformer.i2v" if i2v else "wan.transformer.t2v")
     inner = WAN_HEADS * WAN_HEAD_DIM
-    model: Any = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=WAN_HEADS,
-        attention_head_dim=WAN_HEAD_DIM,
-        # I2V input: 16 noise channels + 4 first-frame mask channels + 16 condition channels.
-        in_channels=36 if i2v else 16,
-        out_channels=16,
-        text_dim=WAN_TEXT_DIM,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        image_dim=image_dim if i2v else None,
-        # Real Wan2.1 I2V checkpoints set this to the model width (5120 for 14B).
-        added_kv_proj_dim=inner if i2v else None,
-        rope_max_seq_len=1024,
+    # I2V input: 16 noise channels + 4 first-frame mask channels + 16 condition channels.
+    # Real Wan2.1 I2V checkpoints set added_kv_proj_dim to the model width (5120 for 14B).
+    return wan_dit_model(WAN_HEADS, WAN_HEAD_DIM, WAN_TEXT_DIM, ffn_dim=32, num_layers=2,
+                         in_channels=36 if i2v else 16, image_dim=image_dim if i2v else None,
+                         added_kv_proj_dim=inner if i2v else None).eval()
+
+
+def wan_dit_model(heads: int, head_dim: int, text_dim: int, **sizes: Any) -> Any:
+    """A WanTransformer3DModel with what every Wan DiT shares (2x2 patches, RMS norm across
+    heads, cross-attention norm, the frequency width and RoPE table) and ``sizes`` (depth,
+    widths, channels, the I2V image context): the tiny models' and :mod:`modelkit.real`'s."""
+    from diffusers import WanTransformer3DModel
+
+    config: dict[str, Any] = {"in_channels": 16, "out_channels": 16, "image_dim": None,
+                              "added_kv_proj_dim": None, **sizes}
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
+        text_dim=text_dim, freq_dim=256, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, **config)
+
+
+def wan22_transformer(seed: int, salt: str, in_channels: int, out_channels: int) -> Any:
+    """A tiny Wan2.2 DiT: an expert of A14B (``salt`` ``high`` / ``low``: two experts of one
+    shape, other weights; I2V takes 16 noise + 4 mask + 16 condition channels, and no CLIP
+    context) or TI2V-5B's (48 latent channels in and out)."""
+    seeded(seed, f"wan22.transformer.{salt}")
+    return wan_dit_model(WAN_HEADS, WAN_HEAD_DIM, WAN_TEXT_DIM, ffn_dim=32, num_layers=2,
+                         in_channels=in_channels, out_channels=out_channels).eval()
+
+
+def wan22_vae(seed: int) -> Any:
+    """A tiny Wan2.2 VAE (TI2V-5B's): residual, 2x2 pixel patches in front (12 channels),
+    48 latent channels, 16x spatial compression. Real: base_dim 160, decoder_base_dim 256,
+    num_res_blocks 2; the same structure and strides."""
+    from diffusers import AutoencoderKLWan
+
+    seeded(seed, "wan22.vae")
+    model: Any = AutoencoderKLWan(
+        base_dim=4,
+        decoder_base_dim=8,
+        z_dim=48,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        # Statistics of the right length (the real ones are the encoder's, per channel).
+        latents_mean=[round(-0.5 + i / 48, 4) for i in range(48)],
+        latents_std=[round(0.8 + i / 96, 4) for i in range(48)],
     )
     return model.eval()
 

@@ -1,11 +1,14 @@
 """Real-size random-weight models of the published architectures, built locally.
 
-    python -m modelkit.real --arch wan-1.3b|wan-14b|wan-14b-i2v|qwen-image|qwen-image-edit-2511
+    python -m modelkit.real --arch wan-1.3b|wan-14b|wan-14b-i2v|wan22-a14b|wan22-a14b-i2v|
+                                   wan22-5b|wan22-5b-i2v|qwen-image|qwen-image-edit-2511
                             --out DIR [--device cuda:0] [--dtype bfloat16] [--layers N]
                             [--text-encoders stub|full] [--image-layers N]
 
 Nothing is downloaded: the configs below are those of the published checkpoints'
-``config.json`` files (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.1-I2V-14B-480P, Qwen-Image,
+``config.json`` files (Wan2.1-T2V-1.3B, Wan2.1-T2V-14B, Wan2.1-I2V-14B-480P; Wan2.2-T2V-A14B
+and -I2V-A14B: two DiTs of the Wan2.1-14B shape, ``boundary_ratio`` 0.875 / 0.9, the I2V
+without CLIP; Wan2.2-TI2V-5B: the 5B DiT over the Wan2.2 VAE, ``expand_timesteps``; Qwen-Image,
 Qwen-Image-Edit-2511: the Qwen-Image DiT with ``zero_cond_t``, served by
 QwenImageEditPlusPipeline), the weights are random (seeded), and the folder is written in
 diffusers format (``save_pretrained``), so the stage adapters load it exactly like a real
@@ -43,13 +46,29 @@ from modelkit.components import (
     round_up,
     save_edit_processor,
     umt5_config,
+    wan_dit_model,
     wan_scheduler,
 )
 from modelkit.tokenizers import build_qwen_tokenizer, build_t5_tokenizer
 
-ARCHS = ("wan-1.3b", "wan-14b", "wan-14b-i2v", "qwen-image", "qwen-image-edit-2511")
+ARCHS = ("wan-1.3b", "wan-14b", "wan-14b-i2v", "wan22-a14b", "wan22-a14b-i2v", "wan22-5b",
+         "wan22-5b-i2v", "qwen-image", "qwen-image-edit-2511")
 PIPELINE = {"wan-1.3b": "wan_t2v", "wan-14b": "wan_t2v", "wan-14b-i2v": "wan_i2v",
+            "wan22-a14b": "wan22_a14b_t2v", "wan22-a14b-i2v": "wan22_a14b_i2v",
+            # TI2V-5B: one folder, served as either task.
+            "wan22-5b": "wan22_5b_t2v", "wan22-5b-i2v": "wan22_5b_i2v",
             "qwen-image": "qwen_t2i", "qwen-image-edit-2511": "qwen_i2i_plus"}
+# Wan2.2-A14B: boundary_ratio of the model index and the sample shift of Wan's configs.
+WAN22_MOE = {"wan22-a14b": (0.875, 12.0), "wan22-a14b-i2v": (0.9, 5.0)}
+# Wan2.2-TI2V-5B's VAE (vae/config.json): residual, 2x2 pixel patches, 48 latent channels.
+WAN22_VAE: dict[str, Any] = {
+    "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2, "attn_scales": [], "temperal_downsample": [False, True, True],
+    "is_residual": True, "in_channels": 12, "out_channels": 12, "patch_size": 2,
+    "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+    # The published statistics are the encoder's per channel; random weights: neutral ones.
+    "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48,
+}
 TEXT_ENCODERS = ("stub", "full")
 MARKER = "diffring_real.json"
 
@@ -61,7 +80,16 @@ WAN_DIT = {
     # CLIP's 1280-wide image tokens through key/value projections of their own in every block.
     "wan-14b-i2v": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40,
                     "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+    # Wan2.2-A14B: each expert the Wan2.1-14B shape; the I2V takes the mask and condition
+    # latents (36 channels) and no CLIP context.
+    "wan22-a14b": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40},
+    "wan22-a14b-i2v": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40,
+                       "in_channels": 36},
+    # Wan2.2-TI2V-5B: 3072 wide (24 heads of 128), 48 latent channels in and out.
+    "wan22-5b": {"num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30,
+                 "in_channels": 48, "out_channels": 48},
 }
+WAN_DIT["wan22-5b-i2v"] = WAN_DIT["wan22-5b"]
 # text_encoder/config.json of the published checkpoints. Wan2.1: UMT5-XXL (google/umt5-xxl's
 # encoder); its d_model is the DiT's text_dim.
 UMT5_XXL = {"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64}
@@ -121,24 +149,11 @@ QWEN_DIT = {
 def wan_dit(arch: str, layers: int | None = None) -> Any:
     """A Wan2.1 DiT of ``arch`` (``wan-1.3b`` / ``wan-14b``) as published, ``layers`` deep if
     given; random weights in the current default dtype and device."""
-    from diffusers import WanTransformer3DModel
-
-    cfg: dict[str, Any] = {"in_channels": 16, "image_dim": None, "added_kv_proj_dim": None,
-                           **WAN_DIT[arch]}
+    cfg: dict[str, Any] = dict(WAN_DIT[arch])
+    heads = cfg.pop("num_attention_heads")
     if layers is not None:
         cfg["num_layers"] = layers
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        attention_head_dim=128,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=1024,
-        **cfg,
-    )
+    return wan_dit_model(heads, 128, 4096, **cfg)
 
 
 def qwen_dit(layers: int | None = None, zero_cond_t: bool = False) -> Any:
@@ -285,16 +300,27 @@ def build(
                 tokenizer = build_t5_tokenizer()
                 text_encoder = _umt5(tokenizer, text_layers, full)
                 dit = wan_dit(arch, layers)
-                image: dict[str, Any] = {}
+                extra: dict[str, Any] = {}
                 if PIPELINE[arch] == "wan_i2v":
                     encoder, processor = clip_vit_h14(image_layers)
-                    image = {"image_encoder": encoder.eval(), "image_processor": processor}
+                    extra = {"image_encoder": encoder.eval(), "image_processor": processor}
+                shift = 3.0
+                if arch in WAN22_MOE:  # the low-noise expert: another DiT of the same shape
+                    ratio, shift = WAN22_MOE[arch]
+                    extra.update(transformer_2=wan_dit(arch, layers).eval(),
+                                 boundary_ratio=ratio)
+                elif arch.startswith("wan22-5b"):
+                    shift = 5.0
+                    extra["expand_timesteps"] = True
                 torch.set_default_dtype(torch.float32)  # the published VAE is float32
-                vae: Any = AutoencoderKLWan()  # diffusers' defaults are Wan2.1's VAE config
-                cls = WanImageToVideoPipeline if image else WanPipeline
+                # diffusers' defaults are Wan2.1's VAE config (Wan2.2-A14B's too).
+                vae: Any = AutoencoderKLWan(**WAN22_VAE) if arch.startswith("wan22-5b") \
+                    else AutoencoderKLWan()
+                i2v = PIPELINE[arch] in ("wan_i2v", "wan22_a14b_i2v")
+                cls = WanImageToVideoPipeline if i2v else WanPipeline
                 pipe = cls(tokenizer=tokenizer, text_encoder=text_encoder.eval(),
-                           vae=vae.eval(), scheduler=wan_scheduler(), transformer=dit.eval(),
-                           **image)
+                           vae=vae.eval(), scheduler=wan_scheduler(shift),
+                           transformer=dit.eval(), **extra)
             else:
                 import diffusers
 
@@ -328,7 +354,9 @@ def build(
     info = {
         "recipe": recipe,
         "pipeline": PIPELINE[arch],
-        "dit_params": sum(p.numel() for p in pipe.transformer.parameters()),
+        "dit_params": sum(p.numel() for p in pipe.transformer.parameters()) + (
+            sum(p.numel() for p in pipe.transformer_2.parameters())
+            if getattr(pipe, "transformer_2", None) is not None else 0),
         "text_encoder_params": sum(p.numel() for p in pipe.text_encoder.parameters()),
         "vae_params": sum(p.numel() for p in pipe.vae.parameters()),
         "build_s": round(build_s, 2),

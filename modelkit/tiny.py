@@ -12,6 +12,13 @@ pipelines and our stage adapters load with ``from_pretrained``:
   AutoencoderKLWan, UniPC scheduler with Wan's flow-matching settings.
 * ``wan_i2v``  - Wan2.1 image-to-video: the above + CLIP vision encoder and image processor; the
   DiT has ``image_dim`` / ``added_kv_proj_dim`` set as real I2V checkpoints do.
+* ``wan22_a14b_t2v`` / ``wan22_a14b_i2v`` - Wan2.2-A14B: two tiny experts of one shape
+  (``transformer`` high-noise, ``transformer_2`` low-noise) and ``boundary_ratio`` in the
+  model index (0.875 / 0.9, with the published scheduler shifts 12 / 5: the boundary falls
+  inside three steps, so both experts run); the I2V has no CLIP.
+* ``wan22_5b_t2v`` / ``wan22_5b_i2v`` - Wan2.2-TI2V-5B: one DiT over a tiny Wan2.2 VAE (48
+  latent channels, 16x spatial compression), ``expand_timesteps`` in the model index; the two
+  folders are the same checkpoint (one per task, as every task has its folder).
 * ``qwen_t2i`` - Qwen-Image: Qwen2.5-VL text encoder + byte-level BPE Qwen2 tokenizer,
   QwenImageTransformer2DModel, AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler.
 * ``qwen_i2i`` - Qwen-Image-Edit: the above + a ``processor`` folder (image processor +
@@ -53,6 +60,10 @@ from modelkit.tokenizers import build_qwen_tokenizer, build_t5_tokenizer
 # Bump whenever a config, a tokenizer rule or an initialisation below changes, so that old
 # folders are rebuilt instead of silently reused.
 RECIPE_VERSION = 2
+WAN22_BOUNDARY = {"t2v": 0.875, "i2v": 0.9}
+"""Wan2.2-A14B's published boundary ratios."""
+WAN22_SHIFT = {"t2v": 12.0, "i2v": 5.0}
+"""Wan2.2-A14B's published sample shifts (TI2V-5B: 5.0)."""
 MARKER_NAME = "diffring_tiny.json"
 
 
@@ -92,6 +103,40 @@ def _build_wan(dest: Path, seed: int, i2v: bool, published: bool = False) -> Non
         # the PIL class used here, which would pin loaders to the PIL backend even where
         # torchvision is installed (diffusers and our stage would then resize differently).
         c.patch_model_index(dest, image_processor=["transformers", "CLIPImageProcessor"])
+
+
+def _build_wan22_a14b(dest: Path, seed: int, i2v: bool) -> None:
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    tokenizer = build_t5_tokenizer()
+    task = "i2v" if i2v else "t2v"
+    channels = 36 if i2v else 16
+    common: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "text_encoder": c.wan_text_encoder(seed, c.round_up(len(tokenizer), 64)),
+        "vae": c.wan_vae(seed),
+        "scheduler": c.wan_scheduler(WAN22_SHIFT[task]),
+        "transformer": c.wan22_transformer(seed, f"{task}.high", channels, 16),
+        "transformer_2": c.wan22_transformer(seed, f"{task}.low", channels, 16),
+        "boundary_ratio": WAN22_BOUNDARY[task],
+    }
+    pipe: Any = WanImageToVideoPipeline(**common) if i2v else WanPipeline(**common)
+    pipe.save_pretrained(dest, safe_serialization=True)
+
+
+def _build_wan22_5b(dest: Path, seed: int) -> None:
+    from diffusers import WanPipeline
+
+    tokenizer = build_t5_tokenizer()
+    pipe: Any = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=c.wan_text_encoder(seed, c.round_up(len(tokenizer), 64)),
+        vae=c.wan22_vae(seed),
+        scheduler=c.wan_scheduler(5.0),
+        transformer=c.wan22_transformer(seed, "5b", 48, 48),
+        expand_timesteps=True,
+    )
+    pipe.save_pretrained(dest, safe_serialization=True)
 
 
 def build_published_wan(dest: Path, seed: int, i2v: bool) -> Path:
@@ -175,6 +220,10 @@ def build_task(out: Path, task: str, seed: int = 0, force: bool = False) -> Path
             as tmp, torch.no_grad(), _quiet_transformers():
         if task.startswith("wan_"):
             _build_wan(tmp, seed, i2v=task == "wan_i2v")
+        elif task.startswith("wan22_a14b_"):
+            _build_wan22_a14b(tmp, seed, i2v=task.endswith("i2v"))
+        elif task.startswith("wan22_5b_"):
+            _build_wan22_5b(tmp, seed)
         elif task == "qwen_i2i_plus":
             _build_qwen_edit_plus(tmp, seed)
         else:

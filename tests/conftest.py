@@ -79,6 +79,7 @@ LONG_MODULES = (
     "test_e2e_recovery.py", "test_resume_e2e.py", "test_result_writes.py",
     "test_stage_memory.py", "test_live_openai_media.py",
     "test_model_variants.py", "test_stage_options.py", "test_startup_signals.py",
+    "test_wan22.py",
 )
 """Modules that take about a minute or more on a loaded 2-core machine, longest first. They
 run first: scripts/test.sh hands whole modules to two pytest processes in collection order,

@@ -35,7 +35,7 @@ class ProgressReporter:
     def __init__(self, control: ControlChannel, name: str) -> None:
         self._control = control
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[_Job, int, int]] = collections.deque()
+        self._queue: collections.deque[tuple[_Job, int, int, str | None]] = collections.deque()
         self._sending: _Job | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"progress-{name}", daemon=True)
@@ -43,10 +43,10 @@ class ProgressReporter:
     def start(self) -> None:
         self._thread.start()
 
-    def report(self, job: _Job, step: int, steps: int) -> None:
-        """Queue "``job`` finished ``step`` of ``steps``" for sending."""
+    def report(self, job: _Job, step: int, steps: int, expert: str | None = None) -> None:
+        """Queue "``job`` finished ``step`` of ``steps``" (on ``expert``) for sending."""
         with self._cond:
-            self._queue.append((job, step, steps))
+            self._queue.append((job, step, steps, expert))
             self._cond.notify_all()
 
     def flush(self, job: _Job, timeout: float = 30.0) -> bool:
@@ -54,7 +54,7 @@ class ProgressReporter:
         or when the reporter is closed)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._sending is job or any(j is job for j, _, _ in self._queue):
+            while self._sending is job or any(e[0] is job for e in self._queue):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     return False
@@ -79,11 +79,12 @@ class ProgressReporter:
                     self._cond.wait()
                 if self._closed:
                     return
-                job, step, steps = self._queue.popleft()
+                job, step, steps, expert = self._queue.popleft()
                 self._sending = job
             try:
                 reply = self._control.call(
-                    Progress(task_id=job.task_id, attempt=job.attempt, step=step, steps=steps),
+                    Progress(task_id=job.task_id, attempt=job.attempt, step=step, steps=steps,
+                             expert=expert),
                     ProgressReply)
                 job.asked(cancel=reply.cancel, hand_back=reply.yield_)
             except DiffringError as exc:

@@ -178,7 +178,7 @@ class TransformerWorker(ProducerWorker):
 
     def _step(self, job: Job, step: int, steps: int) -> None:
         job.steps = steps
-        self.progress.report(job, step, steps)
+        self.progress.report(job, step, steps, self.stage.active_expert)
 
     def release(self, job: Job) -> None:
         """Send the final latents to the controller's keeping (a lost decoder then costs a

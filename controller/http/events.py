@@ -82,6 +82,8 @@ def task_event(name: str, task: Task) -> dict[str, Any]:
     data["waiting_for"] = waiting.value if waiting is not None else None
     if name == "progress" or task.stage == Stage.DENOISING:
         data["step"], data["steps"] = task.step, task.steps
+        if task.expert is not None:  # Wan2.2-A14B: which expert ran the step
+            data["expert"] = task.expert
     if name == "completed":
         data["result_url"] = result_path(task.task_id)
         data["thumbnail_url"] = thumbnail_path(task.task_id)

@@ -1,7 +1,8 @@
 """The HTTP front door (FastAPI): LightX2V's task API, served by the controller.
 
 Field names and response shapes follow LightX2V's server so existing client scripts work;
-diffring adds ``height`` / ``width`` / ``guidance_scale`` / ``true_cfg_scale`` and a finer
+diffring adds ``height`` / ``width`` / ``guidance_scale`` / ``true_cfg_scale`` /
+``guidance_scale_2`` and a finer
 ``stage`` in the status. Every error body is JSON ``{"detail": "<what to do>"}``.
 
 :class:`FrontDoor` holds what the routes do; the routes themselves are plain handlers in
@@ -102,6 +103,7 @@ class FrontDoor:
             "guidance_scale",
             "true_cfg_scale",
             "i2i_denoise_strength",
+            "guidance_scale_2",
         ):
             value = getattr(body, name, None)
             if value is not None:
@@ -161,7 +163,7 @@ class FrontDoor:
             raise http_error(409, f"task {task_id} exists already; choose another task_id")
         image = await self._decode_images(values) if values else None
         mode = getattr(body, "resize_mode", None) or self.defaults.get("resize_mode")
-        if image is not None and mode and spec.name == "wan_i2v":
+        if image is not None and mode and spec.family == "wan" and spec.needs_image:
             image, request = await self._resized(mode, image, request)
         task = Task(
             task_id=task_id,
@@ -272,7 +274,8 @@ class FrontDoor:
             raise http_error(422, f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got "
                                   f"{mode!r}")
         size = (request["height"], request["width"]) if request.get("height") else None
-        out = await self.decoder.run(resize.apply, mode, image, size)
+        out = await self.decoder.run(resize.apply, mode, image, size,
+                                     task_spec(self.pipeline).size_multiple)
         if len(out) == 2:
             raise http_error(out[0], out[1])
         cropped, height, width = out

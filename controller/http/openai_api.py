@@ -12,8 +12,8 @@ The bodies (pydantic, at the HTTP edge only) accept OpenAI's own fields — thos
 nothing here (``model``, ``user``, ``quality``, ...) are accepted and ignored, those diffring
 cannot honour (``stream``, ``mask``, a transparent background, a non-PNG format) are refused
 — and diffring's extensions (``seed``, ``negative_prompt``, ``infer_steps``,
-``guidance_scale``, ``true_cfg_scale``; videos also ``fps`` and ``num_frames``). Errors leave
-these routes in OpenAI's shape (:mod:`controller.http.routes_openai`).
+``guidance_scale``, ``true_cfg_scale``, ``guidance_scale_2``; videos also ``fps`` and
+``num_frames``). Errors leave these routes in OpenAI's shape (:mod:`controller.http.routes_openai`).
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class _Extensions(BaseModel):
     infer_steps: int | None = Field(None, ge=1, le=1000, description="diffring: denoising steps")
     guidance_scale: float | None = Field(None, ge=0, description="diffring: Wan CFG scale")
     true_cfg_scale: float | None = Field(None, ge=0, description="diffring: Qwen CFG scale")
+    guidance_scale_2: float | None = Field(
+        None, ge=0, description="diffring: Wan2.2-A14B low-noise expert's CFG scale")
     loras: list[dict[str, Any]] | None = Field(
         None, description='diffring: LoRA adapters [{"name", "strength"}] (GET /v1/loras)')
     cache: dict[str, Any] | None = Field(
@@ -370,6 +372,7 @@ class OpenAIDoor:
             "stage": task.stage.value,
             "step": task.step,
             "steps": task.steps,
+            "expert": task.expert,
         }
         if status == "failed":
             out["error"] = {"code": task.error_type or task.stage.value,

@@ -11,8 +11,9 @@ meanings; its default resolution tier, 480p, and default area, 480x832):
 * ``fixed_shape``: the request's own size (or the service's default size).
 
 Each side is then floored to a multiple of 16 (the VAE's 8 times the DiT's patch of 2), as
-LightX2V aligns its latents. Without ``resize_mode`` a request keeps diffring's behaviour
-(its size, or the default; diffusers' pipeline resizes the image to it).
+LightX2V aligns its latents; of 32 for Wan2.2-TI2V-5B (its VAE compresses 16 times).
+Without ``resize_mode`` a request keeps diffring's behaviour (its size, or the default;
+diffusers' pipeline resizes the image to it).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ _MULTIPLE = 16
 _SAME_RATIO = 0.01  # aspect ratios this close are not cropped (LightX2V's tolerance)
 
 
-def target_size(mode: str, image_h: int, image_w: int,
-                size: tuple[int, int] | None) -> tuple[int, int]:
-    """(height, width) of the output for ``mode`` and an input image of that size."""
+def target_size(mode: str, image_h: int, image_w: int, size: tuple[int, int] | None,
+                multiple: int = _MULTIPLE) -> tuple[int, int]:
+    """(height, width) of the output for ``mode`` and an input image of that size, each a
+    multiple of ``multiple`` (the pipeline's ``size_multiple``)."""
     if mode not in RESIZE_MODES:
         raise ValueError(f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got {mode!r}")
     ratio = image_h / image_w
@@ -55,7 +57,7 @@ def target_size(mode: str, image_h: int, image_w: int,
             raise ValueError("resize_mode 'fixed_shape' needs a size (target_shape, or the "
                              "service's request_defaults)")
         h, w = size
-    return max(_MULTIPLE, h // _MULTIPLE * _MULTIPLE), max(_MULTIPLE, w // _MULTIPLE * _MULTIPLE)
+    return max(multiple, h // multiple * multiple), max(multiple, w // multiple * multiple)
 
 
 def crop_box(image_h: int, image_w: int, h: int, w: int) -> tuple[int, int, int, int]:
@@ -72,7 +74,7 @@ def crop_box(image_h: int, image_w: int, h: int, w: int) -> tuple[int, int, int,
     return left, 0, left + crop_w, image_h
 
 
-def apply(mode: str, data: bytes, size: tuple[int, int] | None
+def apply(mode: str, data: bytes, size: tuple[int, int] | None, multiple: int = _MULTIPLE
           ) -> tuple[bytes, int, int] | tuple[int, str]:
     """Runs in a decoding process: (the image cropped to the output's aspect ratio, as PNG,
     and the output's height and width), or (status, reason) to answer with."""
@@ -81,7 +83,7 @@ def apply(mode: str, data: bytes, size: tuple[int, int] | None
     try:
         with Image.open(io.BytesIO(data)) as im:
             im.load()
-            h, w = target_size(mode, im.height, im.width, size)
+            h, w = target_size(mode, im.height, im.width, size, multiple)
             box = crop_box(im.height, im.width, h, w)
             if box == (0, 0, im.width, im.height):
                 return data, h, w

@@ -54,6 +54,8 @@ class TaskRequest(BaseModel):
     width: int | None = None
     guidance_scale: float | None = Field(None, ge=0)
     true_cfg_scale: float | None = Field(None, ge=0)
+    guidance_scale_2: float | None = Field(
+        None, ge=0, description="Wan2.2-A14B: the low-noise expert's guidance scale")
     lora_name: str | None = Field(
         None, description="one LoRA adapter (a file stem in the DiT workers' lora_dir)")
     lora_strength: float | None = Field(None, description="its strength (default 1.0)")

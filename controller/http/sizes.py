@@ -22,7 +22,7 @@ from controller.http.schemas import TaskRequest, http_error, size_for_aspect
 
 # request_defaults keys that are GenerationRequest fields and not sizes.
 _PLAIN_DEFAULTS = ("negative_prompt", "infer_steps", "guidance_scale", "true_cfg_scale",
-                   "num_frames", "fps", "max_sequence_length")
+                   "guidance_scale_2", "num_frames", "fps", "max_sequence_length")
 
 
 def explicit_size(body: TaskRequest) -> tuple[int, int] | None:

@@ -70,13 +70,13 @@ class Claims:
         return ok, reason
 
     def progress(self, worker: WorkerInfo, task_id: str, attempt: int, step: int,
-                 steps: int) -> bool:
+                 steps: int, expert: str | None = None) -> bool:
         """Record a denoising step; True when the worker should stop (cancelled, or not its
         lease)."""
         task = self.table.held(task_id, attempt, worker.worker_id)
         if task is None:
             return True
-        self.table.progress(task, step, steps)
+        self.table.progress(task, step, steps, expert)
         self.out.emit("progress", task)
         return task.cancel_requested
 

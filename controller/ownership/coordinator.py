@@ -359,10 +359,12 @@ class Coordinator:
         return self.claims.claim(worker, task_id, attempt)
 
     def on_progress(
-        self, worker: WorkerInfo, task_id: str, attempt: int, step: int, steps: int
+        self, worker: WorkerInfo, task_id: str, attempt: int, step: int, steps: int,
+        expert: str | None = None,
     ) -> bool:
-        """Record a denoising step; True when the worker should stop (cancel)."""
-        return self.claims.progress(worker, task_id, attempt, step, steps)
+        """Record a denoising step (and the expert that ran it); True when the worker should
+        stop (cancel)."""
+        return self.claims.progress(worker, task_id, attempt, step, steps, expert)
 
     def on_handoff(self, worker: WorkerInfo, task_id: str, attempt: int) -> None:
         self.claims.handoff(worker, task_id, attempt)  # window 5

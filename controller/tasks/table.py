@@ -263,8 +263,8 @@ class TaskTable:
         task = self.get(task_id)
         return task if task is not None and self.holds(task, attempt, worker_id) else None
 
-    def progress(self, task: Task, step: int, steps: int) -> None:
-        task.step, task.steps = step, steps
+    def progress(self, task: Task, step: int, steps: int, expert: str | None = None) -> None:
+        task.step, task.steps, task.expert = step, steps, expert
         task.updated_at = time.time()
 
     def handoff(self, task: Task, role: Role) -> None:

@@ -119,6 +119,7 @@ class Task:
     preemptions: int = 0  # times it handed its DiT back for a more urgent task
     yield_requested: bool = False  # its DiT was asked to yield (preemption under way)
     waiting_since: float | None = None  # monotonic: its current attempt began waiting
+    expert: str | None = None  # Wan2.2-A14B: the expert of its last step (high / low)
 
     @property
     def status(self) -> str:
@@ -143,6 +144,7 @@ class Task:
             "stage": self.stage.value,
             "step": self.step,
             "steps": self.steps,
+            "expert": self.expert,
             "attempt": self.attempt,
             "worker": self.worker,
             "start_time": self.started_at,

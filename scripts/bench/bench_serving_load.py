@@ -17,9 +17,14 @@ from contracts.pipelines import TASK_SPECS
 
 # Default request geometry: tiny models on a CPU, real sizes with --arch.
 TINY_SIZE = {"wan_t2v": (32, 32, 9), "wan_i2v": (32, 32, 9), "qwen_t2i": (64, 64, 1),
-             "qwen_i2i_plus": (32, 32, 1)}
+             "qwen_i2i_plus": (32, 32, 1), "wan22_a14b_t2v": (32, 32, 9),
+             "wan22_a14b_i2v": (32, 32, 9), "wan22_5b_t2v": (64, 64, 9),
+             "wan22_5b_i2v": (64, 64, 9)}
+# Wan2.2-TI2V-5B: its published 1280x704 at 121 frames.
 REAL_SIZE = {"wan_t2v": (480, 832, 81), "wan_i2v": (480, 832, 81), "qwen_t2i": (1024, 1024, 1),
-             "qwen_i2i_plus": (1024, 1024, 1)}
+             "qwen_i2i_plus": (1024, 1024, 1), "wan22_a14b_t2v": (480, 832, 81),
+             "wan22_a14b_i2v": (480, 832, 81), "wan22_5b_t2v": (704, 1280, 121),
+             "wan22_5b_i2v": (704, 1280, 121)}
 
 
 def post(url: str, kind: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:

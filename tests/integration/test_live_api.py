@@ -9,25 +9,23 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher import LocalGroup, free_ports, group_config, wait_task
-from tests.support.groups import start_group
-from tests.support.http import openai_client, png, post_ok, result
+from tests.support.groups import events_of, start_group
+from tests.support.http import openai_client, png, post_ok, read_events, result
 
 CHROMIUM = Path("/usr/bin/chromium")
 # The openai package marks the video calls deprecated (the hosted API's schedule); the
@@ -129,43 +127,11 @@ def test_cached_prompt_output_is_bit_identical_across_processes(
 
 
 # -- progress events ------------------------------------------------------------------------------
-def read_events(url: str, task_id: str, on_open: Callable[[], object] | None = None
-                ) -> list[tuple[str, dict[str, Any]]]:
-    """Every event of the task's stream; ``on_open`` runs once its first event arrived."""
-    out = []
-    with httpx.Client(timeout=httpx.Timeout(30, read=120)) as c, \
-            connect_sse(c, "GET", f"{url}/v1/tasks/{task_id}/events") as source:
-        assert source.response.headers["content-type"].startswith("text/event-stream")
-        for sse in source.iter_sse():
-            out.append((sse.event, json.loads(sse.data)))
-            if on_open is not None and len(out) == 1:
-                on_open()
-    return out  # the server ended the stream
-
-
 def test_task_events_stream_stages_steps_and_completion(t2i: tuple[LocalGroup, int]) -> None:
     group, _ = t2i
-    # The transformers are held (SIGSTOP) until the stream is open, so the task is waiting
-    # in phase1 when it opens and every later event must come through it, in order (a tiny
-    # model otherwise finishes before a client can connect).
-    transformers = [svc.proc.pid for svc in group.services if svc.role == "transformer"]
-    for pid in transformers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        r = httpx.post(f"{group.url}/v1/tasks/image/", json={
-            "prompt": "events", "height": 32, "width": 32, "infer_steps": 4,
-            "task_id": "ev-1"})
-        assert r.status_code == 200
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{group.url}/v1/tasks/ev-1/status").json()["stage"] != "phase1":
-            assert time.monotonic() < deadline, "the task never reached phase1"
-            time.sleep(0.05)
-        # Released once the stream is open (its first event came), not after a guess.
-        events = read_events(group.url, "ev-1",
-                             lambda: [os.kill(pid, signal.SIGCONT) for pid in transformers])
-    finally:
-        for pid in transformers:
-            os.kill(pid, signal.SIGCONT)
+    # The stream is open while the task waits in phase1: every later event comes through it.
+    events = events_of(group, "image", {"prompt": "events", "height": 32, "width": 32,
+                                        "infer_steps": 4, "task_id": "ev-1"})
     names = [name for name, _ in events]
     assert names[0] == "status" and names[-1] == "completed", names
     # The stream opens with the task's status, then one event per stage change and one per

@@ -121,6 +121,11 @@ def test_conditioning_tensors(tiny_models: Path, input_png: bytes) -> None:
         },
     }
     names["qwen_i2i_plus"] = names["qwen_i2i"]  # one image; a second adds image_latents_2
+    # Wan2.2 has no CLIP: the first frame reaches the DiT through the VAE condition alone.
+    for task in ("wan22_a14b_t2v", "wan22_5b_t2v"):
+        names[task] = names["wan_t2v"]
+    for task in ("wan22_a14b_i2v", "wan22_5b_i2v"):
+        names[task] = names["wan_t2v"] | {"condition"}
     for task in DIFFUSERS_TASKS:
         req = small_request(task)
         image = input_png if task in IMAGE_INPUT_TASKS else None

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.integration  # starts processes or servers
 
 CONFIG_DIR = ROOT / "configs" / "disagg"
 GROUPS = {"wan_t2v": "wan", "wan_i2v": "wan", "qwen_t2i": "qwen", "qwen_i2i": "qwen",
-          "qwen_i2i_plus": "qwen"}
+          "qwen_i2i_plus": "qwen", "wan22_a14b_t2v": "wan", "wan22_a14b_i2v": "wan",
+          "wan22_5b_t2v": "wan", "wan22_5b_i2v": "wan"}
 ROLES = ("controller", "encoder", "transformer", "decoder")
 START_T2I = ROOT / "scripts" / "server" / "disagg" / "qwen" / "start_qwen_t2i_disagg.sh"
 POST_T2I = ("-m", "scripts.post.post_qwen_t2i")
@@ -88,6 +89,11 @@ def test_ports_follow_lightx2v_table() -> None:
         "qwen_i2i": (8012, 18112, 18012, 18013, 18014),
         # diffring's own group (LightX2V runs 2509 / 2511 as its i2i task): the next free ports.
         "qwen_i2i_plus": (8016, 18116, 18016, 18017, 18018),
+        # Wan2.2: LightX2V publishes no disaggregation example: the next free ports.
+        "wan22_a14b_t2v": (8020, 18120, 18020, 18021, 18022),
+        "wan22_a14b_i2v": (8024, 18124, 18024, 18025, 18026),
+        "wan22_5b_t2v": (8028, 18128, 18028, 18029, 18030),
+        "wan22_5b_i2v": (8032, 18132, 18032, 18033, 18034),
     }
     for group, (front, *metrics) in expect.items():
         cfgs = {

@@ -110,6 +110,17 @@ def workers(co: Coordinator) -> tuple[WorkerInfo, WorkerInfo, WorkerInfo]:
             co.on_register("decoder", "d", 3, PIPE, "s3"))
 
 
+def denoising(co: Coordinator, tid: str) -> tuple[WorkerInfo, WorkerInfo, WorkerInfo]:
+    """A new task ``tid`` submitted, encoded, handed off and claimed by the DiT: the
+    registered workers (as :func:`workers`)."""
+    enc, dit, dec = workers(co)
+    co.submit(task(tid))
+    co.on_claim(enc, tid, 1)
+    co.on_handoff(enc, tid, 1)
+    co.on_claim(dit, tid, 1)
+    return enc, dit, dec
+
+
 def complete(co: Coordinator, w: WorkerInfo, tid: str, attempt: int, data: bytes) -> bool:
     """A decoder's completion of a PNG (a coroutine: the result file is written off the loop)."""
     return asyncio.run(co.on_complete(w, tid, attempt, "png", "image/png", data))

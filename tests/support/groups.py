@@ -44,6 +44,40 @@ def start_group(pipeline: str, models: Path, workdir: Path, *,
         yield group
 
 
+def events_of(group: LocalGroup, kind: str, request: Mapping[str, Any]
+              ) -> list[tuple[str, dict[str, Any]]]:
+    """Every event of a task posted to ``/v1/tasks/<kind>/`` (``request`` names its
+    ``task_id``), from before its first DiT step: the group's transformers are held (SIGSTOP)
+    until the task waits in phase1 and its event stream is open, so every later event comes
+    through the stream, in order (a tiny model otherwise finishes before a client
+    connects)."""
+    import signal
+
+    import httpx
+
+    from tests.support.http import read_events
+
+    task_id = request["task_id"]
+    dits = [svc.proc.pid for svc in group.services if svc.role == "transformer"]
+    for pid in dits:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        r = httpx.post(f"{group.url}/v1/tasks/{kind}/", json=dict(request), timeout=30)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{group.url}/v1/tasks/{task_id}/status").json()["stage"] != "phase1":
+            assert time.monotonic() < deadline, "the task never reached phase1"
+            time.sleep(0.05)
+        def release() -> None:  # once the stream is open (its first event came), not a guess
+            for pid in dits:
+                os.kill(pid, signal.SIGCONT)
+
+        return read_events(group.url, task_id, release)
+    finally:
+        for pid in dits:
+            os.kill(pid, signal.SIGCONT)
+
+
 def start_dit_group(cluster: LocalGroup, layout: str, faults: str, timeout_s: float,
                     restarts: int, **transformer: Any) -> Service:
     """A transformer group of two CPU ranks in ``cluster`` (its ``parallel`` ``layout``, its

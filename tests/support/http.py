@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -73,6 +74,24 @@ def pixels(data: bytes, extension: str) -> np.ndarray:
     from workers.models.media import read_mp4
 
     return read_mp4(data)
+
+
+def read_events(url: str, task_id: str, on_open: Callable[[], object] | None = None
+                ) -> list[tuple[str, dict[str, Any]]]:
+    """Every event of the task's stream; ``on_open`` runs once its first event arrived."""
+    import json
+
+    from httpx_sse import connect_sse
+
+    out = []
+    with httpx.Client(timeout=httpx.Timeout(30, read=120)) as c, \
+            connect_sse(c, "GET", f"{url}/v1/tasks/{task_id}/events") as source:
+        assert source.response.headers["content-type"].startswith("text/event-stream")
+        for sse in source.iter_sse():
+            out.append((sse.event, json.loads(sse.data)))
+            if on_open is not None and len(out) == 1:
+                on_open()
+    return out  # the server ended the stream
 
 
 def png(data: bytes) -> Image.Image:

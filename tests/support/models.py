@@ -24,14 +24,22 @@ from workers.models import (  # noqa: E402
     get_family,
 )
 
-VIDEO_TASKS = ("wan_t2v", "wan_i2v")
-IMAGE_INPUT_TASKS = ("wan_i2v", "qwen_i2i", "qwen_i2i_plus")
+WAN22_TASKS = ("wan22_a14b_t2v", "wan22_a14b_i2v", "wan22_5b_t2v", "wan22_5b_i2v")
+VIDEO_TASKS = ("wan_t2v", "wan_i2v", *WAN22_TASKS)
+IMAGE_INPUT_TASKS = ("wan_i2v", "wan22_a14b_i2v", "wan22_5b_i2v", "qwen_i2i", "qwen_i2i_plus")
 EDIT_TASKS = ("qwen_i2i", "qwen_i2i_plus")
 
 # Small but not degenerate: 2x2 DiT patches over a 4x4 latent, 3 latent frames for Wan, CFG on.
+# Wan2.2-A14B: its boundary falls inside the 3 steps (high, high, low: both experts run); the
+# TI2V-5B VAE compresses 16 times, so 64x64 for the same latent.
+_WAN = {"height": 32, "width": 32, "num_frames": 9, "infer_steps": 3, "fps": 8}
 SMALL: dict[str, dict[str, Any]] = {
-    "wan_t2v": {"height": 32, "width": 32, "num_frames": 9, "infer_steps": 3, "fps": 8},
-    "wan_i2v": {"height": 32, "width": 32, "num_frames": 9, "infer_steps": 3, "fps": 8},
+    "wan_t2v": _WAN,
+    "wan_i2v": _WAN,
+    "wan22_a14b_t2v": _WAN,
+    "wan22_a14b_i2v": _WAN,
+    "wan22_5b_t2v": {**_WAN, "height": 64, "width": 64},
+    "wan22_5b_i2v": {**_WAN, "height": 64, "width": 64},
     "qwen_t2i": {"height": 32, "width": 48, "infer_steps": 3},
     "qwen_i2i": {"height": 32, "width": 32, "infer_steps": 2},
     "qwen_i2i_plus": {"height": 32, "width": 32, "infer_steps": 2},
@@ -124,6 +132,8 @@ def diffusers_reference(
         kwargs["image"] = Image.open(io.BytesIO(image_png)).convert("RGB")
     if task in VIDEO_TASKS:
         kwargs.update(num_frames=req.num_frames, guidance_scale=req.guidance_scale)
+        if req.guidance_scale_2 is not None:
+            kwargs["guidance_scale_2"] = req.guidance_scale_2
         return np.asarray(pipe(**kwargs).frames[0])
     kwargs.update(true_cfg_scale=req.true_cfg_scale)
     return np.asarray(pipe(**kwargs).images[0])

@@ -111,11 +111,17 @@ def test_layered_dit_is_refused(tmp_path: Path, key: str) -> None:
 
 
 @pytest.mark.parametrize(("index", "message"), [
-    ({"transformer_2": ["diffusers", "WanTransformer3DModel"]}, "two-expert (Wan2.2)"),
-    ({"boundary_ratio": 0.875}, "two-expert (Wan2.2)"),
-    ({"expand_timesteps": True}, "expand_timesteps (Wan2.2 TI2V"),
+    ({"transformer_2": ["diffusers", "WanTransformer3DModel"]},
+     "two-expert (Wan2.2-A14B) WanPipeline checkpoint (model_index.json), served by diffring "
+     "as wan22_a14b_t2v"),
+    ({"boundary_ratio": 0.875}, "two-expert (Wan2.2-A14B)"),
+    ({"expand_timesteps": True}, "expand_timesteps (Wan2.2-TI2V-5B) WanPipeline checkpoint "
+     "(model_index.json), served by diffring as wan22_5b_t2v"),
 ])
-def test_wan22_folders_are_refused(tmp_path: Path, index: dict[str, Any], message: str) -> None:
+def test_wan22_folders_are_other_pipelines(tmp_path: Path, index: dict[str, Any],
+                                           message: str) -> None:
+    """A Wan2.2 folder names Wan2.1's pipeline class: its model index tells the rows apart
+    (the Wan2.2 rows themselves: tests/unit/test_wan22_contracts.py)."""
     root = folder(tmp_path, {"_class_name": "WanPipeline", "transformer_2": [None, None],
                              **index}, WAN_T2V_DIT)
     assert message in refused(root, "wan_t2v")

@@ -47,7 +47,8 @@ def test_a_request_without_a_strength_travels_as_before() -> None:
 
 def test_which_pipelines_take_an_image() -> None:
     takes = {name for name, spec in TASK_SPECS.items() if spec.takes_image}
-    assert takes == {"wan_i2v", "qwen_t2i", "qwen_i2i", "qwen_i2i_plus"}
+    assert takes == {"wan_i2v", "wan22_a14b_i2v", "wan22_5b_i2v", "qwen_t2i", "qwen_i2i",
+                     "qwen_i2i_plus"}
     assert [n for n, s in TASK_SPECS.items() if s.image_to_image] == ["qwen_t2i"]
     # The T2I encoder reads its VAE only for image-to-image requests.
     assert STAGE_COMPONENTS["qwen_t2i"]["encoder"]["vae"] == ON_DEMAND

@@ -126,13 +126,17 @@ class StageAdapter(ABC):
             return
         from .memory import apply_budget, check_budget, estimate_weights
 
-        # On-demand weights count too: the budget admits the requests that load them.
-        folders = [self.source_dir / c for c, kind in
-                   STAGE_COMPONENTS[self.spec.name][self.role.value].items()
-                   if kind in (WEIGHTS, ON_DEMAND)]
+        folders = [self.source_dir / c for c in self.resident_components()]
         weights = estimate_weights(folders, self.dtype.itemsize)
         check_budget(self.role.value, self.options, weights, self.working_bytes())
         apply_budget(self.device, self.options)
+
+    def resident_components(self) -> list[str]:
+        """The components whose weights live on this stage's device (the budget check's
+        first term): every one it loads, unless a family keeps some elsewhere. On-demand
+        weights count too: the budget admits the requests that load them."""
+        return [c for c, kind in STAGE_COMPONENTS[self.spec.name][self.role.value].items()
+                if kind in (WEIGHTS, ON_DEMAND)]
 
     def working_bytes(self) -> int:
         """GPU memory this stage needs beside its weights (activations, workspace) for the

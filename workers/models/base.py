@@ -158,6 +158,9 @@ class TransformerAdapter(StageAdapter):
     """The DiT (a diffusers model), set by the family's ``_load``."""
     requests: RequestOptions | None = None
     """Per-request LoRA adapters and step cache, set at load (None: no model)."""
+    active_expert: str | None = None
+    """Wan2.2-A14B: the expert of the step that ran last (``high`` / ``low``); None for a
+    one-DiT model. What the worker's progress reports carry to status and events."""
 
     def __init__(
         self,
@@ -196,11 +199,12 @@ class TransformerAdapter(StageAdapter):
 
             self.placement = dataclasses.replace(self.placement, before=self._fuse)
 
-    def _fuse(self, model: Any) -> None:
+    def _fuse(self, model: Any, half: str | None = None) -> None:
+        """``half``: the Wan2.2-A14B expert ``model`` is (each gets its half of a pair)."""
         from .dit.lora import fuse
 
         assert self.options.lora_dir is not None  # StageOptions requires it with lora_fuse
-        fuse(model, self.spec.family, Path(self.options.lora_dir), self.options.fused)
+        fuse(model, self.spec.family, Path(self.options.lora_dir), self.options.fused, half)
 
     def load(self) -> None:
         if self._loaded:
@@ -213,7 +217,8 @@ class TransformerAdapter(StageAdapter):
         if self.options.linear == "fp8":
             from .dit.dit_options import apply_fp8_linear
 
-            apply_fp8_linear(self.transformer, self.device)
+            for dit in self.dits():
+                apply_fp8_linear(dit, self.device)
             self.memory.loaded()
         if self.options.compile_cache_dir is not None:
             from .dit.dit_options import configure_compile_cache
@@ -222,14 +227,20 @@ class TransformerAdapter(StageAdapter):
         if self.torch_model:
             from .dit.dit_requests import RequestOptions
 
-            self.requests = RequestOptions(self.transformer, self.spec.family, self.task,
+            self.requests = RequestOptions(self.dits(), self.spec.family, self.task,
                                            self.options, self.compile,
                                            self.recipe_name())
         if self.compile:
             # Blocks only: the embeddings and RoPE tables around them change shape with the
             # request and are cheap; dynamic=None lets a second text length turn that
             # dimension symbolic instead of compiling once per prompt length.
-            self.transformer.compile_repeated_blocks(dynamic=None)
+            for dit in self.dits():
+                dit.compile_repeated_blocks(dynamic=None)
+
+    def dits(self) -> list[Any]:
+        """The DiTs of this stage: one, or Wan2.2-A14B's two experts (high-noise first).
+        FP8 linear layers and compile apply to each."""
+        return [self.transformer]
 
     def working_bytes(self) -> int:
         """Activations of one DiT forward at the largest of ``budget_shapes`` (the worker's

@@ -78,6 +78,7 @@ WEIGHTS, CONFIG, FILES, FILE = "weights", "config", "files", "file"
 ON_DEMAND = "weights, on demand"
 _TEXT = {"tokenizer": FILES, "text_encoder": WEIGHTS}
 _DIT = {"transformer": WEIGHTS, "scheduler": FILES, "vae": CONFIG}
+_EXPERTS = {**_DIT, "transformer_2": WEIGHTS, "model_index.json": FILE}
 _EDIT = {
     "encoder": {"processor": FILES, "vae": WEIGHTS, "text_encoder": WEIGHTS},
     "transformer": _DIT,
@@ -91,6 +92,14 @@ STAGE_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
         "transformer": _DIT,
         "decoder": {"vae": WEIGHTS},
     },
+    # Wan2.2-A14B: two DiTs, and the boundary between them from the model index. Its I2V and
+    # TI2V-5B's have no CLIP: the first frame reaches the DiT through the VAE alone.
+    "wan22_a14b_t2v": {"encoder": _TEXT, "transformer": _EXPERTS, "decoder": {"vae": WEIGHTS}},
+    "wan22_a14b_i2v": {"encoder": {**_TEXT, "vae": WEIGHTS}, "transformer": _EXPERTS,
+                       "decoder": {"vae": WEIGHTS}},
+    "wan22_5b_t2v": {"encoder": _TEXT, "transformer": _DIT, "decoder": {"vae": WEIGHTS}},
+    "wan22_5b_i2v": {"encoder": {**_TEXT, "vae": WEIGHTS}, "transformer": _DIT,
+                     "decoder": {"vae": WEIGHTS}},
     # The T2I encoder's VAE encodes the input image of an image-to-image request only: it is
     # loaded by the first such request, so a worker serving text-to-image holds no more than
     # before image-to-image existed.

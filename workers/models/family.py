@@ -20,6 +20,8 @@ _QWEN = ("families.qwen", "QwenEncoder", "QwenTransformer", "QwenDecoder")
 _FAMILIES: dict[str, tuple[str, str, str, str]] = {
     "wan_t2v": ("families.wan", "WanEncoder", "WanTransformer", "WanDecoder"),
     "wan_i2v": ("families.wan", "WanEncoder", "WanTransformer", "WanDecoder"),
+    **{f"wan22_{size}_{task}": ("families.wan", "WanEncoder", "WanTransformer", "WanDecoder")
+       for size in ("a14b", "5b") for task in ("t2v", "i2v")},
     "qwen_t2i": _QWEN,
     "qwen_i2i": _QWEN,
     "qwen_i2i_plus": _QWEN,

@@ -49,6 +49,10 @@ class LoopState:
     scheduler: dict[str, Any] = field(default_factory=dict)
     """The scheduler's attributes (:func:`capture_scheduler`); empty for a stage without
     one (synthetic)."""
+    expert: str | None = None
+    """Wan2.2-A14B: the expert the next step runs (``high`` / ``low``; None: a one-DiT
+    model, or the end). A resumed loop continues with it and refuses a schedule that would
+    put the step on the other one."""
 
 
 class LoopHooks(Protocol):
@@ -97,11 +101,13 @@ def _is_torch(value: Any) -> bool:
 def to_wire(state: LoopState) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors, meta) of ``state``: every tensor under its own name, the rest in ``meta``."""
     tensors: dict[str, Any] = {}
-    meta = {
+    meta: dict[str, Any] = {
         "tensors": {name: _flatten(value, name, tensors) for name, value in state.tensors.items()},
         "scheduler": {name: _flatten(value, f"sched.{name}", tensors)
                       for name, value in state.scheduler.items()},
     }
+    if state.expert is not None:  # one-DiT states travel as before
+        meta["expert"] = state.expert
     return tensors, meta
 
 
@@ -115,6 +121,7 @@ def from_wire(step: int, steps: int, tensors: Mapping[str, Any], meta: Mapping[s
             step, steps,
             {name: _unflatten(m, tensors, device) for name, m in meta["tensors"].items()},
             {name: _unflatten(m, tensors, device) for name, m in meta["scheduler"].items()},
+            meta.get("expert"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint does not describe a loop state: {exc!r}") from None
@@ -171,15 +178,16 @@ def start(hooks: LoopHooks | None, scheduler: Any, fresh: Callable[[], Any], dev
 
 
 def boundary(hooks: LoopHooks | None, step: int, steps: int, scheduler: Any,
-             tensors: Callable[[], dict[str, Any]]) -> None:
+             tensors: Callable[[], dict[str, Any]], expert: str | None = None) -> None:
     """A loop's step boundary: hand ``hooks`` a way to copy the state now (not a copy:
-    most boundaries take none)."""
+    most boundaries take none). ``expert``: the one the next step runs (two-expert DiTs)."""
     if hooks is None:
         return
 
     def snapshot() -> LoopState:
         carried = {k: _copy(v, k) for k, v in tensors().items()}
         return LoopState(step, steps, carried,
-                         capture_scheduler(scheduler) if scheduler is not None else {})
+                         capture_scheduler(scheduler) if scheduler is not None else {},
+                         expert)
 
     hooks.boundary(step, steps, snapshot)

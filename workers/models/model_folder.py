@@ -2,8 +2,10 @@
 
 A folder names its pipeline in ``model_index.json`` (``_class_name``); a few checkpoints of
 one class are yet another pipeline for the stages, told apart by a key of the model index or
-of the DiT's ``transformer/config.json`` (Qwen-Image-Edit-2511's ``zero_cond_t`` is served;
-Wan2.2's second expert or a first-last-frame DiT are not). :func:`check_model_folder` reads
+of the DiT's ``transformer/config.json``: Wan2.2-A14B's second expert (``transformer_2``,
+``boundary_ratio``) and TI2V-5B's ``expand_timesteps`` name the Wan2.1 classes and are rows
+of their own (:func:`~contracts.pipelines.rows_for_folder`); Qwen-Image-Edit-2511's
+``zero_cond_t`` is served; a first-last-frame DiT is not. :func:`check_model_folder` reads
 those JSON files only (no weights, no model library) and refuses, with an error that names
 the class and what diffring serves, every folder its task does not serve; without it a 2511
 folder would load under ``qwen_i2i`` and give other pixels than diffusers' pipeline.
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.errors import ModelLoadError
-from contracts.pipelines import TaskSpec, served_classes, task_spec
+from contracts.pipelines import TASK_SPECS, TaskSpec, rows_for_folder, served_classes, task_spec
 
 from .layouts import detect_layout, view_of
 
@@ -70,38 +72,55 @@ def read_json(file: Path) -> dict[str, Any] | None:
 
 
 def _served_list() -> str:
-    return ", ".join(f"{cls} ({spec.name})" for cls, spec in served_classes().items())
+    return ", ".join(f"{_want(spec)} ({spec.name})" for spec in TASK_SPECS.values()
+                     if spec.folder_pipeline is not None)
 
 
-def _class_problem(model_dir: Path, found: object, spec: TaskSpec) -> str | None:
-    """Why a folder of pipeline class ``found`` cannot serve ``spec`` (None: it can)."""
-    if found == spec.pipeline_class:
+def _kind(experts: int, expand: bool) -> str:
+    """A folder's Wan2.2 variant in words ("" for every other checkpoint)."""
+    if experts == 2:
+        return "two-expert (Wan2.2-A14B) "
+    return "expand_timesteps (Wan2.2-TI2V-5B) " if expand else ""
+
+
+def _want(spec: TaskSpec) -> str:
+    return f"{_kind(spec.experts, spec.expand_timesteps)}{spec.folder_pipeline}"
+
+
+def _index_kind(index: dict[str, Any]) -> tuple[int, bool]:
+    """(DiTs, expand_timesteps) of a folder by its model index: Wan2.2-A14B names a second
+    DiT (``transformer_2``) and the ``boundary_ratio`` between the two."""
+    two = index.get("transformer_2") not in (None, [None, None]) or \
+        index.get("boundary_ratio") is not None
+    return (2 if two else 1), bool(index.get("expand_timesteps"))
+
+
+def _class_problem(model_dir: Path, index: dict[str, Any], spec: TaskSpec) -> str | None:
+    """Why a folder with this model index cannot serve ``spec`` (None: it can)."""
+    found = index.get("_class_name")
+    experts, expand = _index_kind(index)
+    if found == spec.folder_pipeline and (experts, expand) == (spec.experts,
+                                                                spec.expand_timesteps):
         return None
     if not isinstance(found, str) or not found:
         return (f"{model_dir}/model_index.json names no pipeline class (_class_name); "
                 f"diffring serves {_served_list()}")
-    other = served_classes().get(str(found))
-    if other is None:
-        return (f"model folder {model_dir} is a {found} checkpoint (model_index.json), which "
-                f"diffring does not serve; it serves {_served_list()}. Point model_path at a "
-                f"{spec.pipeline_class} folder for {spec.name}")
-    return (f"model folder {model_dir} is a {found} checkpoint (model_index.json), served by "
-            f"diffring as {other.name} (model_cls {other.model_cls!r}, task {other.task!r}), "
-            f"started by scripts/server/disagg/{other.family}/start_{other.name}_disagg.sh; "
-            f"this service is configured for {spec.name}, which serves "
-            f"{spec.pipeline_class} folders. Set task to {other.task!r}, or point model_path "
-            f"at a {spec.pipeline_class} folder")
-
-
-def _index_variant(model_dir: Path, index: dict[str, Any]) -> str | None:
-    """A model-index key that makes a served class a pipeline diffring does not serve."""
-    if index.get("transformer_2") not in (None, [None, None]) or index.get("boundary_ratio"):
-        return (f"{model_dir} is a two-expert (Wan2.2) checkpoint (model_index.json names "
-                "transformer_2 / boundary_ratio); only Wan2.1 is supported")
-    if index.get("expand_timesteps"):
-        return (f"{model_dir} uses expand_timesteps (Wan2.2 TI2V, model_index.json); only "
-                "Wan2.1 is supported")
-    return None
+    kind = _kind(experts, expand)
+    rows = rows_for_folder(found, experts, expand)
+    if not rows:
+        return (f"model folder {model_dir} is a {kind}{found} checkpoint (model_index.json), "
+                f"which diffring does not serve; it serves {_served_list()}. Point model_path "
+                f"at a {_want(spec)} folder for {spec.name}")
+    # TI2V-5B's one folder serves two rows: the one of this service's kind of output first.
+    other = next((r for r in rows if r.needs_image == spec.needs_image), rows[0])
+    setting = (f"task to {other.task!r}" if other.model_cls == spec.model_cls else
+               f"model_cls to {other.model_cls!r} and task to {other.task!r}")
+    return (f"model folder {model_dir} is a {kind}{found} checkpoint (model_index.json), "
+            f"served by diffring as {other.name} (model_cls {other.model_cls!r}, task "
+            f"{other.task!r}), started by scripts/server/disagg/{other.family}/"
+            f"start_{other.name}_disagg.sh; this service is configured for {spec.name}, which "
+            f"serves {_want(spec)} folders. Set {setting}, or point model_path at a "
+            f"{_want(spec)} folder")
 
 
 def _dit_variant(model_dir: Path, dit: dict[str, Any], spec: TaskSpec) -> tuple[str | None, str]:
@@ -129,10 +148,20 @@ def _dit_variant(model_dir: Path, dit: dict[str, Any], spec: TaskSpec) -> tuple[
         if dit.get("pos_embed_seq_len"):
             return (f"{where} sets pos_embed_seq_len (a Wan2.1 first-last-frame DiT, FLF2V), "
                     "which diffring does not serve: it takes no last frame"), ""
-        i2v = dit.get("image_dim") is not None
+        if spec.model_cls == "wan2.1":
+            i2v = dit.get("image_dim") is not None
+        else:
+            # Wan2.2's I2V DiTs have no CLIP context (image_dim unset): the A14B one takes
+            # the mask and the condition latents beside the noise (36 channels against 16);
+            # TI2V-5B's one DiT serves both tasks.
+            i2v = spec.needs_image if spec.expand_timesteps else \
+                dit.get("in_channels", 16) != dit.get("out_channels", 16)
         if i2v != spec.needs_image:
             return (f"{where} is {'an I2V' if i2v else 'a T2V'} DiT, but the task is "
                     f"{spec.name}"), ""
+        if spec.experts == 2 and dit.get("image_dim") is not None:
+            return (f"{where} has a CLIP image context (image_dim), which no Wan2.2-A14B DiT "
+                    "has"), ""
     return None, ""
 
 
@@ -158,8 +187,7 @@ def check_model_folder(model_dir: Path, task: str, dit_file: str | Path | None =
     read_from = source or model_dir
     index = read_json(read_from / "model_index.json")
     if index is not None:
-        problem = _class_problem(model_dir, index.get("_class_name"), spec)
-        problem = problem or _index_variant(model_dir, index)
+        problem = _class_problem(model_dir, index, spec)
         if problem is not None:
             raise ModelLoadError(problem)
     variant = ""
@@ -168,5 +196,9 @@ def check_model_folder(model_dir: Path, task: str, dit_file: str | Path | None =
         problem, variant = _dit_variant(model_dir, dit, spec)
         if problem is not None:
             raise ModelLoadError(problem)
+    if spec.experts == 2 and index is not None:
+        variant = f"two experts, boundary_ratio {index.get('boundary_ratio')}"
+    elif spec.expand_timesteps:
+        variant = "expand_timesteps (TI2V-5B)"
     return ModelFolder(None if index is None else str(index["_class_name"]), variant, layout,
                        source)

@@ -10,26 +10,30 @@ hooks are on; after it, whatever happened inside, the DiT is the base model agai
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from contracts.dit_request import MAX_LORAS, CacheSpec
-from contracts.errors import AdapterError, InvalidRequestError
+from contracts.errors import AdapterError, InvalidRequestError, ModelLoadError
 from contracts.recipes import check_guidance, recipe
 from contracts.request import GenerationRequest
 from contracts.stage_options import StageOptions
 
-from .lora import HotswapSlots, LoraLibrary, scan
+from .lora import HotswapSlots, LoraLibrary, scan_half
 from .step_cache import cache_enabled, check_kind, supported_kinds
 
 
 class RequestOptions:
     """The request-level options of one loaded DiT."""
 
-    def __init__(self, transformer: Any, family: str, task: str, options: StageOptions,
+    def __init__(self, dits: Sequence[Any], family: str, task: str, options: StageOptions,
                  compiled: bool, recipe_name: str | None = None) -> None:
+        transformer = dits[0]
         self.transformer = transformer
+        self.two = len(dits) == 2
+        """Wan2.2-A14B: each expert has its own adapters (its half of each pair) and no
+        step cache is offered (diffusers' cache hooks are per model: not served yet)."""
         self.recipe = recipe(recipe_name, family)
         self.fused = {r.name for r in options.fused}
         self.family = family
@@ -42,27 +46,38 @@ class RequestOptions:
         self.model = type(transformer).__name__
         self.default_cache = options.default_cache
         if self.default_cache is not None:
+            if self.two:
+                raise ModelLoadError(f"transformer.cache: {task} runs two experts, and step "
+                                     "caches are not served for them yet; drop the option")
             check_kind(family, self.model, self.default_cache.kind)
-        self.loras: LoraLibrary | HotswapSlots | None = None
+        self.libraries: list[LoraLibrary | HotswapSlots] = []
+        """One per DiT (Wan2.2-A14B: the high-noise expert's, then the low-noise one's)."""
         folder = Path(options.lora_dir) if options.lora_dir is not None else None
+        halves = ("high", "low") if self.two else (None,)
         # A folder holding only the fused adapters offers none per request: no library, so a
         # compiled worker compiles no slots (a distilled deployment pays nothing per step).
-        if folder is not None and not (self.fused and set(scan(folder)) <= self.fused):
-            if compiled:
-                self.loras = HotswapSlots(transformer, family, folder, task,
-                                          min(options.lora_max_loaded, MAX_LORAS),
-                                          options.lora_max_rank, options.fused)
-                self.loras.prepare()  # before the compile: the slots are part of the graph
-            else:
-                self.loras = LoraLibrary(transformer, family, folder, task,
-                                         options.lora_max_loaded, options.lora_max_mb << 20,
-                                         options.fused)
+        if folder is not None and not (
+                self.fused and set(scan_half(folder, halves[0])) <= self.fused):
+            for dit, half in zip(dits, halves, strict=True):
+                library: LoraLibrary | HotswapSlots
+                if compiled:
+                    library = HotswapSlots(dit, family, folder, task,
+                                           min(options.lora_max_loaded, MAX_LORAS),
+                                           options.lora_max_rank, options.fused, half)
+                    library.prepare()  # before the compile: the slots are part of the graph
+                else:
+                    library = LoraLibrary(dit, family, folder, task, options.lora_max_loaded,
+                                          options.lora_max_mb << 20, options.fused, half)
+                self.libraries.append(library)
+        self.loras: LoraLibrary | HotswapSlots | None = \
+            self.libraries[0] if self.libraries else None
+        """The (first) DiT's adapters: the names requests may give."""
 
     def lora_names(self) -> list[str]:
         return self.loras.names() if self.loras is not None else []
 
     def cache_kinds(self) -> list[str]:
-        if self.compiled or self.sequence_parallel:
+        if self.compiled or self.sequence_parallel or self.two:
             return []
         return supported_kinds(self.family)
 
@@ -72,6 +87,10 @@ class RequestOptions:
             return None
         spec = req.cache or self.default_cache
         if spec is not None:
+            if self.two:
+                raise InvalidRequestError(
+                    f"step caches are not available on {self.task} (two experts, each with "
+                    "its own steps: not served yet); send the request without a cache")
             if self.sequence_parallel:
                 raise InvalidRequestError(
                     "step caches are not available on a sequence-parallel transformer group "
@@ -101,14 +120,17 @@ class RequestOptions:
         spec = self.cache_for(req)
         assert req.infer_steps is not None
         with contextlib.ExitStack() as stack:
-            if self.loras is not None:
-                stack.enter_context(self.loras.applied(req.loras))
+            for library in self.libraries:  # each expert its half of each pair
+                stack.enter_context(library.applied(req.loras))
             stack.enter_context(cache_enabled(self.transformer, spec, req.infer_steps))
             yield
 
     def warm(self, denoise: Callable[..., Any], *args: Any) -> None:
         """With compiled adapter slots: a warm-up loop with the slots active (at strength
         0), so that the first request with an adapter does not compile."""
-        if isinstance(self.loras, HotswapSlots):
-            with self.loras.warming():
+        slots = [lib for lib in self.libraries if isinstance(lib, HotswapSlots)]
+        if slots:
+            with contextlib.ExitStack() as stack:
+                for lib in slots:
+                    stack.enter_context(lib.warming())
                 denoise(*args)

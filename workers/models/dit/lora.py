@@ -31,6 +31,14 @@ A file that cannot be read, is not a LoRA checkpoint, or whose keys match nothin
 fails the request that named it (:class:`~contracts.errors.AdapterError`, naming the file);
 the worker serves the next request as if it had never been asked.
 
+Wan2.2-A14B (two experts): an adapter comes as a pair, a file for the high-noise expert and
+one for the low-noise expert (:func:`pairs`: ``<name>_high_noise`` / ``<name>_low_noise``,
+or a sub-folder ``<name>/`` of ``high_noise_model`` / ``low_noise_model``, the published
+Lightning and distill layouts); a request names the pair once and each expert gets its
+half, as ``load_lora_weights(high)`` and ``load_lora_weights(low,
+load_into_transformer_2=True)`` load them in diffusers. Each expert has a library of its own
+(``half``); a file of no pair goes into both.
+
 Every weight format works under the adapters (FP8 linear layers, FP8 storage, offload:
 :mod:`workers.models.dit.lora_layers`). Adapters named in ``transformer.lora_fuse`` are
 merged into the weights once at load instead (:func:`fuse`), before FP8 storage, offload or
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -64,6 +73,64 @@ def scan(folder: Path) -> dict[str, Path]:
     left out)."""
     return {p.stem: p for p in sorted(folder.glob("*.safetensors"))
             if p.is_file() and LORA_NAME_RE.match(p.stem)}
+
+
+_HIGH = re.compile(r"high_noise", re.IGNORECASE)
+PAIR_FOLDER = ("high_noise_model.safetensors", "low_noise_model.safetensors")
+"""The two files of a pair kept in a folder of its own (LightX2V's Wan2.2-Lightning)."""
+
+
+def pairs(folder: Path) -> dict[str, tuple[Path, Path]]:
+    """Wan2.2-A14B adapter pairs in ``folder``: name -> (high-noise file, low-noise file).
+
+    A pair is two files whose stems differ only in ``high_noise`` / ``low_noise`` (any case),
+    named by the stem without that word and the separator before it
+    (``lightning_high_noise`` + ``lightning_low_noise``: ``lightning``;
+    ``wan2.2_i2v_A14b_high_noise_lora_rank64`` + ``..._low_noise_...``:
+    ``wan2.2_i2v_A14b_lora_rank64``), or a sub-folder holding
+    ``high_noise_model.safetensors`` and ``low_noise_model.safetensors``, named by the
+    sub-folder."""
+    out: dict[str, tuple[Path, Path]] = {}
+    for high in sorted(folder.glob("*.safetensors")):
+        m = _HIGH.search(high.stem)
+        if m is None or not high.is_file():
+            continue
+        word = "LOW_NOISE" if m.group().isupper() else "low_noise"
+        low = high.with_name(f"{high.stem[:m.start()]}{word}{high.stem[m.end():]}.safetensors")
+        start, end = m.start(), m.end()
+        if start > 0 and high.stem[start - 1] in "_-.":
+            start -= 1
+        elif end < len(high.stem) and high.stem[end] in "_-.":
+            end += 1
+        name = high.stem[:start] + high.stem[end:]
+        if low.is_file() and LORA_NAME_RE.match(name):
+            out[name] = (high, low)
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        files = (sub / PAIR_FOLDER[0], sub / PAIR_FOLDER[1])
+        if all(f.is_file() for f in files) and LORA_NAME_RE.match(sub.name):
+            out[sub.name] = files
+    return out
+
+
+def peft_name(name: str) -> str:
+    """The adapter's name inside the DiT: PEFT refuses a ``.`` in an adapter name (it
+    becomes a module name), and published files have them (``wan2.2_i2v_...``)."""
+    return name.replace(".", "_dot_")
+
+
+def scan_half(folder: Path, half: str | None) -> dict[str, Path]:
+    """The adapters a DiT serves from ``folder``: every file by its stem (``half`` None: a
+    one-DiT model), or for one expert of Wan2.2-A14B (``half`` "high" / "low") each pair by
+    its name with that expert's file, and each file of no pair by its stem (loaded into both
+    experts, as a diffusers user loads one file with and without
+    ``load_into_transformer_2``)."""
+    if half is None:
+        return scan(folder)
+    found = pairs(folder)
+    taken = {p for files in found.values() for p in files}
+    out = {n: p for n, p in scan(folder).items() if p not in taken}
+    out.update({n: files[0 if half == "high" else 1] for n, files in found.items()})
+    return dict(sorted(out.items()))
 
 
 def loader_for(family: str) -> Any:
@@ -132,9 +199,12 @@ class _Library:
     """What both kinds share: the folder, the loader, the request's files."""
 
     def __init__(self, transformer: Any, family: str, folder: Path, task: str,
-                 fused: Sequence[LoraRef] = ()) -> None:
+                 fused: Sequence[LoraRef] = (), half: str | None = None) -> None:
         if not folder.is_dir():
             raise ModelLoadError(f"transformer.lora_dir {folder} is not a folder")
+        self.half = half
+        """Wan2.2-A14B: the expert this library serves (``high`` / ``low``: its half of
+        each pair, :func:`scan_half`); None: a one-DiT model."""
         self.transformer = transformer
         self.loader = loader_for(family)
         self.folder = folder
@@ -147,7 +217,7 @@ class _Library:
 
     def names(self) -> list[str]:
         """The adapters requests may name (the folder's contents now, less the fused)."""
-        return sorted(n for n in scan(self.folder) if n not in self.fused)
+        return sorted(n for n in scan_half(self.folder, self.half) if n not in self.fused)
 
     def files(self, refs: Sequence[LoraRef]) -> list[Path]:
         fused = [r.name for r in refs if r.name in self.fused]
@@ -156,7 +226,8 @@ class _Library:
                 f"adapter {', '.join(map(repr, fused))} is fused into this worker's weights "
                 f"(transformer.lora_fuse, strength {self.fused[fused[0]]:g}): every request "
                 "gets it; send the request without it")
-        found = {n: p for n, p in scan(self.folder).items() if n not in self.fused}
+        found = {n: p for n, p in scan_half(self.folder, self.half).items()
+                 if n not in self.fused}
         missing = [r.name for r in refs if r.name not in found]
         if missing:
             raise AdapterError(
@@ -204,8 +275,9 @@ class LoraLibrary(_Library):
     """Adapters loaded by name, the most recently used kept (eager DiT)."""
 
     def __init__(self, transformer: Any, family: str, folder: Path, task: str,
-                 max_loaded: int, max_bytes: int, fused: Sequence[LoraRef] = ()) -> None:
-        super().__init__(transformer, family, folder, task, fused)
+                 max_loaded: int, max_bytes: int, fused: Sequence[LoraRef] = (),
+                 half: str | None = None) -> None:
+        super().__init__(transformer, family, folder, task, fused, half)
         self.max_loaded = max_loaded
         self.max_bytes = max_bytes
         self.loaded: OrderedDict[str, int] = OrderedDict()
@@ -222,7 +294,7 @@ class LoraLibrary(_Library):
             for ref, path in zip(refs, files, strict=True):
                 self._ensure(ref.name, path, keep={r.name for r in refs})
             self.transformer.enable_lora()
-            self.transformer.set_adapters([r.name for r in refs],
+            self.transformer.set_adapters([peft_name(r.name) for r in refs],
                                           weights=[r.strength for r in refs])
             yield
         finally:
@@ -230,15 +302,16 @@ class LoraLibrary(_Library):
             self.disable()
 
     def _ensure(self, name: str, path: Path, keep: set[str]) -> None:
+        inside = peft_name(name)
         if name in self.loaded:
-            if not self.changed(name, path):
+            if not self.changed(inside, path):
                 self.loaded.move_to_end(name)
                 return
-            self.transformer.delete_adapters(name)
+            self.transformer.delete_adapters(inside)
             del self.loaded[name]
         self._evict(keep, room_for=1)
-        self.load(name, path, name)
-        size = adapter_bytes(self.transformer, name)
+        self.load(name, path, inside)
+        size = adapter_bytes(self.transformer, inside)
         self.loaded[name] = size
         log.info("adapter %s loaded from %s (%.1f MiB; %d loaded)", name, path, size / 2**20,
                  len(self.loaded))
@@ -253,7 +326,7 @@ class LoraLibrary(_Library):
                     and sum(self.loaded.values()) <= self.max_bytes):
                 return
             if name not in keep:
-                self.transformer.delete_adapters(name)
+                self.transformer.delete_adapters(peft_name(name))
                 del self.loaded[name]
                 log.info("adapter %s unloaded (least recently used)", name)
 
@@ -262,8 +335,9 @@ class HotswapSlots(_Library):
     """Fixed adapter slots in a DiT that is then compiled: requests swap weights in."""
 
     def __init__(self, transformer: Any, family: str, folder: Path, task: str,
-                 slots: int, rank: int | None, fused: Sequence[LoraRef] = ()) -> None:
-        super().__init__(transformer, family, folder, task, fused)
+                 slots: int, rank: int | None, fused: Sequence[LoraRef] = (),
+                 half: str | None = None) -> None:
+        super().__init__(transformer, family, folder, task, fused, half)
         self.rank = rank or self._largest_rank()
         self.slots = [f"diffring_slot{i}" for i in range(slots)]
         self.held: list[str | None] = [None] * slots
@@ -274,8 +348,8 @@ class HotswapSlots(_Library):
         """Per slot, each layer's scaling of the held adapter at strength 1 (alpha / r)."""
 
     def _largest_rank(self) -> int:
-        return max([file_rank(p) for n, p in scan(self.folder).items() if n not in self.fused]
-                   or [1])
+        return max([file_rank(p) for n, p in scan_half(self.folder, self.half).items()
+                    if n not in self.fused] or [1])
 
     def prepare(self) -> None:
         """Before compiling: one zero adapter per slot over every linear layer, padded to
@@ -365,25 +439,27 @@ class HotswapSlots(_Library):
             self.disable()
 
 
-def fuse(transformer: Any, family: str, folder: Path, refs: Sequence[LoraRef]) -> None:
+def fuse(transformer: Any, family: str, folder: Path, refs: Sequence[LoraRef],
+         half: str | None = None) -> None:
     """Merge the adapters ``refs`` of ``folder`` into ``transformer``'s weights at their
     strengths and remove their layers (diffusers' ``set_adapters`` + ``fuse_lora`` +
     ``unload_lora``): the DiT is then a plain model whose weights include them. Runs at load,
     before FP8 storage, offload or FP8 linear layers are applied, so that those see the merged
-    weights; a file that is missing or does not fit stops the worker's start."""
+    weights; a file that is missing or does not fit stops the worker's start. ``half``: the
+    Wan2.2-A14B expert ``transformer`` is (its half of each pair, :func:`scan_half`)."""
     if not refs:
         return
     if not folder.is_dir():
         raise ModelLoadError(f"transformer.lora_dir {folder} is not a folder")
     loader = loader_for(family)
-    found = scan(folder)
+    found = scan_half(folder, half)
     missing = [r.name for r in refs if r.name not in found]
     if missing:
         raise ModelLoadError(f"transformer.lora_fuse: no adapter {', '.join(missing)} in "
                              f"{folder} (it holds {', '.join(found) or 'none'})")
     from diffusers.loaders.lora_pipeline import _LOW_CPU_MEM_USAGE_DEFAULT_LORA
 
-    names = [f"fused_{r.name}" for r in refs]
+    names = [f"fused_{peft_name(r.name)}" for r in refs]
     for ref, adapter_name in zip(refs, names, strict=True):
         try:
             state, metadata = read_adapter(loader, transformer, ref.name, found[ref.name])

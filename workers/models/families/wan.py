@@ -1,27 +1,38 @@
-"""Wan2.1 text-to-video and image-to-video, split into three stages.
+"""Wan2.1 and Wan2.2 text-to-video and image-to-video, split into three stages.
 
 This follows diffusers' ``WanPipeline`` and ``WanImageToVideoPipeline`` (0.42.1) operation by
 operation, so that for a seed the three stages give the same pixels as the one-process
-pipeline (given a CPU generator seeded with the same seed).
+pipeline (given a CPU generator seeded with the same seed). The checkpoints differ in:
+
+* Wan2.1: one DiT; I2V adds CLIP image embeddings to the DiT's context.
+* Wan2.2-A14B (T2V, I2V): two DiTs, the high-noise expert for the steps at or above the
+  boundary timestep and the low-noise expert for the rest, each with its own guidance scale
+  (``guidance_scale``, ``guidance_scale_2``); where they live is the ``transformer.experts``
+  option (:mod:`workers.models.dit.experts`). I2V has no CLIP: the first frame reaches the
+  DiT through the VAE condition alone.
+* Wan2.2-TI2V-5B: one DiT over the Wan2.2 VAE (48 channels, 16x spatial compression) with a
+  timestep per latent token (``expand_timesteps``). Its I2V condition is the first frame's
+  latents alone; the first latent frame is held at them (timestep 0) through the loop.
 
 Tensors between the stages (batch size 1):
 
 encoder -> transformer
     ``prompt_embeds``           (1, L, text_dim), text-encoder dtype; zero past the prompt
     ``negative_prompt_embeds``  same, present when ``guidance_scale > 1``
-    ``image_embeds``            (1, N, image_dim), I2V only: CLIP penultimate hidden states
-    ``condition``               (1, 4 + z, T, h, w) float32, I2V only: first-frame mask +
-                                normalised VAE latents of the input image followed by zeros
+    ``image_embeds``            (1, N, image_dim), Wan2.1 I2V only: CLIP penultimate states
+    ``condition``               I2V only, float32: (1, 4 + z, T, h, w) first-frame mask +
+                                normalised VAE latents of the input image followed by zeros;
+                                TI2V-5B: (1, z, 1, h, w) the input image's latents
 transformer -> decoder
     ``latents``                 (1, z, T, h, w) float32, normalised (VAE stats not applied)
 
-with L = ``max_sequence_length`` (512), T = (num_frames - 1) / 4 + 1, h, w = height / 8,
-width / 8 for the published VAE. Wan2.2 checkpoints (two experts, ``expand_timesteps``) are
-refused at load time.
+with L = ``max_sequence_length`` (512), T = (num_frames - 1) / 4 + 1, h, w = height / s,
+width / s for the VAE's spatial factor s (8; 16 for the Wan2.2 VAE).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +40,9 @@ from typing import Any
 import torch
 
 from contracts.errors import (
+    CheckpointError,
     InvalidRequestError,
+    ModelLoadError,
     StageInputError,
 )
 from contracts.request import GenerationRequest
@@ -57,17 +70,24 @@ from ..diffusers_glue import (
     load_transformers_model,
 )
 from ..dit.attention import apply_attention_backend
+from ..dit.experts import Experts, check_placement
 from ..loop_state import LoopHooks
 from ..media import decode_image
+from ..model_folder import read_json
 
 
 def _geometry_error(task: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"{task} request does not fit the model: {message}")
 
 
+def _clip(spec: Any) -> bool:
+    """Whether the DiT takes CLIP image embeddings: Wan2.1's I2V only."""
+    return bool(spec.needs_image and spec.model_cls == "wan2.1")
+
+
 class WanEncoder(EncoderAdapter):
-    """UMT5 prompt encoding; for I2V also CLIP image embeddings and the VAE-encoded first
-    frame condition."""
+    """UMT5 prompt encoding; for I2V also the VAE-encoded first frame condition, and for
+    Wan2.1 I2V CLIP image embeddings."""
 
     def _load(self) -> None:
         from transformers import AutoTokenizer, UMT5EncoderModel
@@ -79,9 +99,7 @@ class WanEncoder(EncoderAdapter):
             lambda p: load_transformers_model(UMT5EncoderModel, p, self.placement),
             "text_encoder",
         )
-        if self.spec.needs_image:
-            from diffusers import AutoencoderKLWan
-            from diffusers.video_processor import VideoProcessor
+        if _clip(self.spec):
             from transformers import CLIPImageProcessor, CLIPVisionModel
 
             self.image_processor: Any = self._component(
@@ -92,6 +110,10 @@ class WanEncoder(EncoderAdapter):
                 lambda p: load_transformers_model(CLIPVisionModel, p, self.placement),
                 "image_encoder",
             )
+        if self.spec.needs_image:
+            from diffusers import AutoencoderKLWan
+            from diffusers.video_processor import VideoProcessor
+
             self.vae: Any = self._component(
                 lambda p: load_diffusers_model(AutoencoderKLWan, p, self.placement),
                 "vae",
@@ -124,8 +146,10 @@ class WanEncoder(EncoderAdapter):
         if not self.spec.needs_image:
             return {}
         with torch.no_grad():
-            return {"image_embeds": self._image_embeds(image),
-                    "condition": self._condition(image, req)}
+            out = {"condition": self._condition(image, req)}
+            if _clip(self.spec):
+                out["image_embeds"] = self._image_embeds(image)
+            return out
 
     def _text_embeds(self, text: str, max_len: int) -> torch.Tensor:
         if self.spec.needs_image:
@@ -173,14 +197,20 @@ class WanEncoder(EncoderAdapter):
 
         first = self.video_processor.preprocess(image, height=height, width=width)
         first = first.to(self.device, dtype=torch.float32).unsqueeze(2)  # (1, 3, 1, H, W)
-        video = torch.cat(
-            [first, first.new_zeros(first.shape[0], first.shape[1], frames - 1, height, width)],
-            dim=2,
-        ).to(device=self.device, dtype=self.vae.dtype)
+        if self.spec.expand_timesteps:  # TI2V-5B: the first frame alone
+            video = first.to(device=self.device, dtype=self.vae.dtype)
+        else:
+            video = torch.cat(
+                [first, first.new_zeros(first.shape[0], first.shape[1], frames - 1, height,
+                                        width)],
+                dim=2,
+            ).to(device=self.device, dtype=self.vae.dtype)
         latent = retrieve_latents(self.vae.encode(video), sample_mode="argmax")
         latent = latent.to(device=self.device, dtype=torch.float32)
         mean, std = latent_stats(self.vae.config, latent)
         latent = (latent - mean) * (1.0 / std)
+        if self.spec.expand_timesteps:
+            return latent
 
         # Mask over pixel frames (1 = given), folded into `temporal` channels per latent frame;
         # the first latent frame stands for one pixel frame, hence the repeat.
@@ -193,29 +223,79 @@ class WanEncoder(EncoderAdapter):
 
 
 class WanTransformer(TransformerAdapter):
-    """WanTransformer3DModel + its scheduler (UniPC for the published checkpoints)."""
+    """WanTransformer3DModel (two of them for Wan2.2-A14B) + its scheduler (UniPC for the
+    published checkpoints)."""
+
+    experts: Experts
+    """The DiTs and the rule that picks the one of a step (:mod:`..dit.experts`)."""
+    active_expert: str | None = None
+    """The expert of the step that ran last (``high`` / ``low``; None: a one-DiT model):
+    what the worker's progress reports carry."""
 
     def _load(self) -> None:
         from diffusers import WanTransformer3DModel
 
-        # Wan2.2 folders and a DiT of the other task were refused before this (checkpoint.py).
+        # A folder of another pipeline and a DiT of the other task were refused before this
+        # (model_folder.py).
         vae_config = self._config("vae")  # latent geometry only; the weights stay unread
         self.temporal = int(vae_config.get("scale_factor_temporal") or 4)
         self.spatial = int(vae_config.get("scale_factor_spatial") or 8)
         self.z_dim = int(vae_config.get("z_dim", 16))
 
+        two = self.spec.experts == 2
+        if two:
+            check_placement(self.options, 2, self.compile)
+            if self.group is not None:
+                raise ModelLoadError(f"{self.task}: a transformer group (parallel) cannot run "
+                                     "a two-expert DiT yet; serve it on one device per worker")
+        high = low = self.placement
+        if two and self.options.fused:  # each expert gets its half of a fused pair
+            high = dataclasses.replace(high, before=functools.partial(self._fuse, half="high"))
+            low = dataclasses.replace(low, before=functools.partial(self._fuse, half="low"))
         self.transformer: Any = self._component(
-            lambda p: load_diffusers_model(WanTransformer3DModel, p, self.placement),
-            "transformer",
-        )
+            lambda p: load_diffusers_model(WanTransformer3DModel, p, high), "transformer")
+        dits = [self.transformer]
+        if two:
+            # With swap the low-noise expert is built in host memory: the device never holds
+            # both (the point of swap on a card that cannot).
+            if self.options.experts == "swap":
+                low = dataclasses.replace(low, device=torch.device("cpu"))
+            self.transformer_2: Any = self._component(
+                lambda p: load_diffusers_model(WanTransformer3DModel, p, low), "transformer_2")
+            dits.append(self.transformer_2)
         overrides = self.scheduler_overrides()  # flow_shift: the option's, else the recipe's
         self.scheduler: Any = self._component(lambda p: load_scheduler(p, **overrides),
                                               "scheduler")
         config = self.transformer.config
         self.patch = tuple(config.patch_size)
-        self.attention = apply_attention_backend(
-            self.transformer, self.attention, self.device, self.dtype, config.attention_head_dim,
-            fallback=self.attention_fallback)
+        for dit in dits:
+            self.attention = apply_attention_backend(
+                dit, self.attention, self.device, self.dtype, config.attention_head_dim,
+                fallback=self.attention_fallback)
+        limit = None if self.options.max_vram_gb is None else \
+            int(self.options.max_vram_gb * (1 << 30))
+        self.experts = Experts(dits, self._boundary() if two else None, self.options.experts,
+                               self.device, limit)
+        self.experts.placed()
+
+    def _boundary(self) -> float:
+        """The boundary timestep: the folder's ``boundary_ratio`` (model_index.json) times
+        the scheduler's ``num_train_timesteps``, as diffusers' pipelines compute it."""
+        index = read_json(self.source_dir / "model_index.json") or {}
+        ratio = index.get("boundary_ratio")
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 < ratio < 1:
+            raise ModelLoadError(f"{self.model_dir}/model_index.json: {self.task} needs "
+                                 f"boundary_ratio between 0 and 1, got {ratio!r}")
+        return float(ratio) * float(self.scheduler.config.num_train_timesteps)
+
+    def dits(self) -> list[Any]:
+        return self.experts.all()
+
+    def resident_components(self) -> list[str]:
+        """With ``swap`` one expert is on the device at a time (they are the same size)."""
+        found = super().resident_components()
+        return [c for c in found if c != "transformer_2"] if \
+            self.options.experts == "swap" else found
 
     def _check_geometry(self, req: GenerationRequest) -> tuple[int, int, int]:
         assert req.height is not None and req.width is not None and req.num_frames is not None
@@ -243,29 +323,33 @@ class WanTransformer(TransformerAdapter):
         pt, ph, pw = self.patch
         self._check_fp8_rows((frames // pt) * (lat_h // ph) * (lat_w // pw))
         assert req.guidance_scale is not None and req.infer_steps is not None
-        i2v = self.spec.needs_image
+        i2v, expand = self.spec.needs_image, self.spec.expand_timesteps
         dtype = self.transformer.dtype
-        guidance = req.guidance_scale
-        cfg = guidance > 1.0
+        # The high-noise expert's scale, then the low-noise one's; CFG runs or not by the
+        # first alone, as in diffusers.
+        scales = (req.guidance_scale, req.guidance_scale_2 if self.experts.two
+                  else req.guidance_scale)
+        cfg = req.guidance_scale > 1.0
 
         def text(name: str) -> torch.Tensor:
             return require_tensor(tensors, name, self.role, ndim=3).to(self.device).to(dtype)
 
         prompt_embeds = text("prompt_embeds")
         negative_embeds = text("negative_prompt_embeds") if cfg else None
-        image_embeds = condition = None
+        extra: dict[str, torch.Tensor] = {}
+        if _clip(self.spec):
+            extra["encoder_hidden_states_image"] = text("image_embeds")
         channels = self.z_dim if i2v else self.transformer.config.in_channels
         shape = (1, channels, frames, lat_h, lat_w)
-        if i2v:
-            image_embeds = require_tensor(tensors, "image_embeds", self.role, ndim=3)
-            image_embeds = image_embeds.to(self.device).to(dtype)
-            condition = require_tensor(tensors, "condition", self.role, ndim=5).to(self.device)
-            want = (1, self.temporal + self.z_dim, frames, lat_h, lat_w)
-            if tuple(condition.shape) != want:
-                raise StageInputError(
-                    f"transformer stage input 'condition' has shape {tuple(condition.shape)}, "
-                    f"expected {want} for this request"
-                )
+        condition = self._condition(tensors, frames, lat_h, lat_w) if i2v else None
+        # expand_timesteps: a timestep per token, 0 where the frame is given (TI2V-5B's I2V
+        # first latent frame); ``::2``: one per 2x2 patch, as diffusers takes it.
+        keep = None
+        if expand:
+            keep = torch.ones(1, 1, frames, lat_h, lat_w, dtype=torch.float32,
+                              device=self.device)
+            if i2v:
+                keep[:, :, 0] = 0
 
         scheduler = fresh_scheduler(self.scheduler)
         with torch.no_grad():
@@ -281,41 +365,85 @@ class WanTransformer(TransformerAdapter):
             ), self.device)
             timesteps = scheduler.timesteps
             total = len(timesteps)
+            self._check_resume(loop, timesteps, first)
             for i in range(first, total):
                 t = timesteps[i]
                 self._check_stop(should_stop, i, total)
-                if i2v:
-                    assert condition is not None
+                index = self.experts.index_at(t)
+                if i + 1 < total:  # swap: the other expert may move in during this step
+                    self.experts.upcoming(self.experts.index_at(timesteps[i + 1]))
+                dit = self.experts.get(index)
+                if keep is not None and condition is not None:
+                    model_input = ((1 - keep) * condition + keep * latents).to(dtype)
+                elif condition is not None:
                     model_input = torch.cat([latents, condition], dim=1).to(dtype)
-                    cache_kwargs: dict[str, Any] = {}
                 else:
                     model_input = latents.to(dtype)
-                    cache_kwargs = {
-                        "step_index": i,
-                        "sigma": float(scheduler.sigmas[i]),
-                        "num_inference_steps": total,
-                    }
-                extra = {"encoder_hidden_states_image": image_embeds} if i2v else {}
-                timestep = t.expand(latents.shape[0])
+                if keep is not None:
+                    timestep = (keep[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(
+                        latents.shape[0], -1)
+                else:
+                    timestep = t.expand(latents.shape[0])
+                cache_kwargs: dict[str, Any] = {} if i2v else {
+                    "step_index": i,
+                    "sigma": float(scheduler.sigmas[i]),
+                    "num_inference_steps": total,
+                }
                 noise_pred, noise_uncond = self._branches(
                     cfg, self._forward,
-                    (model_input, timestep, prompt_embeds, extra, "cond", cache_kwargs),
-                    (model_input, timestep, negative_embeds, extra, "uncond", cache_kwargs),
+                    (dit, model_input, timestep, prompt_embeds, extra, "cond", cache_kwargs),
+                    (dit, model_input, timestep, negative_embeds, extra, "uncond", cache_kwargs),
                     self._forward_both,
-                    (model_input, t, prompt_embeds, negative_embeds, extra, cache_kwargs))
+                    (dit, model_input, timestep, prompt_embeds, negative_embeds, extra,
+                     cache_kwargs))
                 if noise_uncond is not None:
-                    noise_pred = noise_uncond + guidance * (noise_pred - noise_uncond)
+                    scale = scales[index]
+                    assert scale is not None
+                    noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
                 latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                self.active_expert = self.experts.name(index)
                 if on_step is not None:
                     on_step(i + 1, total)
+                upcoming = self.experts.name(self.experts.index_at(timesteps[i + 1])) \
+                    if i + 1 < total else None
                 loop_state.boundary(loop, i + 1, total, scheduler,
-                                    functools.partial(dict, latents=latents))
+                                    functools.partial(dict, latents=latents), upcoming)
+            if keep is not None and condition is not None:
+                latents = (1 - keep) * condition + keep * latents
             latents = latents.contiguous()
         self._synchronize()
+        self.experts.finished()  # after the sync: the copy back is off the request's path
         return {"latents": latents}
+
+    def _condition(self, tensors: Mapping[str, torch.Tensor], frames: int, lat_h: int,
+                   lat_w: int) -> torch.Tensor:
+        """The I2V condition, checked against the request's geometry."""
+        condition = require_tensor(tensors, "condition", self.role, ndim=5).to(self.device)
+        want = (1, self.z_dim, 1, lat_h, lat_w) if self.spec.expand_timesteps else \
+            (1, self.temporal + self.z_dim, frames, lat_h, lat_w)
+        if tuple(condition.shape) != want:
+            raise StageInputError(
+                f"transformer stage input 'condition' has shape {tuple(condition.shape)}, "
+                f"expected {want} for this request"
+            )
+        return condition
+
+    def _check_resume(self, loop: LoopHooks | None, timesteps: torch.Tensor, step: int) -> None:
+        """A resumed two-expert loop continues on the expert its checkpoint names: a
+        schedule that puts the step on the other one (another boundary) is refused."""
+        state = loop.resume if loop is not None else None
+        if state is None or state.expert is None or step >= len(timesteps):
+            return
+        here = self.experts.name(self.experts.index_at(timesteps[step]))
+        if here != state.expert:
+            raise CheckpointError(
+                f"{self.task}: the checkpoint continues at step {step} on the {state.expert}-"
+                f"noise expert, but this worker's schedule runs that step on the {here}-noise "
+                "one (another boundary_ratio or flow_shift?)")
 
     def _forward(
         self,
+        dit: Any,
         model_input: torch.Tensor,
         timestep: torch.Tensor,
         text: torch.Tensor,
@@ -324,8 +452,8 @@ class WanTransformer(TransformerAdapter):
         cache_kwargs: Mapping[str, Any],
     ) -> torch.Tensor:
         """One DiT forward (one CFG branch, or both as a batch of two)."""
-        with self.transformer.cache_context(branch, **cache_kwargs):
-            out: torch.Tensor = self.transformer(
+        with dit.cache_context(branch, **cache_kwargs):
+            out: torch.Tensor = dit(
                 hidden_states=model_input,
                 timestep=timestep,
                 encoder_hidden_states=text,
@@ -337,8 +465,9 @@ class WanTransformer(TransformerAdapter):
 
     def _forward_both(
         self,
+        dit: Any,
         model_input: torch.Tensor,
-        t: torch.Tensor,
+        timestep: torch.Tensor,
         text: torch.Tensor,
         negative: torch.Tensor,
         extra: Mapping[str, torch.Tensor | None],
@@ -346,8 +475,9 @@ class WanTransformer(TransformerAdapter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Both CFG branches as one batch-2 forward (``cfg_batch``)."""
         cond, uncond = self._forward(
+            dit,
             torch.cat([model_input, model_input]),
-            t.expand(2),
+            timestep.expand(2, *timestep.shape[1:]),
             torch.cat([text, negative]),
             {k: torch.cat([v, v]) for k, v in extra.items() if v is not None},
             "cond",
@@ -369,11 +499,12 @@ class WanTransformer(TransformerAdapter):
         out = {"prompt_embeds": rand(*text), "negative_prompt_embeds": rand(*text)}
         if self.spec.needs_image:
             frames, lat_h, lat_w = self._check_geometry(req)
-            # CLIP ViT-H/14 at 224 px: 256 patches + the class token.
-            out["image_embeds"] = rand(1, 257, config.image_dim)
-            out["condition"] = torch.randn(
-                (1, self.temporal + self.z_dim, frames, lat_h, lat_w), generator=gen
-            ).to(self.device)
+            if _clip(self.spec):
+                # CLIP ViT-H/14 at 224 px: 256 patches + the class token.
+                out["image_embeds"] = rand(1, 257, config.image_dim)
+            shape = (1, self.z_dim, 1, lat_h, lat_w) if self.spec.expand_timesteps else \
+                (1, self.temporal + self.z_dim, frames, lat_h, lat_w)
+            out["condition"] = torch.randn(shape, generator=gen).to(self.device)
         return out
 
 

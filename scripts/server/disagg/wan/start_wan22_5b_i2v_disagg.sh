@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Wan2.2-TI2V-5B image-to-video: controller + encoder + transformer + decoder on this machine.
+#
+#   model_path=/path/to/model bash scripts/server/disagg/wan/start_wan22_5b_i2v_disagg.sh
+#
+# Configs: configs/disagg/wan/wan22_5b_i2v_{controller,encoder,transformer,decoder}.json.
+# Every other knob (PORT_OFFSET, LOG_DIR, OUTPUT_DIR, ...) is described in ../common.sh.
+# Ctrl+C stops the whole group.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+diffring_run_group wan22_5b_i2v wan WAN_I2V_MODEL_PATH

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Wan2.2-T2V-A14B text-to-video (two experts): controller + encoder + transformer + decoder on this machine.
+#
+#   model_path=/path/to/model bash scripts/server/disagg/wan/start_wan22_a14b_t2v_disagg.sh
+#
+# Configs: configs/disagg/wan/wan22_a14b_t2v_{controller,encoder,transformer,decoder}.json.
+# Every other knob (PORT_OFFSET, LOG_DIR, OUTPUT_DIR, ...) is described in ../common.sh.
+# Ctrl+C stops the whole group.
+set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=../common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+diffring_run_group wan22_a14b_t2v wan WAN_T2V_MODEL_PATH
