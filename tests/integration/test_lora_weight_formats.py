@@ -325,6 +325,9 @@ def test_recipes_run_the_published_schedulers(tiny_models: Path) -> None:
         dit.denoise(small_request(task, true_cfg_scale=4.0), {})
     wan = dit_with(tiny_models, "wan_t2v", recipe="wan2.1-distill-4step")
     assert wan.scheduler.config.flow_shift == 5.0
+    # the start-up warm-up runs the recipe's guidance (it ran CFG and was refused: fatal)
+    assert wan.warm_up(["32x32x5"], steps=1) > 0
+    assert dit.warm_up(["32x32"], steps=2) > 0
     assert dit_with(tiny_models, "wan_t2v", recipe="wan2.1-distill-4step",
                     flow_shift=3.0).scheduler.config.flow_shift == 3.0
 

@@ -252,15 +252,24 @@ class TransformerAdapter(StageAdapter):
 
     def warm_up(self, shapes: Sequence[str], steps: int = 2) -> float:
         """Run short denoising loops on synthetic inputs of each geometry ("HxW" for images,
-        "HxWxF" for videos), with CFG, so that compilation, kernel selection and allocator
-        growth happen now and not in the first requests. Returns the seconds it took."""
+        "HxWxF" for videos), with CFG unless the stage's recipe is CFG-distilled (then at the
+        recipe's guidance, the path its requests take), so that compilation, kernel selection
+        and allocator growth happen now and not in the first requests. Returns the seconds
+        it took."""
+        from contracts.recipes import recipe
+
+        found = recipe(self.recipe_name(), self.spec.family)
+        guidance: dict[str, Any] = {}
+        if found is not None and found.cfg_distilled:
+            guidance = {k: v for k, v in found.request_defaults.items()
+                        if k in ("guidance_scale", "true_cfg_scale")}
         t0 = time.perf_counter()
         for shape in shapes:
             geometry = warmup_geometry(shape, self.spec)
             for variant in range(self.warmup_variants):
                 req = GenerationRequest(
-                    task=self.task, prompt="warm-up", infer_steps=steps, **geometry
-                )
+                    task=self.task, prompt="warm-up", infer_steps=steps, **geometry,
+                    **guidance)
                 self.denoise(req, self.warmup_inputs(req, variant))
                 if self.requests is not None:  # compiled adapter slots: their path too
                     self.requests.warm(self._denoise, req, self.warmup_inputs(req, variant))
