@@ -229,6 +229,31 @@ def test_adapters_on_fp8_linear_layers_match_diffusers(
     assert "TorchaoLoraLinear" in kinds  # PEFT's layer for torchao weights ran
 
 
+def test_fp8_linear_layers_are_converted_one_block_at_a_time(
+        tiny_models: Path, fp8_on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage converts its FP8 linear layers block by block as it moves them to the device
+    (the full-precision DiT is never whole there: a 14B in bf16 could not load under a
+    24 GiB budget); the test above proves the result equals a whole-model conversion."""
+    import workers.models.dit.dit_options as dit_options
+
+    converted: list[tuple[str, int]] = []
+    real = dit_options.quantize_fp8
+
+    def spy(module: torch.nn.Module, chosen: Any = None) -> None:
+        layers = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+        converted.append((type(module).__name__, layers))
+        real(module, chosen)
+
+    monkeypatch.setattr(dit_options, "quantize_fp8", spy)
+    dit = dit_with(tiny_models, "qwen_t2i", "bfloat16", linear="fp8")
+    blocks = set(dit.transformer._repeated_blocks)
+    count = sum(type(m).__name__ in blocks for m in dit.transformer.modules())
+    assert len(converted) == count > 1
+    assert all(name in blocks for name, _ in converted)
+    assert all(n < sum(isinstance(m, torch.nn.Linear) for m in dit.transformer.modules())
+               for _, n in converted)
+
+
 def test_fused_adapters_equal_the_same_adapters_per_request(
         tiny_models: Path, loras: dict[str, Path]) -> None:
     task = "wan_t2v"

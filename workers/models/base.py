@@ -194,10 +194,17 @@ class TransformerAdapter(StageAdapter):
 
     def _resolve_settings(self) -> None:
         super()._resolve_settings()
-        if self.options.fused:  # merged into the DiT's weights before they are placed
-            import dataclasses
+        import dataclasses
 
+        if self.options.fused:  # merged into the DiT's weights before they are placed
             self.placement = dataclasses.replace(self.placement, before=self._fuse)
+        if self.options.linear == "fp8":  # converted block by block on the device
+            self.placement = dataclasses.replace(self.placement, resident=self._fp8_linear)
+
+    def _fp8_linear(self, model: Any) -> None:
+        from .dit.dit_options import apply_fp8_linear
+
+        apply_fp8_linear(model, self.device)
 
     def _fuse(self, model: Any, half: str | None = None) -> None:
         """``half``: the Wan2.2-A14B expert ``model`` is (each gets its half of a pair)."""
@@ -214,12 +221,6 @@ class TransformerAdapter(StageAdapter):
             from .dit.parallel import attach_group
 
             attach_group(self)
-        if self.options.linear == "fp8":
-            from .dit.dit_options import apply_fp8_linear
-
-            for dit in self.dits():
-                apply_fp8_linear(dit, self.device)
-            self.memory.loaded()
         if self.options.compile_cache_dir is not None:
             from .dit.dit_options import configure_compile_cache
 

@@ -60,6 +60,10 @@ class Placement:
     before: Callable[[Any], None] | None = None
     """Work on a loaded model before its options are applied (the DiT's fused adapters,
     merged into the weights before FP8 storage or offload see them)."""
+    resident: Callable[[Any], None] | None = None
+    """Moves part of a model onto the device in its own way before the rest follows (the
+    DiT's FP8 linear layers, converted one block at a time on the device: the
+    full-precision model is never whole there)."""
 
     @property
     def load_device(self) -> torch.device:
@@ -95,6 +99,8 @@ def place(model: Any, placement: Placement) -> Any:
                 skip_modules_pattern=_SKIP_CAST,
             )
     if opts.offload == "none":
+        if placement.resident is not None:
+            placement.resident(model)
         return model.to(placement.device)
     kwargs: dict[str, Any] = {
         "onload_device": placement.device,
