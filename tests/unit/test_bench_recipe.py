@@ -45,3 +45,19 @@ def test_a_mode_whose_request_fields_are_refused_stops_the_dry_run() -> None:
     with pytest.raises(SystemExit, match="no mode is named"):
         bench_serving.main(["--arch", "wan-14b", "--modes", "disagg", "--body",
                             'nope:seed=1', "--dry-run"])
+
+
+def test_the_reported_recipe_commands_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    """BENCHMARKS.md's measured recipe table: its commands still run (``--dry-run``)."""
+    from scripts.bench import bench_serving, lora_kit
+
+    commands = planned_commands("### The distilled recipe at FP8 speed: Wan2.1-T2V-14B",
+                                doc="BENCHMARKS.md")
+    mains = {"scripts.bench.bench_serving": bench_serving.main,
+             "scripts.bench.lora_kit": lora_kit.main}
+    assert [c[0] for c in commands].count("scripts.bench.bench_serving") == 2
+    for module, *argv in commands:
+        assert mains[module]([*argv, "--dry-run"]) == 0, argv
+    printed = capsys.readouterr().out
+    assert 'disagg@lora requests: {"loras": [{"name": "distill"' in printed
+    assert '"lora_fuse": [{"name": "distill", "strength": 1.0}]' in printed
