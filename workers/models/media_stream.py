@@ -18,6 +18,13 @@ Protocol (one producer thread, the writer thread):
 
 The file's bytes stay in memory until the decoder writes the result atomically, as for an
 MP4 encoded in one piece (:func:`~workers.models.media.encode_mp4`, the same bytes).
+
+The writer holds :func:`~workers.models.media.defined_heap` from the encoder's opening to its
+flush, as an encode in one piece does, so the decode runs inside that window: every heap block
+allocated meanwhile, in any thread, is filled first. A CUDA decode allocates only small host
+blocks (tensor headers) meanwhile; a decode on the CPU allocates its activations there, which
+cost about 10 % more main-thread CPU time in a CPU run of the real-size Wan2.1 VAE (64x64x17,
+measured on this branch's development machine, 2026-12-03).
 """
 
 from __future__ import annotations
