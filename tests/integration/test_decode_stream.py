@@ -21,7 +21,7 @@ import torch
 torch.set_num_threads(1)
 
 from contracts.config import ServiceConfig  # noqa: E402  (after the thread setting)
-from contracts.errors import StageCancelled  # noqa: E402
+from contracts.errors import StageCancelled, StageError  # noqa: E402
 from contracts.messages import Op  # noqa: E402
 from contracts.request import GenerationRequest  # noqa: E402
 from contracts.stage_options import StageOptions  # noqa: E402
@@ -31,6 +31,7 @@ from workers.encode_pool import EncodePool  # noqa: E402
 from workers.models import DecoderAdapter  # noqa: E402
 from workers.models.diffusers_glue import decode_latents  # noqa: E402
 from workers.models.media import Mp4Writer, read_mp4  # noqa: E402
+from workers.models.media_stream import Mp4Stream  # noqa: E402
 from workers.roles import DecoderWorker  # noqa: E402
 from workers.worker import Job  # noqa: E402
 
@@ -150,22 +151,20 @@ def broken_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return raised
 
 
-@pytest.mark.parametrize("encode_queue", [0, 1])
-def test_writer_failure_fails_the_task(tiny_models: Path, tmp_path: Path,
-                                       broken_writer: threading.Event,
-                                       encode_queue: int) -> None:
-    dec = stage("decoder", tiny_models, "wan_t2v")
-    req = _request("wan_t2v")
-    latents = _latents(dec, req)
-    worker = DecoderWorker(ServiceConfig(output_dir=str(tmp_path / "out"),
-                                         encode_queue=encode_queue), "token", {})
+def _worker(dec: Any, out: Path, encode_queue: int, latents: dict[str, torch.Tensor],
+            job: Job) -> DecoderWorker:
+    worker = DecoderWorker(ServiceConfig(output_dir=str(out), encode_queue=encode_queue),
+                           "token", {})
     worker.link.control = FakeControl()
     worker.stage = dec
     if encode_queue:
         worker.encoder_pool = EncodePool(encode_queue)
     worker.fetch_inputs = lambda job: latents  # type: ignore[method-assign]
-    job = Job("t-broken", 1, {"request": req.to_dict()})
     worker.claim = lambda: job  # type: ignore[method-assign]
+    return worker
+
+
+def _step(worker: DecoderWorker) -> None:
     try:
         assert worker.step()
         if worker.encoder_pool is not None:
@@ -173,6 +172,18 @@ def test_writer_failure_fails_the_task(tiny_models: Path, tmp_path: Path,
     finally:
         if worker.encoder_pool is not None:
             worker.encoder_pool.close(timeout=60)
+
+
+@pytest.mark.parametrize("encode_queue", [0, 1])
+def test_writer_failure_fails_the_task(tiny_models: Path, tmp_path: Path,
+                                       broken_writer: threading.Event,
+                                       encode_queue: int) -> None:
+    dec = stage("decoder", tiny_models, "wan_t2v")
+    req = _request("wan_t2v")
+    latents = _latents(dec, req)
+    job = Job("t-broken", 1, {"request": req.to_dict()})
+    worker = _worker(dec, tmp_path / "out", encode_queue, latents, job)
+    _step(worker)
     assert broken_writer.is_set()
     control: Any = worker.link.control
     assert control.ops() == [Op.FAIL]
@@ -182,3 +193,67 @@ def test_writer_failure_fails_the_task(tiny_models: Path, tmp_path: Path,
     assert "No space left on device (injected)" in fields["error"]
     out = tmp_path / "out"
     assert not out.exists() or not list(out.iterdir())  # no file, no .part
+
+
+@pytest.mark.parametrize("encode_queue", [0, 1])
+def test_a_cancel_during_the_decode_drops_the_stream(tiny_models: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    encode_queue: int) -> None:
+    """The controller's cancel arrives while the MP4 is being written (here: when its first
+    chunk is; the decode waits for that before its next chunk): the task fails as cancelled
+    between two chunks, its writer is stopped (the fixture checks that it ended) and no
+    file is written."""
+    dec = stage("decoder", tiny_models, "wan_t2v")
+    req = _request("wan_t2v")
+    latents = _latents(dec, req)
+    job = Job("t-cancel", 1, {"request": req.to_dict()})
+    cancelled = threading.Event()
+    write, put = Mp4Writer.write, Mp4Stream.put
+
+    def cancel_then_write(self: Mp4Writer, frames: np.ndarray) -> None:
+        job.cancel.set()  # what a heartbeat's reply does
+        cancelled.set()
+        write(self, frames)
+
+    def put_then_wait(self: Mp4Stream, frames: np.ndarray) -> None:
+        put(self, frames)
+        assert cancelled.wait(30)
+
+    monkeypatch.setattr(Mp4Writer, "write", cancel_then_write)
+    monkeypatch.setattr(Mp4Stream, "put", put_then_wait)
+    worker = _worker(dec, tmp_path / "out", encode_queue, latents, job)
+    _step(worker)
+    control: Any = worker.link.control
+    assert control.ops() == [Op.FAIL]
+    _, fields = control.calls[0]
+    assert fields["task_id"] == "t-cancel" and fields["error_type"] == "cancelled"
+    assert "decode cancelled after 1 of 13 frames" in fields["error"]
+    out = tmp_path / "out"
+    assert not out.exists() or not list(out.iterdir())
+
+
+def test_a_cancel_after_the_decode_drops_the_stream(tiny_models: Path, tmp_path: Path) -> None:
+    """A cancel that arrives once the device decode is done, before the result is published
+    (the step's own check): the writer still encoding is stopped (by the worker's _fail; the
+    fixture checks that it ended), the task fails as cancelled, and no file is written."""
+    dec = stage("decoder", tiny_models, "wan_t2v")
+    req = _request("wan_t2v")
+    job = Job("t-late", 1, {"request": req.to_dict()})
+    worker = _worker(dec, tmp_path / "out", 0, _latents(dec, req), job)
+    compute = worker.compute
+    pending: list[Any] = []
+
+    def compute_then_cancel(job: Job, inputs: Any) -> Any:
+        pending.append(compute(job, inputs))
+        job.cancel.set()
+        return pending[0]
+
+    worker.compute = compute_then_cancel  # type: ignore[method-assign]
+    _step(worker)
+    control: Any = worker.link.control
+    assert control.ops() == [Op.FAIL]
+    assert control.calls[0][1]["error_type"] == "cancelled"
+    with pytest.raises(StageError, match="the MP4 writer"):  # dropped, never delivered
+        pending[0].result()
+    out = tmp_path / "out"
+    assert not out.exists() or not list(out.iterdir())

@@ -72,7 +72,9 @@ class Mp4Stream:
             raise StageError(f"the MP4 writer did not finish within {timeout} s")
         if self._error is not None:
             raise self._failure()
-        assert self._data is not None
+        if self._data is None:  # aborted
+            raise StageError("the MP4 writer was stopped before the end of the video (the "
+                             "decode failed or was cancelled)")
         return self._data
 
     def abort(self) -> None:
