@@ -97,6 +97,7 @@ class PendingMedia:
         if self._cancel is not None:
             self._cancel()
 
+
 class EncoderAdapter(StageAdapter):
     """Stage 1: text (and image) conditioning for the DiT.
 
