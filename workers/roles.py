@@ -204,8 +204,8 @@ class DecoderWorker(StageWorker):
     and what is left of the encoding (its tail, or the whole encode where the decode does
     not stream) is finished and written here or by a bounded background pool
     (:mod:`workers.encode_pool`, ``encode_queue`` > 0), so the decoder claims the next
-    Phase2 item meanwhile. The task's lease stays with this worker
-    until the background job reports the completion, after the file is fully written.
+    Phase2 item meanwhile. The task's lease stays with this worker until the background job
+    reports the completion, after the file is fully written.
 
     A result whose write the storage refuses (here, or the controller's copy) is held and
     retried (:mod:`workers.held`), uncharged; each heartbeat reports what is held."""
