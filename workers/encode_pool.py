@@ -1,11 +1,13 @@
 """Background media encoding for the decoder: a bounded queue in front of one thread.
 
 The decoder's critical path is the VAE; writing an MP4 of 81 frames takes as long again on
-the CPU. The decoder hands the uint8 pixels of a finished decode to this pool and claims its
-next task while the file is encoded and written here. The pool is bounded: at most ``depth``
-results are held (waiting or being encoded); while the pool is full the decoder claims
-nothing (it waits for room), so pixels never pile up in memory and a Phase2 item it cannot
-start yet stays in the ring for another decoder.
+the CPU. The decoder hands a finished decode to this pool -- its uint8 pixels, or for a
+streamed Wan decode the MP4 whose writer is still finishing
+(:meth:`~workers.models.base.DecoderAdapter.decode_media`) -- and claims its next task while
+the file is encoded (or its encoding finished) and written here. The pool is bounded: at
+most ``depth`` results are held (waiting or being encoded); while the pool is full the
+decoder claims nothing (it waits for room), so pixels never pile up in memory and a Phase2
+item it cannot start yet stays in the ring for another decoder.
 
 One thread, on purpose: libx264 already runs one thread per core on one video, and two
 videos encoded at once would only split the same cores while both finish later.

@@ -10,8 +10,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
-
 from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost, DiffringError, ResultWriteBlocked, storage_fault
@@ -23,7 +21,13 @@ from tensorplane.handoff import pull_tensors, stage_tensors
 from workers.checkpoints import DitCheckpoints
 from workers.encode_pool import EncodePool
 from workers.held import Held, HeldResults
-from workers.models import Artifact, DecoderAdapter, EncoderAdapter, TransformerAdapter
+from workers.models import (
+    Artifact,
+    DecoderAdapter,
+    EncoderAdapter,
+    PendingMedia,
+    TransformerAdapter,
+)
 from workers.models.media import VideoSettings
 from workers.models.prompt_cache import PromptCache
 from workers.startup import StopSignal
@@ -195,10 +199,13 @@ class TransformerWorker(ProducerWorker):
 
 
 class DecoderWorker(StageWorker):
-    """VAE decode on the critical path; the media file (MP4 / PNG) is encoded and written by
-    a bounded background pool (:mod:`workers.encode_pool`, ``encode_queue`` > 0), so the
-    decoder claims the next Phase2 item meanwhile. The task's lease stays with this worker
-    until the background job reports the completion, after the file is fully written.
+    """VAE decode on the critical path; a Wan video's MP4 is encoded on a background thread
+    while the VAE decodes it, latent frame by latent frame (:meth:`DecoderAdapter.decode_media`),
+    and what is left of the encoding (its tail, or the whole encode where the decode does
+    not stream) is finished and written here or by a bounded background pool
+    (:mod:`workers.encode_pool`, ``encode_queue`` > 0), so the decoder claims the next
+    Phase2 item meanwhile. The task's lease stays with this worker until the background job
+    reports the completion, after the file is fully written.
 
     A result whose write the storage refuses (here, or the controller's copy) is held and
     retried (:mod:`workers.held`), uncharged; each heartbeat reports what is held."""
@@ -237,23 +244,32 @@ class DecoderWorker(StageWorker):
     def fetch_inputs(self, job: Job) -> dict[str, Any]:
         return self.pull(job)
 
-    def compute(self, job: Job, inputs: dict[str, Any]) -> Artifact | np.ndarray:
+    def compute(self, job: Job, inputs: dict[str, Any]) -> PendingMedia:
+        """The device decode. A streamed decode's MP4 is being encoded meanwhile on a
+        background thread (:meth:`DecoderAdapter.decode_media`); its tail (and a whole
+        encode where the decoder does not stream) is left for :meth:`publish`."""
         req = _request(job)
         with self.stage.guarded(_size(req)):
-            if self.encoder_pool is None:
-                return self.stage.decode(req, inputs)
-            pixels: np.ndarray = self.stage.decode_pixels(req, inputs)
-        return pixels
+            pending = self.stage.decode_media(req, inputs, should_stop=job.cancel.is_set)
+        job.result = pending  # until published: a failure meanwhile stops its writer (_fail)
+        return pending
 
-    def publish(self, job: Job, outputs: Artifact | np.ndarray) -> None:
-        """Write the result file (atomically), here or in the background pool."""
-        if isinstance(outputs, Artifact):
-            job.result = (outputs, self._write_or_hold(job, outputs))
+    def publish(self, job: Job, outputs: PendingMedia) -> None:
+        """Finish the media (``encode_media``: the encoder's tail, or the whole encode) and
+        write the result file (atomically), here or in the background pool."""
+        if self.encoder_pool is None:
+            with self.timed("encode_media"):
+                art = outputs.result()
+            job.result = (art, self._write_or_hold(job, art))
             return
         job.result = _BACKGROUND
-        assert self.encoder_pool is not None
         with self.timed("queue"):
             self.encoder_pool.submit(lambda: self._finish(job, outputs))
+
+    def _fail(self, job: Job, error: str, error_type: str, fault: Fault) -> None:
+        if isinstance(job.result, PendingMedia):  # failed or cancelled before its publish
+            job.result.cancel()
+        super()._fail(job, error, error_type, fault)
 
     def _write(self, job: Job, art: Artifact) -> Path:
         """Write the result file; ResultWriteBlocked when the storage refuses it."""
@@ -309,11 +325,12 @@ class DecoderWorker(StageWorker):
         except DiffringError as exc:  # gone with the connection: back in play already
             log.warning("task %s: hand-back not reported: %s", held.job.task_id, exc)
 
-    def _finish(self, job: Job, pixels: np.ndarray) -> None:
-        """Background: encode, write, then report the completion (the lease ends here)."""
+    def _finish(self, job: Job, pending: PendingMedia) -> None:
+        """Background: finish the media (encode it, or wait for its streamed encode's tail),
+        write it, then report the completion (the lease ends here)."""
         try:
             with self.timed("encode_media"):
-                art = self.stage.encode_media(_request(job), pixels)
+                art = pending.result()
             local = self._write_or_hold(job, art)
             if local is not None:
                 self._complete_or_hold(job, art, local)

@@ -19,6 +19,10 @@ skipped and says so):
 * ``decoder``: the Wan VAE decode alone against ``decode_pixels`` (VAE + uint8 + copy to
             the host: the decoder's critical path with the background encoder) and the
             MP4 of those frames.
+* ``decoder_stream``: issue 33, decode + MP4 serial against streamed (the MP4 written while
+            the VAE decodes, ``DecoderAdapter.decode_media``) in the same run; prints the
+            ratio streamed / serial and checks that pixels and MP4 bytes are equal. Not in
+            the default ``--sections``: ``--sections env,decoder_stream``.
 * ``qwen``: Qwen-Image architecture (20B DiT, random bf16), 1024x1024: one step without CFG
             (one forward) eager and compiled, and the compiled latents against eager.
 
@@ -208,10 +212,9 @@ def section_wan(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def section_decoder(args: argparse.Namespace) -> dict[str, Any]:
-    """The Wan decoder: VAE alone against the critical path of the background-encoder
-    decoder (decode_pixels), and the MP4 of its frames."""
-    import numpy as np
+def _wan_decoder(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """The Wan2.1 decoder (the VAE of every Wan2.1 size), a request of ``--wan-shape`` and
+    random latents of its size on the device."""
     import torch
 
     from contracts.pipelines import parse_shape
@@ -222,7 +225,6 @@ def section_decoder(args: argparse.Namespace) -> dict[str, Any]:
 
     folder = model_dir(args, "wan-1.3b")
     real_models.build("wan-1.3b", folder, args.device, args.dtype, args.layers)
-    out: dict[str, Any] = {}
     dec = DecoderAdapter.for_task(folder, "wan_t2v", args.device, args.dtype,
                                   video=VideoSettings(codec="libx264"))
     dec.load()
@@ -232,6 +234,17 @@ def section_decoder(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     latents = {"latents": torch.randn(1, 16, (f - 1) // 4 + 1, h // 8, w // 8, generator=gen)
                .to(args.device)}
+    return dec, req, latents
+
+
+def section_decoder(args: argparse.Namespace) -> dict[str, Any]:
+    """The Wan decoder: VAE alone against the critical path of the background-encoder
+    decoder (decode_pixels), and the MP4 of its frames."""
+    import numpy as np
+    import torch
+
+    dec, req, latents = _wan_decoder(args)
+    out: dict[str, Any] = {}
 
     def vae_only() -> Any:
         x = dec.decode_tensor(req, latents)
@@ -249,6 +262,57 @@ def section_decoder(args: argparse.Namespace) -> dict[str, Any]:
                 "mp4_of_vae_frames_s": round(mp4_s, 3), "mp4_bytes": len(art.data),
                 "pixels": list(np.asarray(pixels).shape)})
     log(f"decoder: {out}")
+    return out
+
+
+def section_decoder_stream(args: argparse.Namespace) -> dict[str, Any]:
+    """Issue 33: decode + MP4 serial (``decode_pixels`` then ``encode_media``, today's path
+    where the decoder does not stream) against streamed (``decode_media``: the MP4 written on
+    a background thread while the VAE decodes, then its tail), on the same latents in the
+    same run, alternating, after one warm-up of each. Each side: the device decode (returns
+    when the pixels are on the host), what follows it (the whole MP4, or the writer's tail)
+    and their sum; the ratio is streamed / serial of the sums. Both results are compared:
+    the pixels and the MP4 bytes must be equal."""
+    import numpy as np
+
+    dec, req, latents = _wan_decoder(args)
+    if dec.frame_chunks(req, latents) is None:
+        raise RuntimeError("this decoder does not stream (vae_tiling?): nothing to compare")
+
+    def serial() -> tuple[float, float, Any]:
+        t0 = time.perf_counter()
+        pixels = dec.decode_pixels(req, latents)
+        t1 = time.perf_counter()
+        art = dec.encode_media(req, pixels)
+        return t1 - t0, time.perf_counter() - t1, art
+
+    def streamed() -> tuple[float, float, Any]:
+        t0 = time.perf_counter()
+        pending = dec.decode_media(req, latents)
+        t1 = time.perf_counter()
+        art = pending.result()
+        return t1 - t0, time.perf_counter() - t1, art
+
+    serial()  # warm-up (kernels, allocator, the encoder's first open)
+    streamed()
+    runs: dict[str, list[tuple[float, float, Any]]] = {"serial": [], "streamed": []}
+    for _ in range(max(args.repeats, 3)):
+        runs["serial"].append(serial())
+        runs["streamed"].append(streamed())
+    out: dict[str, Any] = {}
+    for name, rows in runs.items():
+        out[f"{name}_decode_s"] = round(statistics.median(r[0] for r in rows), 3)
+        out[f"{name}_after_decode_s"] = round(statistics.median(r[1] for r in rows), 3)
+        out[f"{name}_total_s"] = round(statistics.median(r[0] + r[1] for r in rows), 3)
+    out["ratio_streamed_over_serial"] = round(out["streamed_total_s"] / out["serial_total_s"], 3)
+    out["saved_s"] = round(out["serial_total_s"] - out["streamed_total_s"], 3)
+    a, b = runs["serial"][-1][2], runs["streamed"][-1][2]
+    out["pixels_equal"] = bool(np.array_equal(a.frames, b.frames))
+    out["mp4_bytes_equal"] = a.data == b.data
+    out.update({"repeats": len(runs["serial"]), "shape": args.wan_shape,
+                "threads": dec.video.threads, "preset": dec.video.preset})
+    log(f"decoder_stream: streamed/serial = {out['ratio_streamed_over_serial']} "
+        f"({out['streamed_total_s']} s against {out['serial_total_s']} s): {out}")
     return out
 
 
@@ -270,7 +334,7 @@ def section_qwen(args: argparse.Namespace) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "env": section_env, "mp4": section_mp4, "wan": section_wan, "decoder": section_decoder,
-    "qwen": section_qwen}
+    "decoder_stream": section_decoder_stream, "qwen": section_qwen}
 WAN_VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {"name": "eager sdpa, 2 x batch-1"},
     "cfg_batch": {"name": "eager sdpa, cfg_batch", "cfg_batch": True},
@@ -304,6 +368,8 @@ def summary() -> str:
                      f"max diff {row.get('max_abs_diff_vs_first')}) |")
     for k, v in (RESULTS.get("decoder") or {}).items():
         lines.append(f"| Wan decoder {k} | {v} |")
+    for k, v in (RESULTS.get("decoder_stream") or {}).items():
+        lines.append(f"| Wan decode + MP4, streamed vs serial: {k} | {v} |")
     qwen = RESULTS.get("qwen") or {}
     for name, row in ((qwen.get("forward") or {}).get("variants") or {}).items():
         lines.append(f"| Qwen-Image 1024x1024 step (1 forward), {name} | "

@@ -3,7 +3,8 @@ scrapes per endpoint, the busy fractions and the Mooncake hops of one level, the
 table and the plot.
 
 Busy: time inside a stage call (``diffring_stage_seconds{step="compute"}``: encode, denoise,
-VAE decode; ``step="encode_media"``: PNG/MP4 writing) over wall time x the workers running
+VAE decode; ``step="encode_media"``: PNG/MP4 writing, for a streamed Wan decode only what
+follows the VAE) over wall time x the workers running
 that stage; the same histogram in both modes. "DiT dK" is that fraction for the DiT workers
 (or the baseline replica) on device K: the time they spent inside denoise over wall time x
 their number on that device.

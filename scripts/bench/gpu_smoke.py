@@ -26,13 +26,15 @@ Everything is measured through what the services export; nothing in them is patc
 
 * each worker's Prometheus endpoint, scraped before and after every request: the seconds of
   each step of the worker loop (``diffring_stage_seconds``: the encoder's ``compute`` is the
-  text encode, the transformer's the denoise, the decoder's the VAE decode to pixels, its
-  ``encode_media`` the MP4; ``stage`` puts a stage's outputs into its pool), the tensors each
-  worker pulled over Mooncake (``diffring_transfer_bytes`` / ``diffring_transfer_seconds``
-  with ``direction="pull"``: the transformer's pull is Phase1, the decoder's Phase2), the
-  staging pool's device and checksum algorithm (``diffring_staging_pool_info``; ``wsum64``:
-  hashed on the GPU) and the peak GPU memory of the request (``diffring_stage_peak_bytes``,
-  the stage's ``torch.cuda.max_memory_allocated`` over its last request, pool included);
+  text encode, the transformer's the denoise, the decoder's the VAE decode to pixels (a Wan
+  video's MP4 is written meanwhile, issue 33), its ``encode_media`` what is left of the MP4
+  after it (the whole encode where the decode does not stream); ``stage`` puts a stage's
+  outputs into its pool), the tensors each worker pulled over Mooncake
+  (``diffring_transfer_bytes`` / ``diffring_transfer_seconds`` with ``direction="pull"``: the
+  transformer's pull is Phase1, the decoder's Phase2), the staging pool's device and checksum
+  algorithm (``diffring_staging_pool_info``; ``wsum64``: hashed on the GPU) and the peak GPU
+  memory of the request (``diffring_stage_peak_bytes``, the stage's
+  ``torch.cuda.max_memory_allocated`` over its last request, pool included);
 * the controller's event stream (``GET /v1/events``, opened before the first request): the
   time of each denoising step, from its ``progress`` event's ``at`` (step 1 from the
   transformer's claim, so it includes the Phase1 pull);
@@ -343,7 +345,7 @@ def print_request(label: str, entry: dict[str, Any]) -> None:
     print(f"encode {_step(entry, 'encoder', 'compute')} s; denoise "
           f"{_step(entry, 'transformer', 'compute')} s, steps {entry['denoise_steps_s']}; "
           f"VAE decode {_step(entry, 'decoder', 'compute')} s; "
-          f"MP4 {_step(entry, 'decoder', 'encode_media')} s")
+          f"MP4 after it {_step(entry, 'decoder', 'encode_media')} s")
     for phase, producer, consumer in (("Phase1", "encoder", "transformer"),
                                       ("Phase2", "transformer", "decoder")):
         pull = w.get(consumer, {}).get("pull", {})

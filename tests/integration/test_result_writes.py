@@ -35,7 +35,7 @@ from tests.support.fakes import FakeControl
 from tests.support.groups import start_group
 from tests.support.http import post
 from workers.held import RETRY_FIRST_S, RETRY_MAX_S, Held, HeldResults
-from workers.models import Artifact
+from workers.models import Artifact, PendingMedia
 from workers.roles import DecoderWorker
 from workers.worker import Job
 
@@ -222,7 +222,7 @@ ART = Artifact(b"PNG" * 100, "image/png", "png", np.zeros((2, 2, 3), np.uint8))
 
 def publish_and_release(worker: DecoderWorker, tid: str) -> Job:
     job = Job(tid, 1, {"request": {}})
-    worker.publish(job, ART)
+    worker.publish(job, PendingMedia(lambda: ART))  # a result whose media is made
     worker.release(job)
     return job
 

@@ -22,7 +22,7 @@ from contracts.errors import StageError
 from contracts.messages import Op
 from tests.support.fakes import FakeControl
 from workers.encode_pool import EncodePool
-from workers.models import Artifact
+from workers.models import Artifact, PendingMedia
 from workers.roles import DecoderWorker
 from workers.worker import Idle, Job, State
 
@@ -57,6 +57,10 @@ class FakeStage:
 
     def decode_pixels(self, req: Any, inputs: Any) -> np.ndarray:
         return np.full((5, 32, 32, 3), 7, np.uint8)
+
+    def decode_media(self, req: Any, inputs: Any, should_stop: Any = None) -> PendingMedia:
+        pixels = self.decode_pixels(req, inputs)  # a decoder that does not stream
+        return PendingMedia(lambda: self.encode_media(req, pixels))
 
     def encode_media(self, req: Any, pixels: np.ndarray) -> Artifact:
         assert self.release.wait(30)
@@ -167,14 +171,8 @@ def test_foreground_when_disabled(tmp_path: Path) -> None:
     cfg = ServiceConfig(output_dir=str(tmp_path), encode_queue=0)
     worker = DecoderWorker(cfg, "token", {})
     worker.link.control = Control(tmp_path)
-    stage = FakeStage()
-    stage.release.set()
-
-    class Whole(FakeStage):
-        def decode(self, req: Any, inputs: Any) -> Artifact:
-            return stage.encode_media(req, stage.decode_pixels(req, inputs))
-
-    worker.stage = Whole()
+    worker.stage = FakeStage()
+    worker.stage.release.set()
     worker.fetch_inputs = lambda job: {}  # type: ignore[method-assign]
     run_step(worker, "t2")
     assert worker.link.control.ops() == [Op.COMPLETE]  # reported by the step itself

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from contracts.errors import ModelLoadError, StageCancelled, StageInputError
+from contracts.errors import ModelLoadError, StageCancelled, StageError, StageInputError
 from contracts.pipelines import task_spec
 from contracts.request import GenerationRequest
 from contracts.roles import Role
@@ -66,6 +66,37 @@ class Artifact:
 
 StepCallback = Callable[[int, int], None]
 StopCheck = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class FrameChunks:
+    """A video decode that hands its frames over chunk by chunk
+    (:meth:`DecoderAdapter.frame_chunks`)."""
+
+    frames: int
+    """How many frames the chunks add up to."""
+    run: Callable[[Callable[[torch.Tensor], None]], None]
+    """Decode, calling ``each(chunk)`` with every chunk in order: pixels in [0, 1] on the
+    stage's device, channels last, (f, H, W, 3): the rows of what :meth:`decode_tensor`
+    returns for the whole video, value for value."""
+
+
+class PendingMedia:
+    """A decoded result whose media file may still be being encoded: :meth:`result` waits
+    for it (and raises its encoder's error), :meth:`cancel` drops it."""
+
+    def __init__(self, finish: Callable[[], Artifact], cancel: Callable[[], None] | None = None
+                 ) -> None:
+        self._finish = finish
+        self._cancel = cancel
+
+    def result(self) -> Artifact:
+        return self._finish()
+
+    def cancel(self) -> None:
+        if self._cancel is not None:
+            self._cancel()
+
 
 class EncoderAdapter(StageAdapter):
     """Stage 1: text (and image) conditioning for the DiT.
@@ -446,9 +477,83 @@ class DecoderAdapter(StageAdapter):
         data = encode_mp4(pixels, req.fps, self.video)
         return Artifact(data, "video/mp4", "mp4", pixels, fps=req.fps)
 
+    def frame_chunks(
+        self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+    ) -> FrameChunks | None:
+        """The decode of a video chunk by chunk, or None where this decoder decodes in one
+        piece (images, tiled decodes, families without a causal VAE)."""
+        return None
+
+    def decode_media(
+        self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor],
+        should_stop: StopCheck | None = None,
+    ) -> PendingMedia:
+        """Decode on the device; returns when the device is done, with the media encoding
+        pending (:meth:`PendingMedia.result`).
+
+        Where the decoder streams (:meth:`frame_chunks`), the MP4 is encoded on a background
+        thread while the VAE decodes (:mod:`workers.models.media_stream`): each chunk is
+        converted to uint8 on the device as :meth:`decode_pixels` does and copied into the
+        result's pixel array, then queued to the writer; what is pending on return is the
+        encoder's tail. The pixels and the MP4 are those of the serial path (the same values,
+        the same frames fed to the same encoder). Elsewhere the pixels are decoded here and
+        encoded in :meth:`PendingMedia.result`. ``should_stop()`` is polled between chunks
+        (a True answer raises :class:`StageCancelled`).
+        """
+        chunks = self.frame_chunks(req, tensors)
+        if chunks is None:
+            pixels = self.decode_pixels(req, tensors)
+            return PendingMedia(lambda: self.encode_media(req, pixels))
+        return self._decode_streamed(req, chunks, should_stop)
+
+    def _decode_streamed(self, req: GenerationRequest, chunks: FrameChunks,
+                         should_stop: StopCheck | None) -> PendingMedia:
+        import torch
+
+        from .media_stream import Mp4Stream
+
+        assert req.fps is not None  # validated for video tasks
+        fps = req.fps
+        pixels: np.ndarray | None = None
+        done = 0
+        stream = Mp4Stream(fps, self.video)
+
+        def each(chunk: torch.Tensor) -> None:
+            nonlocal pixels, done
+            if should_stop is not None and should_stop():
+                raise StageCancelled(f"decode cancelled after {done} of {chunks.frames} frames")
+            n, height, width, _ = chunk.shape
+            if pixels is None:  # allocated before the writer holds the heap's perturb window
+                pixels = np.empty((chunks.frames, height, width, 3), np.uint8)
+            if done + n > chunks.frames:
+                raise StageError(f"the VAE decoded more than the {chunks.frames} frames "
+                                 "expected of these latents")
+            rows = pixels[done:done + n]
+            with torch.no_grad():  # decode_pixels' conversion, one chunk of rows
+                torch.from_numpy(rows).copy_(
+                    chunk.float().mul(255).round().to(torch.uint8).contiguous())
+            stream.put(rows)
+            done += n
+
+        try:
+            chunks.run(each)
+            if done != chunks.frames:
+                raise StageError(f"the VAE decoded {done} frames, {chunks.frames} expected")
+        except BaseException:
+            stream.abort()
+            raise
+        self._synchronize()
+        assert pixels is not None
+        result = pixels
+
+        def finish() -> Artifact:
+            return Artifact(stream.finish(), "video/mp4", "mp4", result, fps=fps)
+
+        return PendingMedia(finish, stream.abort)
+
     def decode(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]) -> Artifact:
         """Decode and encode the result as PNG (image) or MP4 (video)."""
-        return self.encode_media(req, self.decode_pixels(req, tensors))
+        return self.decode_media(req, tensors).result()
 
 
 @dataclass(frozen=True)

@@ -137,19 +137,29 @@ def encode_mp4(frames: np.ndarray, fps: int, settings: VideoSettings | None = No
     the same bytes with the same FFmpeg build (the muxer writes no time stamps of its own).
     """
     settings = settings or VideoSettings()
+    _check_frames(frames)
+    codec = resolve_codec(settings)
+    with defined_heap():
+        return _encode_mp4_with(frames, fps, codec, settings)
+
+
+def resolve_codec(settings: VideoSettings) -> str:
+    """The codec an MP4 is written with: ``auto`` resolved, an unusable NVENC refused."""
+    codec = settings.codec
+    if codec == "auto":
+        return "h264_nvenc" if nvenc_available() else "libx264"
+    if codec == "h264_nvenc" and not nvenc_available():
+        raise StageError("video codec h264_nvenc was asked for but does not open on this "
+                         "machine; set video_codec to 'auto' or 'libx264'")
+    return codec
+
+
+def _check_frames(frames: np.ndarray) -> None:
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"expected (F, H, W, 3) uint8 frames, got {frames.shape} {frames.dtype}")
     _, height, width, _ = frames.shape
     if height % 2 or width % 2:
         raise ValueError(f"H.264 yuv420p needs even sizes, got {width}x{height}")
-    codec = settings.codec
-    if codec == "auto":
-        codec = "h264_nvenc" if nvenc_available() else "libx264"
-    elif codec == "h264_nvenc" and not nvenc_available():
-        raise StageError("video codec h264_nvenc was asked for but does not open on this "
-                         "machine; set video_codec to 'auto' or 'libx264'")
-    with _defined_heap():
-        return _encode_mp4_with(frames, fps, codec, settings)
 
 
 # glibc's mallopt(M_PERTURB, byte): fill every heap block malloc hands out with that byte.
@@ -158,7 +168,7 @@ _heap_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _defined_heap() -> Iterator[None]:
+def defined_heap() -> Iterator[None]:
     """Make the encoder's uninitialised heap reads read a fixed byte.
 
     libx264 (through FFmpeg) reads heap memory it never wrote: with the same frames and
@@ -168,7 +178,8 @@ def _defined_heap() -> Iterator[None]:
     MALLOC_PERTURB_, always one). An encoder in its own process (the old ffmpeg binary)
     hid this. Turning glibc's perturb byte on for the encode makes those reads defined, so
     the same frames give the same bytes again. It costs a memset per block allocated
-    meanwhile (in any thread). Not glibc: left as is.
+    meanwhile (in any thread). Not glibc: left as is. Held for a whole encode (from the
+    encoder's opening to its flush: a streamed MP4's too), one encode at a time.
     """
     mallopt = _mallopt()
     if mallopt is None:
@@ -194,12 +205,32 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 
 def _encode_mp4_with(frames: np.ndarray, fps: int, codec: str, settings: VideoSettings) -> bytes:
-    import av
+    writer = Mp4Writer(frames.shape[2], frames.shape[1], fps, codec, settings)
+    try:
+        writer.write(frames)
+        return writer.finish()
+    finally:
+        writer.close()
 
-    _, height, width, _ = frames.shape
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream: Any = container.add_stream(codec, rate=fps)  # a VideoStream for these codecs
+
+class Mp4Writer:
+    """An MP4 encoded in memory frame by frame, for frames that arrive in chunks (a streamed
+    decode) or all at once (:func:`encode_mp4`): the same frames give the same bytes either
+    way. ``codec`` is resolved (:func:`resolve_codec`); the caller holds
+    :func:`defined_heap` from the construction to :meth:`finish`. One thread uses it."""
+
+    def __init__(self, width: int, height: int, fps: int, codec: str,
+                 settings: VideoSettings) -> None:
+        import av
+
+        if height % 2 or width % 2:
+            raise ValueError(f"H.264 yuv420p needs even sizes, got {width}x{height}")
+        self.size = (height, width)
+        self.written = 0
+        """Frames written so far (the next frame's time stamp)."""
+        self._buf = io.BytesIO()
+        self._container: Any = av.open(self._buf, mode="w", format="mp4")
+        stream: Any = self._container.add_stream(codec, rate=fps)  # a VideoStream here
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if codec == "libx264":
             stream.codec_context.thread_count = settings.threads
@@ -209,17 +240,37 @@ def _encode_mp4_with(frames: np.ndarray, fps: int, codec: str, settings: VideoSe
                               "rc": "vbr", "cq": str(settings.crf)}
         # No library version strings in the container: bytes depend on frames and settings.
         bitexact: int = av.container.Flags.bitexact.value  # type: ignore[assignment]
-        container.flags |= bitexact
-        for index, frame in enumerate(frames):
+        self._container.flags |= bitexact
+        self._stream = stream
+
+    def write(self, frames: np.ndarray) -> None:
+        """Encode (F, H, W, 3) uint8 frames, the next ones of the video."""
+        import av
+
+        _check_frames(frames)
+        if frames.shape[1:3] != self.size:
+            raise ValueError(f"frames of {frames.shape[2]}x{frames.shape[1]} in a video of "
+                             f"{self.size[1]}x{self.size[0]}")
+        for frame in frames:
             video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
             # Explicit time stamps: without them x264's rate control sees undefined frame
             # durations and the bytes (and pixels) of the same frames vary from run to run.
-            video_frame.pts = index
-            for packet in stream.encode(video_frame):
-                container.mux(packet)
-        for packet in stream.encode():  # flush the encoder's delayed frames
-            container.mux(packet)
-    return buf.getvalue()
+            video_frame.pts = self.written
+            self.written += 1
+            for packet in self._stream.encode(video_frame):
+                self._container.mux(packet)
+
+    def finish(self) -> bytes:
+        """Flush the encoder's delayed frames, close the file; its bytes."""
+        for packet in self._stream.encode():
+            self._container.mux(packet)
+        self._container.close()
+        return self._buf.getvalue()
+
+    def close(self) -> None:
+        """Release the encoder (after :meth:`finish`, or instead of it: the bytes are lost)."""
+        with contextlib.suppress(Exception):  # a failed encoder may fail to close too
+            self._container.close()
 
 
 def read_mp4(data: bytes) -> np.ndarray:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from .. import loop_state
 from ..base import (
     DecoderAdapter,
     EncoderAdapter,
+    FrameChunks,
     StepCallback,
     StopCheck,
     TransformerAdapter,
@@ -523,6 +524,30 @@ class WanDecoder(DecoderAdapter):
     def decode_tensor(
         self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
+        latents = self._latents(req, tensors)
+        with torch.no_grad():
+            video = decode_latents(self.vae, latents, self.device)
+            return self._channels_last(video)
+
+    def frame_chunks(
+        self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+    ) -> FrameChunks | None:
+        """One chunk per latent frame (:mod:`.wan_stream`); None for a tiled decode."""
+        from .wan_stream import decode_by_latent_frame, streams
+
+        latents = self._latents(req, tensors)
+        if not streams(self.vae, latents):
+            return None
+        frames = 1 + (latents.shape[2] - 1) * self.vae.config.scale_factor_temporal
+
+        def run(each: Callable[[torch.Tensor], None]) -> None:
+            decode_by_latent_frame(self.vae, latents, self.device,
+                                   lambda video: each(self._channels_last(video)))
+
+        return FrameChunks(frames, run)
+
+    def _latents(self, req: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+                 ) -> torch.Tensor:
         self._require_loaded()
         check_request_task(req, self.task, self.role)
         latents = require_tensor(tensors, "latents", self.role, ndim=5)
@@ -531,8 +556,12 @@ class WanDecoder(DecoderAdapter):
                 f"decoder stage input 'latents' has {latents.shape[1]} channels, the VAE "
                 f"expects {self.vae.config.z_dim}"
             )
+        return latents
+
+    def _channels_last(self, video: torch.Tensor) -> torch.Tensor:
+        """The VAE's (1, C, F, H, W) output -> (F, H, W, C) in [0, 1], as the pipelines'
+        postprocessing makes it (elementwise: a part of the video gives its part)."""
         with torch.no_grad():
-            video = decode_latents(self.vae, latents, self.device)
             frames = self.video_processor.postprocess_video(video, output_type="pt")
         # (1, F, C, H, W) -> (F, H, W, C), what the "np" output type's conversion does.
         pixels: torch.Tensor = frames[0].permute(0, 2, 3, 1)
