@@ -114,7 +114,7 @@ class BaselineWorker:
                 self.roles[role].stats = stage.memory.report()
 
     def start(self) -> None:
-        self.load()
+        """Register the stages and start serving; :meth:`load` ran first (off the loop)."""
         for role in Role:
             offers = self.pipeline.transformer.offers() if role == Role.TRANSFORMER else {}
             self.roles[role] = self.co.on_register(

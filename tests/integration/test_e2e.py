@@ -197,3 +197,14 @@ def test_transformer_registers_after_its_warm_up(tiny_models: Path, workdir: Pat
         log = dit.log()
     warm = log.index("warm-up of 32x32x5 took")
     assert warm < log.index("ready: pipeline=wan_t2v")
+
+
+def test_the_baseline_warms_up_once_before_it_serves(tiny_models: Path, workdir: Path) -> None:
+    """``--service all`` with warmup_shapes runs the warm-up once (it ran twice: load, then
+    start loaded again), and before it is ready."""
+    with local_group("wan_t2v", tiny_models, workdir, warmup_shapes=["32x32x5"]) as group:
+        proc = group.start("all")
+        group.wait_http(timeout=180)
+        log = proc.log()
+    assert log.count("baseline: warm-up of 32x32x5 took") == 1, log
+    assert log.index("baseline: warm-up of 32x32x5 took") < log.index("baseline ready")
