@@ -105,7 +105,9 @@ def _build_wan(dest: Path, seed: int, i2v: bool, published: bool = False) -> Non
         c.patch_model_index(dest, image_processor=["transformers", "CLIPImageProcessor"])
 
 
-def _build_wan22_a14b(dest: Path, seed: int, i2v: bool) -> None:
+def _build_wan22_a14b(dest: Path, seed: int, i2v: bool, published: bool = False) -> None:
+    """``published``: the VAE with the published two residual blocks per level, as the
+    original Wan2.1_VAE.pth that the original Wan2.2-A14B folders ship implies."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     tokenizer = build_t5_tokenizer()
@@ -114,7 +116,7 @@ def _build_wan22_a14b(dest: Path, seed: int, i2v: bool) -> None:
     common: dict[str, Any] = {
         "tokenizer": tokenizer,
         "text_encoder": c.wan_text_encoder(seed, c.round_up(len(tokenizer), 64)),
-        "vae": c.wan_vae(seed),
+        "vae": c.wan_vae(seed, num_res_blocks=2 if published else 1),
         "scheduler": c.wan_scheduler(WAN22_SHIFT[task]),
         "transformer": c.wan22_transformer(seed, f"{task}.high", channels, 16),
         "transformer_2": c.wan22_transformer(seed, f"{task}.low", channels, 16),
@@ -147,6 +149,17 @@ def build_published_wan(dest: Path, seed: int, i2v: bool) -> Path:
     with _in_place(dest, dest.name, keep=lambda: (dest / "model_index.json").is_file()) as tmp, \
             torch.no_grad():
         _build_wan(tmp, seed, i2v, published=True)
+    return dest
+
+
+def build_published_wan22_a14b(dest: Path, seed: int, i2v: bool) -> Path:
+    """A tiny Wan2.2-A14B folder (diffusers' layout) whose VAE keeps the structure of the
+    published ``Wan2.1_VAE.pth`` (see :func:`_build_wan22_a14b`), built in place."""
+    import torch
+
+    with _in_place(dest, dest.name, keep=lambda: (dest / "model_index.json").is_file()) as tmp, \
+            torch.no_grad():
+        _build_wan22_a14b(tmp, seed, i2v, published=True)
     return dest
 
 

@@ -171,3 +171,17 @@ def wan_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             build_wan_pair(out, task)
 
     return built_once(tmp_path_factory, "wan-pairs", build)
+
+
+@pytest.fixture(scope="session")
+def wan22_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<task>-diffusers`` and ``<task>-original`` for wan22_a14b_t2v and wan22_a14b_i2v:
+    the same tiny random weights in diffusers' layout and in the original Wan2.2-A14B layout
+    (``high_noise_model/``, ``low_noise_model/``; modelkit/original.py), built once per run."""
+    from modelkit.original import build_wan22_pair
+
+    def build(out: Path) -> None:
+        for task in ("wan22_a14b_t2v", "wan22_a14b_i2v"):
+            build_wan22_pair(out, task)
+
+    return built_once(tmp_path_factory, "wan22-pairs", build)

@@ -1,0 +1,98 @@
+"""The original Wan2.2-A14B layout (workers/models/layouts.py): T2V and I2V folders with
+``high_noise_model/`` and ``low_noise_model/`` give the pixels of the same weights in
+diffusers' layout, both experts running at the published boundary; a half folder is refused
+naming what it lacks; the original TI2V-5B layout is refused naming the diffusers layout.
+
+The tiny original folders are written from tiny diffusers-layout ones through the published
+key mappings (modelkit/original.py ``build_wan22_pair``), never downloaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from contracts.errors import ModelLoadError  # noqa: E402
+from tests.support.models import small_request  # noqa: E402
+from workers.models.base import DecoderAdapter, EncoderAdapter, TransformerAdapter  # noqa: E402
+from workers.models.components import check_stage_folder  # noqa: E402
+
+pytestmark = pytest.mark.integration  # builds and runs the tiny models
+
+
+def pixels(folder: Path, task: str, image: bytes | None) -> tuple[np.ndarray, list[str | None]]:
+    """The three stages freshly loaded from ``folder``, one small request (three steps: the
+    boundary falls inside them); float pixels and the expert of each step."""
+    req = small_request(task)
+    encoder = EncoderAdapter.for_task(folder, task)
+    transformer = TransformerAdapter.for_task(folder, task)
+    decoder = DecoderAdapter.for_task(folder, task)
+    for stage in (encoder, transformer, decoder):
+        stage.load()
+    experts: list[str | None] = []
+    latents = transformer.denoise(req, encoder.encode(req, image),
+                                  on_step=lambda k, n: experts.append(transformer.active_expert))
+    out: np.ndarray = decoder.decode_float(req, latents)
+    assert out.std() > 0.01, "degenerate output"
+    return out, experts
+
+
+@pytest.mark.parametrize("task", ["wan22_a14b_t2v", "wan22_a14b_i2v"])
+def test_original_wan22_a14b_layout_gives_the_diffusers_layout_pixels(
+        wan22_pairs: Path, input_png: bytes, task: str) -> None:
+    image = input_png if task.endswith("i2v") else None
+    original = wan22_pairs / f"{task}-original"
+    found = check_stage_folder(original, task, "transformer")
+    assert found.layout == "wan22_original" and found.source is not None
+    boundary = 0.9 if task.endswith("i2v") else 0.875
+    assert found.variant == f"two experts, boundary_ratio {boundary}"
+    view = json.loads((found.source / "scheduler" / "scheduler_config.json").read_text())
+    assert view["flow_shift"] == (5.0 if task.endswith("i2v") else 12.0)
+    ours, experts = pixels(original, task, image)
+    reference, want = pixels(wan22_pairs / f"{task}-diffusers", task, image)
+    assert experts == want == ["high", "high", "low"]
+    assert float(np.abs(ours - reference).max()) == 0.0
+
+
+def test_a_half_wan22_folder_is_refused_naming_what_it_lacks(
+        wan22_pairs: Path, tmp_path: Path) -> None:
+    task = "wan22_a14b_t2v"
+    half = tmp_path / "half"
+    shutil.copytree(wan22_pairs / f"{task}-original", half)
+    shutil.rmtree(half / "low_noise_model")
+    with pytest.raises(ModelLoadError, match=r"original Wan2.2-A14B layout but lacks "
+                                             r"low_noise_model/config.json$"):
+        check_stage_folder(half, task, "transformer")
+    shutil.copytree(wan22_pairs / f"{task}-original" / "low_noise_model",
+                    half / "low_noise_model")
+    (half / "Wan2.1_VAE.pth").unlink()
+    (half / "low_noise_model" / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"lacks Wan2.1_VAE.pth"):
+        check_stage_folder(half, task, "decoder")
+    shutil.copy(wan22_pairs / f"{task}-original" / "Wan2.1_VAE.pth", half)
+    with pytest.raises(ModelLoadError, match=r"low_noise_model: 1 DiT shard\(s\) listed in "
+                       r"diffusion_pytorch_model.safetensors.index.json missing"):
+        check_stage_folder(half, task, "transformer")
+    # The T2V experts under the I2V task: the usual refusal, naming the row that serves them.
+    with pytest.raises(ModelLoadError, match=r"served by diffring as wan22_a14b_t2v"):
+        check_stage_folder(wan22_pairs / f"{task}-original", "wan22_a14b_i2v", "encoder")
+
+
+def test_the_original_ti2v_5b_layout_is_refused_naming_the_diffusers_layout(
+        wan22_pairs: Path, tmp_path: Path) -> None:
+    """Its VAE file (Wan2.2_VAE.pth) has no converter here yet: refused before any load."""
+    folder = tmp_path / "ti2v"
+    src = wan22_pairs / "wan22_a14b_t2v-original"
+    shutil.copytree(src / "high_noise_model", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "ti2v"}))
+    (folder / "Wan2.2_VAE.pth").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"original Wan2.2-TI2V-5B layout .* Point "
+                                             r"model_path at the diffusers layout"):
+        check_stage_folder(folder, "wan22_5b_t2v", "decoder")
