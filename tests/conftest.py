@@ -175,13 +175,14 @@ def wan_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def wan22_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``<task>-diffusers`` and ``<task>-original`` for wan22_a14b_t2v and wan22_a14b_i2v:
-    the same tiny random weights in diffusers' layout and in the original Wan2.2-A14B layout
-    (``high_noise_model/``, ``low_noise_model/``; modelkit/original.py), built once per run."""
+    """``<name>-diffusers`` and ``<name>-original`` for wan22_a14b_t2v, wan22_a14b_i2v and
+    wan22_5b (TI2V-5B's one folder): the same tiny random weights in diffusers' layout and in
+    the original Wan2.2 layout (A14B's ``high_noise_model/`` and ``low_noise_model/``,
+    TI2V-5B's ``Wan2.2_VAE.pth``; modelkit/original.py), built once per run."""
     from modelkit.original import build_wan22_pair
 
     def build(out: Path) -> None:
-        for task in ("wan22_a14b_t2v", "wan22_a14b_i2v"):
+        for task in ("wan22_a14b_t2v", "wan22_a14b_i2v", "wan22_5b"):
             build_wan22_pair(out, task)
 
     return built_once(tmp_path_factory, "wan22-pairs", build)

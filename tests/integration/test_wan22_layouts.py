@@ -1,7 +1,8 @@
 """The original Wan2.2-A14B layout (workers/models/layouts.py): T2V and I2V folders with
 ``high_noise_model/`` and ``low_noise_model/`` give the pixels of the same weights in
 diffusers' layout, both experts running at the published boundary; a half folder is refused
-naming what it lacks; the original TI2V-5B layout is refused naming the diffusers layout.
+naming what it lacks. The original TI2V-5B layout (its DiT at the top, ``Wan2.2_VAE.pth``)
+likewise, for both of its tasks.
 
 The tiny original folders are written from tiny diffusers-layout ones through the published
 key mappings (modelkit/original.py ``build_wan22_pair``), never downloaded."""
@@ -26,13 +27,14 @@ from workers.models.components import check_stage_folder  # noqa: E402
 pytestmark = pytest.mark.integration  # builds and runs the tiny models
 
 
-def pixels(folder: Path, task: str, image: bytes | None) -> tuple[np.ndarray, list[str | None]]:
+def pixels(folder: Path, task: str, image: bytes | None, dtype: str = "float32"
+           ) -> tuple[np.ndarray, list[str | None]]:
     """The three stages freshly loaded from ``folder``, one small request (three steps: the
     boundary falls inside them); float pixels and the expert of each step."""
     req = small_request(task)
-    encoder = EncoderAdapter.for_task(folder, task)
-    transformer = TransformerAdapter.for_task(folder, task)
-    decoder = DecoderAdapter.for_task(folder, task)
+    encoder = EncoderAdapter.for_task(folder, task, dtype=dtype)
+    transformer = TransformerAdapter.for_task(folder, task, dtype=dtype)
+    decoder = DecoderAdapter.for_task(folder, task, dtype=dtype)
     for stage in (encoder, transformer, decoder):
         stage.load()
     experts: list[str | None] = []
@@ -84,15 +86,35 @@ def test_a_half_wan22_folder_is_refused_naming_what_it_lacks(
         check_stage_folder(wan22_pairs / f"{task}-original", "wan22_a14b_i2v", "encoder")
 
 
-def test_the_original_ti2v_5b_layout_is_refused_naming_the_diffusers_layout(
+@pytest.mark.parametrize(("task", "dtype"), [("wan22_5b_t2v", "float32"),
+                                             ("wan22_5b_t2v", "bfloat16"),
+                                             ("wan22_5b_i2v", "float32")])
+def test_original_ti2v_5b_layout_gives_the_diffusers_layout_pixels(
+        wan22_pairs: Path, input_png: bytes, task: str, dtype: str) -> None:
+    """One original folder serves both TI2V-5B tasks; its Wan2.2_VAE.pth goes through
+    diffring's key map (workers/models/wan22_vae.py), the encoder's VAE for I2V too."""
+    image = input_png if task.endswith("i2v") else None
+    original = wan22_pairs / "wan22_5b-original"
+    found = check_stage_folder(original, task, "decoder")
+    assert found.layout == "wan22_original" and found.source is not None
+    assert found.variant == "expand_timesteps (TI2V-5B)"
+    ours, experts = pixels(original, task, image, dtype)
+    reference, _ = pixels(wan22_pairs / "wan22_5b-diffusers", task, image, dtype)
+    assert experts == [None] * 3
+    assert float(np.abs(ours - reference).max()) == 0.0
+
+
+def test_a_half_ti2v_5b_folder_is_refused_naming_what_it_lacks(
         wan22_pairs: Path, tmp_path: Path) -> None:
-    """Its VAE file (Wan2.2_VAE.pth) has no converter here yet: refused before any load."""
-    folder = tmp_path / "ti2v"
-    src = wan22_pairs / "wan22_a14b_t2v-original"
-    shutil.copytree(src / "high_noise_model", folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "ti2v"}))
-    (folder / "Wan2.2_VAE.pth").write_bytes(b"")
-    with pytest.raises(ModelLoadError, match=r"original Wan2.2-TI2V-5B layout .* Point "
-                                             r"model_path at the diffusers layout"):
-        check_stage_folder(folder, "wan22_5b_t2v", "decoder")
+    half = tmp_path / "half"
+    shutil.copytree(wan22_pairs / "wan22_5b-original", half)
+    (half / "Wan2.2_VAE.pth").unlink()
+    with pytest.raises(ModelLoadError, match=r"original Wan2.2-TI2V-5B layout but lacks "
+                                             r"Wan2.2_VAE.pth$"):
+        check_stage_folder(half, "wan22_5b_t2v", "decoder")
+    # A foreign tensor in the VAE file is named, not dropped.
+    vae = torch.load(wan22_pairs / "wan22_5b-original" / "Wan2.2_VAE.pth")
+    torch.save({**vae, "decoder.extra.weight": torch.zeros(1)}, half / "Wan2.2_VAE.pth")
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'decoder.extra.weight' in "
+                                             r"the Wan2.2 VAE checkpoint"):
+        DecoderAdapter.for_task(half, "wan22_5b_t2v").load()

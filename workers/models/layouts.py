@@ -16,9 +16,13 @@ Served layouts:
   top ``models_t5_umt5-xxl-enc-bf16.pth``, ``Wan2.1_VAE.pth`` and ``google/umt5-xxl/``; no
   CLIP (Wan2.2's I2V DiT has no image context). The boundary between the experts and the
   sample shift are not in the folder but in Wan2.2's code (``wan/configs/wan_*_A14B.py``):
-  the view takes the published values (:data:`WAN22_A14B_SAMPLE`). Wan2.2-TI2V-5B's original
-  folder (its DiT at the top, ``Wan2.2_VAE.pth``) is refused naming the diffusers layout:
-  neither diffusers nor diffring converts the 48-channel VAE's original file yet.
+  the view takes the published values (:data:`WAN22_A14B_SAMPLE`).
+* ``wan22_original`` also names the original Wan2.2-TI2V-5B folder: the Wan2.1 layout (a
+  ``WanModel`` config of ``model_type`` ``ti2v``) with ``Wan2.2_VAE.pth`` (the 48-channel
+  VAE) instead of ``Wan2.1_VAE.pth`` and no CLIP; one folder serves both of its tasks (the
+  view names ``expand_timesteps``, as diffusers' does; the sample shift is the published 5.0).
+  Its VAE file is converted by diffring's own key map (:mod:`workers.models.wan22_vae`:
+  diffusers' library has no converter for it).
 * either of them with a single-file DiT (``dit_original_ckpt``, LightX2V's key): original,
   ComfyUI (``model.diffusion_model.`` prefix) or diffusers key names.
 * either of them with another VAE (``vae_path``, LightX2V's key): a single file in the
@@ -75,6 +79,7 @@ LAYOUTS_SERVED = (
     f" {WAN_VAE}, {WAN_TOKENIZER}/; for I2V also {WAN_CLIP})",
     f"the original Wan2.2-A14B layout ({WAN22_HIGH}/ and {WAN22_LOW}/, each a WanModel"
     f" config.json with its {WAN_DIT}*.safetensors; {WAN_T5}, {WAN_VAE}, {WAN_TOKENIZER}/)",
+    f"the original Wan2.2-TI2V-5B layout (the Wan2.1 layout with {WAN22_VAE}, no CLIP)",
     "either with a single-file DiT (dit_original_ckpt: original, ComfyUI or diffusers keys)",
     "either with another VAE (vae_path: a single file in the original Wan VAE or diffusers "
     "names, or a diffusers VAE folder)",
@@ -133,7 +138,8 @@ def detect_layout(model_dir: Path) -> str:
         except (OSError, ValueError):
             data = None
         if isinstance(data, dict) and data.get("_class_name") == "WanModel":
-            return "wan_original"
+            ti2v = data.get("model_type") == "ti2v" or (model_dir / WAN22_VAE).exists()
+            return "wan22_original" if ti2v else "wan_original"
     if any((model_dir / c).is_dir() for c in _DIFFUSERS_COMPONENTS):
         return "diffusers"  # a stage's own copy of its component folders
     if not any(model_dir.iterdir()):
@@ -326,12 +332,6 @@ def _vae_component(view: Path, vae: Path, own_config: Path | None, wan: bool) ->
 def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None,
                         vae_file: Path | None = None) -> None:
     original = json.loads((model_dir / "config.json").read_text())
-    if original.get("model_type") == "ti2v" or (model_dir / WAN22_VAE).exists():
-        raise ModelLoadError(
-            f"model folder {model_dir} is the original Wan2.2-TI2V-5B layout ({WAN22_VAE}), "
-            "which diffring does not serve yet: neither diffusers nor diffring converts the "
-            "Wan2.2 VAE's original file. Point model_path at the diffusers layout "
-            "(Wan2.2-TI2V-5B-Diffusers)")
     need = [WAN_T5, f"{WAN_TOKENIZER}/"] + ([] if vae_file is not None else [WAN_VAE])
     i2v = original.get("model_type") == "i2v" or int(original.get("in_dim", 16)) != 16
     if i2v:
@@ -365,11 +365,47 @@ def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None,
     _write(view, "model_index.json", index)
 
 
+def _build_wan22_5b(model_dir: Path, view: Path, dit_file: Path | None,
+                    vae_file: Path | None) -> None:
+    """The view of an original Wan2.2-TI2V-5B folder: its one DiT, the Wan2.2 VAE converted
+    by diffring's key map, ``expand_timesteps`` and the published sample shift (5.0,
+    Wan2.2's wan/configs/wan_ti2v_5B.py)."""
+    from .wan22_vae import wan22_vae_config
+
+    if vae_file is not None:
+        raise ModelLoadError(f"vae_path {vae_file}: model folder {model_dir} is the original "
+                             f"Wan2.2-TI2V-5B layout, whose {WAN22_VAE} is read as it is; "
+                             "vae_path replaces Wan2.1 and Qwen-Image VAEs only")
+    original = json.loads((model_dir / "config.json").read_text())
+    need = [WAN22_VAE, WAN_T5, f"{WAN_TOKENIZER}/"]
+    missing = [n for n in need if not (model_dir / n.rstrip("/")).exists()]
+    if missing:
+        raise ModelLoadError(f"model folder {model_dir} is the original Wan2.2-TI2V-5B layout "
+                             f"but lacks {', '.join(missing)}")
+    dit_files = [dit_file] if dit_file is not None else wan_dit_files(model_dir)
+    shapes = (checkpoint_shapes(dit_file) if dit_file is not None
+              else safetensors_shapes(dit_files))
+    _write(view / "transformer", "config.json", wan_dit_config(original, shapes, model_dir))
+    _source(view / "transformer", "wan_transformer", dit_files)
+    vae = model_dir / WAN22_VAE
+    _write(view / "vae", "config.json", wan22_vae_config(checkpoint_shapes(vae), vae))
+    _source(view / "vae", "wan22_vae", [vae])
+    _wan_shared(model_dir, view, None, {**WAN_SCHEDULER, "flow_shift": 5.0}, vae=False)
+    _write(view, "model_index.json", {
+        "_class_name": "WanPipeline", "boundary_ratio": None, "expand_timesteps": True,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5Tokenizer"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None], "vae": ["diffusers", "AutoencoderKLWan"]})
+
+
 def _wan_shared(model_dir: Path, view: Path, vae_file: Path | None,
-                scheduler: dict[str, Any]) -> None:
-    """What the original Wan2.1 and Wan2.2-A14B folders share: the VAE (or ``vae_file``),
-    the T5 encoder, the tokenizer, the scheduler."""
-    _vae_component(view / "vae", vae_file or model_dir / WAN_VAE, None, wan=True)
+                scheduler: dict[str, Any], vae: bool = True) -> None:
+    """What the original Wan folders share: the Wan2.1 VAE (or ``vae_file``; ``vae``
+    False: the caller's), the T5 encoder, the tokenizer, the scheduler."""
+    if vae:
+        _vae_component(view / "vae", vae_file or model_dir / WAN_VAE, None, wan=True)
     t5 = model_dir / WAN_T5
     _write(view / "text_encoder", "config.json", _umt5_config(checkpoint_shapes(t5), t5))
     _source(view / "text_encoder", "wan_t5", [t5])
@@ -482,8 +518,11 @@ def view_of(model_dir: Path, layout: str, dit_file: Path | None = None,
     try:
         if layout == "wan_original":
             _build_wan_original(model_dir, view, dit_file, vae_file)
-        elif layout == "wan22_original":
+        elif layout == "wan22_original" and any((model_dir / e).is_dir()
+                                                for e in (WAN22_HIGH, WAN22_LOW)):
             _build_wan22_a14b(model_dir, view, dit_file, vae_file)
+        elif layout == "wan22_original":  # the DiT at the top: TI2V-5B
+            _build_wan22_5b(model_dir, view, dit_file, vae_file)
         else:
             _build_overrides(model_dir, view, dit_file, vae_file)
     except BaseException:
