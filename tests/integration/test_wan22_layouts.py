@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,3 +119,40 @@ def test_a_half_ti2v_5b_folder_is_refused_naming_what_it_lacks(
     with pytest.raises(ModelLoadError, match=r"unexpected tensor 'decoder.extra.weight' in "
                                              r"the Wan2.2 VAE checkpoint"):
         DecoderAdapter.for_task(half, "wan22_5b_t2v").load()
+
+
+@pytest.mark.parametrize(("model_cls", "task", "folder"), [
+    ("wan2.2_moe", "i2v", "wan22_a14b_i2v-original"), ("wan2.2", "t2v", "wan22_5b-original")])
+def test_check_reports_the_wan22_original_layout(wan22_pairs: Path, model_cls: str, task: str,
+                                                 folder: str) -> None:
+    """``--check`` (LightX2V's model_cls and task) on the original folders: the layout line
+    names it, the stage's model check passes."""
+    from contracts.config import ServiceConfig
+    from doctor import run_checks
+
+    cfg = ServiceConfig.from_dict({"model_cls": model_cls, "task": task,
+                                   "model_path": str(wan22_pairs / folder)})
+    found = {c.name: c for c in run_checks("decoder", cfg, "t" * 32, {})}
+    assert found["layout"].status == "ok", found["layout"]
+    assert "wan22_original layout" in found["layout"].detail
+    assert found["model (decoder)"].status == "ok", found["model (decoder)"]
+
+
+def test_swap_on_the_original_a14b_layout(wan22_pairs: Path) -> None:
+    """``transformer.experts: swap`` reads both converted experts (the low-noise one into
+    host memory): the latents of ``both`` on the diffusers folder."""
+    from contracts.stage_options import StageOptions
+
+    task = "wan22_a14b_t2v"
+    req = small_request(task)
+    encoder = EncoderAdapter.for_task(wan22_pairs / f"{task}-diffusers", task)
+    encoder.load()
+    cond = encoder.encode(req, None)
+    swap: Any = TransformerAdapter.for_task(wan22_pairs / f"{task}-original", task,
+                                            options=StageOptions(experts="swap"))
+    both = TransformerAdapter.for_task(wan22_pairs / f"{task}-diffusers", task)
+    for dit in (swap, both):
+        dit.load()
+    got = swap.denoise(req, dict(cond))["latents"]
+    assert swap.experts.moves == 2
+    assert torch.equal(got, both.denoise(req, dict(cond))["latents"])
