@@ -98,6 +98,8 @@ WAN_SCHEDULER: dict[str, Any] = {
 # converted folders carry the same boundary_ratio): the original folder has neither.
 WAN22_A14B_SAMPLE: dict[str, tuple[float, float]] = {"t2v": (0.875, 12.0), "i2v": (0.9, 5.0)}
 """model_type -> (boundary_ratio, flow_shift)."""
+WAN22_5B_SHIFT = 5.0
+"""TI2V-5B's published sample shift (wan/configs/wan_ti2v_5B.py)."""
 # The Wan2.1 VAE's published architecture (every Wan2.1 checkpoint ships the same VAE);
 # base_dim and z_dim are read from the weights.
 _WAN_VAE: dict[str, Any] = {
@@ -368,8 +370,7 @@ def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None,
 def _build_wan22_5b(model_dir: Path, view: Path, dit_file: Path | None,
                     vae_file: Path | None) -> None:
     """The view of an original Wan2.2-TI2V-5B folder: its one DiT, the Wan2.2 VAE converted
-    by diffring's key map, ``expand_timesteps`` and the published sample shift (5.0,
-    Wan2.2's wan/configs/wan_ti2v_5B.py)."""
+    by diffring's key map, ``expand_timesteps`` and the published sample shift."""
     from .wan22_vae import wan22_vae_config
 
     if vae_file is not None:
@@ -390,7 +391,8 @@ def _build_wan22_5b(model_dir: Path, view: Path, dit_file: Path | None,
     vae = model_dir / WAN22_VAE
     _write(view / "vae", "config.json", wan22_vae_config(checkpoint_shapes(vae), vae))
     _source(view / "vae", "wan22_vae", [vae])
-    _wan_shared(model_dir, view, None, {**WAN_SCHEDULER, "flow_shift": 5.0}, vae=False)
+    _wan_shared(model_dir, view, None, {**WAN_SCHEDULER, "flow_shift": WAN22_5B_SHIFT},
+                vae=False)
     _write(view, "model_index.json", {
         "_class_name": "WanPipeline", "boundary_ratio": None, "expand_timesteps": True,
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],

@@ -86,10 +86,7 @@ def _residual(rest: str, key: str) -> str:
 
 def wan22_vae_to_diffusers(state: Mapping[str, Any]) -> dict[str, Any]:
     """The original Wan2.2 VAE's state dict in diffusers' ``AutoencoderKLWan`` names."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        out[_name(key)] = value
-    return out
+    return {_name(key): value for key, value in state.items()}
 
 
 def _name(key: str) -> str:
