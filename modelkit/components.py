@@ -179,11 +179,15 @@ def wan22_transformer(seed: int, salt: str, in_channels: int, out_channels: int)
                          in_channels=in_channels, out_channels=out_channels).eval()
 
 
-def wan22_vae(seed: int) -> Any:
+def wan22_vae(seed: int, published: bool = False) -> Any:
     """A tiny Wan2.2 VAE (TI2V-5B's): residual, 2x2 pixel patches in front (12 channels),
     48 latent channels, 16x spatial compression. Real: base_dim 160, decoder_base_dim 256,
-    num_res_blocks 2; the same structure and strides."""
+    num_res_blocks 2; the same structure and strides. ``published``: the real block count
+    and the published latent statistics, as an original ``Wan2.2_VAE.pth`` implies (the
+    original-layout test folders, modelkit/original.py)."""
     from diffusers import AutoencoderKLWan
+
+    from workers.models.wan22_vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
 
     seeded(seed, "wan22.vae")
     model: Any = AutoencoderKLWan(
@@ -191,7 +195,7 @@ def wan22_vae(seed: int) -> Any:
         decoder_base_dim=8,
         z_dim=48,
         dim_mult=[1, 2, 4, 4],
-        num_res_blocks=1,
+        num_res_blocks=2 if published else 1,
         attn_scales=[],
         temperal_downsample=[False, True, True],
         is_residual=True,
@@ -201,8 +205,10 @@ def wan22_vae(seed: int) -> Any:
         scale_factor_spatial=16,
         scale_factor_temporal=4,
         # Statistics of the right length (the real ones are the encoder's, per channel).
-        latents_mean=[round(-0.5 + i / 48, 4) for i in range(48)],
-        latents_std=[round(0.8 + i / 96, 4) for i in range(48)],
+        latents_mean=WAN22_LATENTS_MEAN if published else
+        [round(-0.5 + i / 48, 4) for i in range(48)],
+        latents_std=WAN22_LATENTS_STD if published else
+        [round(0.8 + i / 96, 4) for i in range(48)],
     )
     return model.eval()
 

@@ -9,6 +9,13 @@ another layout gives the pixels of the same weights in diffusers' layout.
   ``models_t5_umt5-xxl-enc-bf16.pth``, ``Wan2.1_VAE.pth``, ``google/umt5-xxl/``, and for I2V
   ``models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth`` (with a text tower and head the
   loader drops).
+* :func:`build_wan22_pair`: a tiny Wan2.2 folder in diffusers' layout whose VAE keeps the
+  published structure, and the same weights in the original layout: for A14B (T2V or I2V)
+  ``high_noise_model/`` and ``low_noise_model/`` (each a ``config.json`` and the DiT in two
+  shards with their index), ``models_t5_umt5-xxl-enc-bf16.pth``, ``Wan2.1_VAE.pth``,
+  ``google/umt5-xxl/``; for TI2V-5B the Wan2.1 layout with ``Wan2.2_VAE.pth`` (in the
+  inverse of diffring's Wan2.2 VAE key map, ``workers/models/wan22_vae.py``: diffusers'
+  library has none; checked by the round trip and by the pixels) and no CLIP.
 * :func:`write_single_file_dit`: a folder's DiT as one file, in diffusers' key names or
   ComfyUI's (``model.diffusion_model.`` before each), or for Wan in the original names.
 * :func:`write_single_file_vae`: a folder's VAE (Wan2.1's or Qwen-Image's, whose parameters
@@ -119,6 +126,47 @@ def vae_to_original(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# -- the Wan2.2 VAE: inverse of diffring's map (workers/models/wan22_vae.py) --------------
+def vae22_to_original(state: dict[str, Any]) -> dict[str, Any]:
+    from workers.models.wan22_vae import LEVEL, RESIDUAL, SIDE, TOP
+
+    residual = {v: k for k, v in RESIDUAL.items()}
+    side_back = {v: k for k, v in SIDE.items() if "resnets" not in v}
+    top_back = {v: k for k, v in TOP.items()}
+    resnets: dict[str, set[str]] = {}  # "encoder.down_blocks.0" -> its resnet indices
+    for key in state:
+        m = re.match(r"^(.+\.(?:down|up)_blocks\.\d+)\.resnets\.(\d+)\.", key)
+        if m:
+            resnets.setdefault(m[1], set()).add(m[2])
+
+    def layer(rest: str) -> str:
+        return next(old + rest[len(new):] for new, old in residual.items()
+                    if rest.startswith(new))
+
+    out = {}
+    for key, value in state.items():
+        side, _, rest = key.partition(".")
+        m = re.match(r"^(?:down|up)_blocks\.(\d+)\.(?:resnets\.(\d+)\.|(?:down|up)sampler\.)"
+                     r"(.+)$", rest)
+        if m and side in LEVEL:
+            seq = LEVEL[side][0]
+            index = m[2] if m[2] is not None else str(len(resnets[f"{side}.{rest.split('.')[0]}"
+                                                                  f".{m[1]}"]))
+            tail = layer(m[3]) if m[2] is not None else m[3]
+            name = f"{side}.{seq}.{m[1]}.{seq}.{index}.{tail}"
+        elif rest.startswith("mid_block.resnets."):
+            number, _, tail = rest.removeprefix("mid_block.resnets.").partition(".")
+            name = f"{side}.middle.{2 * int(number)}.{layer(tail)}"
+        elif side in LEVEL:
+            name = next(f"{side}.{old}{rest[len(new):]}" for new, old in side_back.items()
+                        if rest.startswith(new))
+        else:
+            name = next(old + key[len(new):] for new, old in top_back.items()
+                        if key.startswith(new))
+        out[name] = value
+    return out
+
+
 def _check_inverse(kind: str, original: dict[str, Any], diffusers_state: dict[str, Any]) -> None:
     """Converting ``original`` back with diffusers' own converter must give the diffusers
     state dict exactly: the inverse written here is then the published mapping's."""
@@ -128,7 +176,10 @@ def _check_inverse(kind: str, original: dict[str, Any], diffusers_state: dict[st
         convert_wan_vae_to_diffusers,
     )
 
-    fn = convert_wan_transformer_to_diffusers if kind == "dit" else convert_wan_vae_to_diffusers
+    from workers.models.wan22_vae import wan22_vae_to_diffusers
+
+    fn: Any = {"dit": convert_wan_transformer_to_diffusers, "vae": convert_wan_vae_to_diffusers,
+          "vae22": wan22_vae_to_diffusers}[kind]
     back = fn(dict(original))
     if set(back) != set(diffusers_state):
         raise AssertionError(f"{kind}: keys differ after the round trip: "
@@ -191,22 +242,21 @@ def clip_to_original(state: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- folders ------------------------------------------------------------------------------------
-def write_wan_original(src: Path, dst: Path) -> Path:
-    """The weights of diffusers-layout Wan folder ``src`` in the original layout at ``dst``."""
-    import torch
+def _write_original_dit(component: Path, dst: Path, model_type: str) -> None:
+    """The DiT of diffusers component folder ``component`` as an original Wan DiT folder's
+    files in ``dst``: ``config.json`` (a ``WanModel``), two shards and their index."""
     from safetensors.torch import save_file
 
-    dst.mkdir(parents=True)
-    cfg = json.loads((src / "transformer" / "config.json").read_text())
-    i2v = cfg.get("image_dim") is not None
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((component / "config.json").read_text())
     dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     (dst / "config.json").write_text(json.dumps({
         "_class_name": "WanModel", "_diffusers_version": "0.30.0", "dim": dim,
         "eps": cfg["eps"], "ffn_dim": cfg["ffn_dim"], "freq_dim": cfg["freq_dim"],
-        "in_dim": cfg["in_channels"], "model_type": "i2v" if i2v else "t2v",
+        "in_dim": cfg["in_channels"], "model_type": model_type,
         "num_heads": cfg["num_attention_heads"], "num_layers": cfg["num_layers"],
         "out_dim": cfg["out_channels"], "text_len": 512}, indent=2))
-    dit = _load_dir(src / "transformer")
+    dit = _load_dir(component)
     original = dit_to_original(dit)
     _check_inverse("dit", original, dit)
     names = sorted(original)
@@ -217,6 +267,12 @@ def write_wan_original(src: Path, dst: Path) -> Path:
         save_file({k: original[k].contiguous() for k in keys}, str(dst / shard))
     (dst / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: s for s, ks in shards.items() for k in ks}}))
+
+
+def _write_original_shared(src: Path, dst: Path) -> None:
+    """``Wan2.1_VAE.pth``, the T5 ``.pth`` and the tokenizer of Wan folder ``src``."""
+    import torch
+
     vae = _load_dir(src / "vae")
     vae_original = vae_to_original(vae)
     _check_inverse("vae", vae_original, vae)
@@ -224,9 +280,46 @@ def write_wan_original(src: Path, dst: Path) -> Path:
     torch.save(t5_to_original(_load_dir(src / "text_encoder")),
                dst / "models_t5_umt5-xxl-enc-bf16.pth")
     shutil.copytree(src / "tokenizer", dst / "google" / "umt5-xxl")
+
+
+def write_wan_original(src: Path, dst: Path) -> Path:
+    """The weights of diffusers-layout Wan folder ``src`` in the original layout at ``dst``."""
+    import torch
+
+    dst.mkdir(parents=True)
+    cfg = json.loads((src / "transformer" / "config.json").read_text())
+    i2v = cfg.get("image_dim") is not None
+    _write_original_dit(src / "transformer", dst, "i2v" if i2v else "t2v")
+    _write_original_shared(src, dst)
     if i2v:
         torch.save(clip_to_original(_load_dir(src / "image_encoder")),
                    dst / "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth")
+    return dst
+
+
+def write_wan22_original(src: Path, dst: Path) -> Path:
+    """The weights of diffusers-layout Wan2.2 folder ``src`` in the original layout at
+    ``dst``. A14B: ``transformer`` (high-noise) in ``high_noise_model/``, ``transformer_2``
+    in ``low_noise_model/``; no boundary (the original code holds it). TI2V-5B: the DiT at
+    the top, ``Wan2.2_VAE.pth``."""
+    import torch
+
+    dst.mkdir(parents=True)
+    cfg = json.loads((src / "transformer" / "config.json").read_text())
+    if not (src / "transformer_2" / "config.json").is_file():  # TI2V-5B
+        _write_original_dit(src / "transformer", dst, "ti2v")
+        vae = _load_dir(src / "vae")
+        original = vae22_to_original(vae)
+        _check_inverse("vae22", original, vae)
+        torch.save(original, dst / "Wan2.2_VAE.pth")
+        torch.save(t5_to_original(_load_dir(src / "text_encoder")),
+                   dst / "models_t5_umt5-xxl-enc-bf16.pth")
+        shutil.copytree(src / "tokenizer", dst / "google" / "umt5-xxl")
+        return dst
+    kind = "i2v" if cfg["in_channels"] != cfg["out_channels"] else "t2v"
+    _write_original_dit(src / "transformer", dst / "high_noise_model", kind)
+    _write_original_dit(src / "transformer_2", dst / "low_noise_model", kind)
+    _write_original_shared(src, dst)
     return dst
 
 
@@ -282,6 +375,22 @@ def build_qwen_published_vae(src: Path, dest: Path, seed: int = 0) -> Path:
             c.qwen_vae(seed, published=True).save_pretrained(tmp / "vae",
                                                              safe_serialization=True)
     return dest
+
+
+def build_wan22_pair(out: Path, task: str, seed: int = 0) -> tuple[Path, Path]:
+    """(diffusers folder, original folder) of the same tiny Wan2.2 ``task`` weights
+    (``wan22_a14b_t2v``, ``wan22_a14b_i2v`` or ``wan22_5b``), built once under ``out``."""
+    from modelkit.tiny import _in_place, build_published_wan22
+
+    diffusers_dir, original_dir = out / f"{task}-diffusers", out / f"{task}-original"
+    if not (diffusers_dir / "model_index.json").is_file():
+        build_published_wan22(diffusers_dir, seed, task)
+    done = lambda: (original_dir / "models_t5_umt5-xxl-enc-bf16.pth").is_file()  # noqa: E731
+    if not done():
+        with _in_place(original_dir, original_dir.name, keep=done) as tmp:
+            tmp.rmdir()  # written whole below
+            write_wan22_original(diffusers_dir, tmp)
+    return diffusers_dir, original_dir
 
 
 def build_wan_pair(out: Path, task: str, seed: int = 0) -> tuple[Path, Path]:

@@ -105,7 +105,9 @@ def _build_wan(dest: Path, seed: int, i2v: bool, published: bool = False) -> Non
         c.patch_model_index(dest, image_processor=["transformers", "CLIPImageProcessor"])
 
 
-def _build_wan22_a14b(dest: Path, seed: int, i2v: bool) -> None:
+def _build_wan22_a14b(dest: Path, seed: int, i2v: bool, published: bool = False) -> None:
+    """``published``: the VAE with the published two residual blocks per level, as the
+    original Wan2.1_VAE.pth that the original Wan2.2-A14B folders ship implies."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     tokenizer = build_t5_tokenizer()
@@ -114,7 +116,7 @@ def _build_wan22_a14b(dest: Path, seed: int, i2v: bool) -> None:
     common: dict[str, Any] = {
         "tokenizer": tokenizer,
         "text_encoder": c.wan_text_encoder(seed, c.round_up(len(tokenizer), 64)),
-        "vae": c.wan_vae(seed),
+        "vae": c.wan_vae(seed, num_res_blocks=2 if published else 1),
         "scheduler": c.wan_scheduler(WAN22_SHIFT[task]),
         "transformer": c.wan22_transformer(seed, f"{task}.high", channels, 16),
         "transformer_2": c.wan22_transformer(seed, f"{task}.low", channels, 16),
@@ -124,14 +126,16 @@ def _build_wan22_a14b(dest: Path, seed: int, i2v: bool) -> None:
     pipe.save_pretrained(dest, safe_serialization=True)
 
 
-def _build_wan22_5b(dest: Path, seed: int) -> None:
+def _build_wan22_5b(dest: Path, seed: int, published: bool = False) -> None:
+    """``published``: the VAE as an original ``Wan2.2_VAE.pth`` implies
+    (:func:`modelkit.components.wan22_vae`)."""
     from diffusers import WanPipeline
 
     tokenizer = build_t5_tokenizer()
     pipe: Any = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=c.wan_text_encoder(seed, c.round_up(len(tokenizer), 64)),
-        vae=c.wan22_vae(seed),
+        vae=c.wan22_vae(seed, published),
         scheduler=c.wan_scheduler(5.0),
         transformer=c.wan22_transformer(seed, "5b", 48, 48),
         expand_timesteps=True,
@@ -147,6 +151,21 @@ def build_published_wan(dest: Path, seed: int, i2v: bool) -> Path:
     with _in_place(dest, dest.name, keep=lambda: (dest / "model_index.json").is_file()) as tmp, \
             torch.no_grad():
         _build_wan(tmp, seed, i2v, published=True)
+    return dest
+
+
+def build_published_wan22(dest: Path, seed: int, task: str) -> Path:
+    """A tiny Wan2.2 folder (diffusers' layout) of ``task`` whose VAE keeps the structure of
+    the published original file (A14B: ``Wan2.1_VAE.pth``, :func:`_build_wan22_a14b`;
+    TI2V-5B: ``Wan2.2_VAE.pth``, :func:`_build_wan22_5b`), built in place."""
+    import torch
+
+    with _in_place(dest, dest.name, keep=lambda: (dest / "model_index.json").is_file()) as tmp, \
+            torch.no_grad():
+        if task.startswith("wan22_5b"):
+            _build_wan22_5b(tmp, seed, published=True)
+        else:
+            _build_wan22_a14b(tmp, seed, task.endswith("i2v"), published=True)
     return dest
 
 

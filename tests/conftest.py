@@ -171,3 +171,18 @@ def wan_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             build_wan_pair(out, task)
 
     return built_once(tmp_path_factory, "wan-pairs", build)
+
+
+@pytest.fixture(scope="session")
+def wan22_pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<name>-diffusers`` and ``<name>-original`` for wan22_a14b_t2v, wan22_a14b_i2v and
+    wan22_5b (TI2V-5B's one folder): the same tiny random weights in diffusers' layout and in
+    the original Wan2.2 layout (A14B's ``high_noise_model/`` and ``low_noise_model/``,
+    TI2V-5B's ``Wan2.2_VAE.pth``; modelkit/original.py), built once per run."""
+    from modelkit.original import build_wan22_pair
+
+    def build(out: Path) -> None:
+        for task in ("wan22_a14b_t2v", "wan22_a14b_i2v", "wan22_5b"):
+            build_wan22_pair(out, task)
+
+    return built_once(tmp_path_factory, "wan22-pairs", build)

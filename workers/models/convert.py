@@ -9,7 +9,8 @@ diffusers' names through); the config is the view's, and the load is strict. dif
 registers no single-file mapping for ``AutoencoderKLQwenImage``, whose parameters have the
 Wan VAE's names key for key (a test checks it): a Qwen-Image VAE file goes through the Wan
 VAE's converter. What diffusers and transformers lack is written here, each mapping a table
-of names:
+of names (the Wan2.2 VAE's original file, which diffusers' library does not convert either,
+in :mod:`workers.models.wan22_vae`):
 
 * Wan's UMT5 text encoder (``models_t5_umt5-xxl-enc-bf16.pth``, Wan's own T5 module) into
   transformers' ``UMT5EncoderModel``: neither library converts that file;
@@ -64,6 +65,10 @@ def load_converted(cls: Any, folder: Path, source: Mapping[str, Any], dtype: tor
             if kind == "qwen_transformer":
                 state = {k.removeprefix(COMFY_PREFIX): v for k, v in state.items()}
             return _diffusers(cls, state, folder, dtype)
+        if kind == "wan22_vae":  # no converter in diffusers: diffring's (wan22_vae.py)
+            from .wan22_vae import wan22_vae_to_diffusers
+
+            return _diffusers(cls, wan22_vae_to_diffusers(state), folder, dtype, mapped=True)
         convert = {"wan_t5": wan_t5_to_transformers, "wan_clip": wan_clip_to_transformers}[kind]
         return _transformers(cls, convert(state), folder, dtype)
     except ModelLoadError:
@@ -78,16 +83,18 @@ _MAPPING_OF = {"AutoencoderKLQwenImage": "AutoencoderKLWan"}
 
 
 def _diffusers(cls: Any, state: dict[str, torch.Tensor], folder: Path,
-               dtype: torch.dtype) -> Any:
-    """diffusers' own key converter of ``cls`` (the mapping its ``from_single_file`` uses),
-    then a strict load into the model built from the view's config: a key missing or left
-    over is an error here, where ``from_single_file`` would only warn."""
+               dtype: torch.dtype, mapped: bool = False) -> Any:
+    """diffusers' own key converter of ``cls`` (the mapping its ``from_single_file`` uses;
+    ``mapped``: ``state`` is in diffusers' names already), then a strict load into the model
+    built from the view's config: a key missing or left over is an error here, where
+    ``from_single_file`` would only warn."""
     from accelerate import init_empty_weights
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
-    entry: Any = SINGLE_FILE_LOADABLE_CLASSES[_MAPPING_OF.get(cls.__name__, cls.__name__)]
-    mapping = entry["checkpoint_mapping_fn"]
-    converted = mapping(checkpoint=dict(state))
+    converted = dict(state)
+    if not mapped:
+        entry: Any = SINGLE_FILE_LOADABLE_CLASSES[_MAPPING_OF.get(cls.__name__, cls.__name__)]
+        converted = entry["checkpoint_mapping_fn"](checkpoint=converted)
     # The dtypes diffusers' from_pretrained gives: modules the class keeps in float32 (Wan's
     # time embedder, norms, modulation) stay float32, every other float tensor takes
     # ``dtype``; buffers the model makes itself (RoPE tables) are not cast.

@@ -10,6 +10,19 @@ Served layouts:
   (sharded with an index, or one file), ``models_t5_umt5-xxl-enc-bf16.pth``,
   ``Wan2.1_VAE.pth``, the tokenizer in ``google/umt5-xxl/``; for I2V also
   ``models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth``.
+* ``wan22_original``: the original Wan2.2-A14B checkpoint folder (``Wan2.2-T2V-A14B``,
+  ``Wan2.2-I2V-A14B``): the two experts in ``high_noise_model/`` and ``low_noise_model/``,
+  each a DiT as above (``config.json`` naming ``WanModel``, its safetensors shards), and at the
+  top ``models_t5_umt5-xxl-enc-bf16.pth``, ``Wan2.1_VAE.pth`` and ``google/umt5-xxl/``; no
+  CLIP (Wan2.2's I2V DiT has no image context). The boundary between the experts and the
+  sample shift are not in the folder but in Wan2.2's code (``wan/configs/wan_*_A14B.py``):
+  the view takes the published values (:data:`WAN22_A14B_SAMPLE`).
+* ``wan22_original`` also names the original Wan2.2-TI2V-5B folder: the Wan2.1 layout (a
+  ``WanModel`` config of ``model_type`` ``ti2v``) with ``Wan2.2_VAE.pth`` (the 48-channel
+  VAE) instead of ``Wan2.1_VAE.pth`` and no CLIP; one folder serves both of its tasks (the
+  view names ``expand_timesteps``, as diffusers' does; the sample shift is the published 5.0).
+  Its VAE file is converted by diffring's own key map (:mod:`workers.models.wan22_vae`:
+  diffusers' library has no converter for it).
 * either of them with a single-file DiT (``dit_original_ckpt``, LightX2V's key): original,
   ComfyUI (``model.diffusion_model.`` prefix) or diffusers key names.
 * either of them with another VAE (``vae_path``, LightX2V's key): a single file in the
@@ -52,6 +65,8 @@ WAN_VAE = "Wan2.1_VAE.pth"
 WAN_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
 WAN_TOKENIZER = "google/umt5-xxl"
 WAN_DIT = "diffusion_pytorch_model"
+WAN22_HIGH, WAN22_LOW = "high_noise_model", "low_noise_model"
+WAN22_VAE = "Wan2.2_VAE.pth"
 COMFY_PREFIX = "model.diffusion_model."
 
 # Components a diffusers folder may have (a stage's copy of its own has no model index).
@@ -62,6 +77,9 @@ LAYOUTS_SERVED = (
     "diffusers (model_index.json and a folder per component)",
     f"the original Wan2.1 layout (config.json of a WanModel, {WAN_DIT}*.safetensors, {WAN_T5},"
     f" {WAN_VAE}, {WAN_TOKENIZER}/; for I2V also {WAN_CLIP})",
+    f"the original Wan2.2-A14B layout ({WAN22_HIGH}/ and {WAN22_LOW}/, each a WanModel"
+    f" config.json with its {WAN_DIT}*.safetensors; {WAN_T5}, {WAN_VAE}, {WAN_TOKENIZER}/)",
+    f"the original Wan2.2-TI2V-5B layout (the Wan2.1 layout with {WAN22_VAE}, no CLIP)",
     "either with a single-file DiT (dit_original_ckpt: original, ComfyUI or diffusers keys)",
     "either with another VAE (vae_path: a single file in the original Wan VAE or diffusers "
     "names, or a diffusers VAE folder)",
@@ -75,6 +93,13 @@ WAN_SCHEDULER: dict[str, Any] = {
     "solver_order": 2, "solver_type": "bh2", "predict_x0": True, "lower_order_final": True,
     "final_sigmas_type": "zero", "timestep_spacing": "linspace",
 }
+# Wan2.2-A14B's published sample settings by the DiT's model_type (Wan2.2's
+# wan/configs/wan_t2v_A14B.py and wan_i2v_A14B.py: ``boundary``, ``sample_shift``; diffusers'
+# converted folders carry the same boundary_ratio): the original folder has neither.
+WAN22_A14B_SAMPLE: dict[str, tuple[float, float]] = {"t2v": (0.875, 12.0), "i2v": (0.9, 5.0)}
+"""model_type -> (boundary_ratio, flow_shift)."""
+WAN22_5B_SHIFT = 5.0
+"""TI2V-5B's published sample shift (wan/configs/wan_ti2v_5B.py)."""
 # The Wan2.1 VAE's published architecture (every Wan2.1 checkpoint ships the same VAE);
 # base_dim and z_dim are read from the weights.
 _WAN_VAE: dict[str, Any] = {
@@ -102,10 +127,12 @@ def describe_found(model_dir: Path) -> str:
 
 
 def detect_layout(model_dir: Path) -> str:
-    """``diffusers`` or ``wan_original``; a :class:`ModelLoadError` that names what was found
-    and the layouts served, for any other folder."""
+    """``diffusers``, ``wan_original`` or ``wan22_original``; a :class:`ModelLoadError` that
+    names what was found and the layouts served, for any other folder."""
     if (model_dir / "model_index.json").is_file():
         return "diffusers"
+    if (model_dir / WAN22_HIGH).is_dir() or (model_dir / WAN22_LOW).is_dir():
+        return "wan22_original"  # a half one is refused naming the missing expert
     config = model_dir / "config.json"
     if config.is_file():
         try:
@@ -113,7 +140,8 @@ def detect_layout(model_dir: Path) -> str:
         except (OSError, ValueError):
             data = None
         if isinstance(data, dict) and data.get("_class_name") == "WanModel":
-            return "wan_original"
+            ti2v = data.get("model_type") == "ti2v" or (model_dir / WAN22_VAE).exists()
+            return "wan22_original" if ti2v else "wan_original"
     if any((model_dir / c).is_dir() for c in _DIFFUSERS_COMPONENTS):
         return "diffusers"  # a stage's own copy of its component folders
     if not any(model_dir.iterdir()):
@@ -182,7 +210,7 @@ def wan_dit_files(model_dir: Path) -> list[Path]:
     single = model_dir / f"{WAN_DIT}.safetensors"
     if single.is_file():
         return [single]
-    raise ModelLoadError(f"model folder {model_dir} is the original Wan2.1 layout but has no "
+    raise ModelLoadError(f"model folder {model_dir} is an original Wan layout but has no "
                          f"DiT ({WAN_DIT}.safetensors, or its shards with "
                          f"{WAN_DIT}.safetensors.index.json)")
 
@@ -319,13 +347,8 @@ def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None,
               else safetensors_shapes(dit_files))
     _write(view / "transformer", "config.json", wan_dit_config(original, shapes, model_dir))
     _source(view / "transformer", "wan_transformer", dit_files)
-    _vae_component(view / "vae", vae_file or model_dir / WAN_VAE, None, wan=True)
-    t5 = model_dir / WAN_T5
-    _write(view / "text_encoder", "config.json", _umt5_config(checkpoint_shapes(t5), t5))
-    _source(view / "text_encoder", "wan_t5", [t5])
-    (view / "tokenizer").symlink_to((model_dir / WAN_TOKENIZER).resolve())
-    _write(view / "scheduler", "scheduler_config.json", WAN_SCHEDULER)
-    index = {
+    _wan_shared(model_dir, view, vae_file, WAN_SCHEDULER)
+    index: dict[str, Any] = {
         "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
@@ -341,6 +364,111 @@ def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None,
         _write(view / "image_processor", "preprocessor_config.json", processor)
         index.update(image_encoder=["transformers", "CLIPVisionModel"],
                      image_processor=["transformers", "CLIPImageProcessor"])
+    _write(view, "model_index.json", index)
+
+
+def _build_wan22_5b(model_dir: Path, view: Path, dit_file: Path | None,
+                    vae_file: Path | None) -> None:
+    """The view of an original Wan2.2-TI2V-5B folder: its one DiT, the Wan2.2 VAE converted
+    by diffring's key map, ``expand_timesteps`` and the published sample shift."""
+    from .wan22_vae import wan22_vae_config
+
+    if vae_file is not None:
+        raise ModelLoadError(f"vae_path {vae_file}: model folder {model_dir} is the original "
+                             f"Wan2.2-TI2V-5B layout, whose {WAN22_VAE} is read as it is; "
+                             "vae_path replaces Wan2.1 and Qwen-Image VAEs only")
+    original = json.loads((model_dir / "config.json").read_text())
+    need = [WAN22_VAE, WAN_T5, f"{WAN_TOKENIZER}/"]
+    missing = [n for n in need if not (model_dir / n.rstrip("/")).exists()]
+    if missing:
+        raise ModelLoadError(f"model folder {model_dir} is the original Wan2.2-TI2V-5B layout "
+                             f"but lacks {', '.join(missing)}")
+    dit_files = [dit_file] if dit_file is not None else wan_dit_files(model_dir)
+    shapes = (checkpoint_shapes(dit_file) if dit_file is not None
+              else safetensors_shapes(dit_files))
+    _write(view / "transformer", "config.json", wan_dit_config(original, shapes, model_dir))
+    _source(view / "transformer", "wan_transformer", dit_files)
+    vae = model_dir / WAN22_VAE
+    _write(view / "vae", "config.json", wan22_vae_config(checkpoint_shapes(vae), vae))
+    _source(view / "vae", "wan22_vae", [vae])
+    _wan_shared(model_dir, view, None, {**WAN_SCHEDULER, "flow_shift": WAN22_5B_SHIFT},
+                vae=False)
+    _write(view, "model_index.json", {
+        "_class_name": "WanPipeline", "boundary_ratio": None, "expand_timesteps": True,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5Tokenizer"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None], "vae": ["diffusers", "AutoencoderKLWan"]})
+
+
+def _wan_shared(model_dir: Path, view: Path, vae_file: Path | None,
+                scheduler: dict[str, Any], vae: bool = True) -> None:
+    """What the original Wan folders share: the Wan2.1 VAE (or ``vae_file``; ``vae``
+    False: the caller's), the T5 encoder, the tokenizer, the scheduler."""
+    if vae:
+        _vae_component(view / "vae", vae_file or model_dir / WAN_VAE, None, wan=True)
+    t5 = model_dir / WAN_T5
+    _write(view / "text_encoder", "config.json", _umt5_config(checkpoint_shapes(t5), t5))
+    _source(view / "text_encoder", "wan_t5", [t5])
+    (view / "tokenizer").symlink_to((model_dir / WAN_TOKENIZER).resolve())
+    _write(view / "scheduler", "scheduler_config.json", scheduler)
+
+
+def _expert_config(expert: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((expert / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"unreadable {expert}/config.json: {exc}") from exc
+    if not isinstance(data, dict) or data.get("_class_name") != "WanModel":
+        raise ModelLoadError(f"{expert}/config.json does not name WanModel: not a Wan2.2 "
+                             "expert of the original layout")
+    return data
+
+
+def _build_wan22_a14b(model_dir: Path, view: Path, dit_file: Path | None,
+                      vae_file: Path | None) -> None:
+    """The view of an original Wan2.2-A14B folder: ``transformer`` the high-noise expert,
+    ``transformer_2`` the low-noise one, as diffusers' Wan2.2 folders name them."""
+    if dit_file is not None:
+        raise ModelLoadError(
+            f"dit_original_ckpt {dit_file}: model folder {model_dir} is the original "
+            f"Wan2.2-A14B layout, whose two experts ({WAN22_HIGH}/, {WAN22_LOW}/) one file "
+            "cannot replace; give the experts in the folder")
+    need = [f"{WAN22_HIGH}/config.json", f"{WAN22_LOW}/config.json", WAN_T5,
+            f"{WAN_TOKENIZER}/"] + ([] if vae_file is not None else [WAN_VAE])
+    missing = [n for n in need if not (model_dir / n.rstrip("/")).exists()]
+    if missing:
+        raise ModelLoadError(f"model folder {model_dir} is the original Wan2.2-A14B layout "
+                             f"but lacks {', '.join(missing)}")
+    configs = [_expert_config(model_dir / e) for e in (WAN22_HIGH, WAN22_LOW)]
+    # As for Wan2.1: the model_type, else the input channels (36: I2V's mask and condition).
+    kinds = ["i2v" if c.get("model_type") == "i2v" or int(c.get("in_dim", 16)) != 16
+             else "t2v" for c in configs]
+    if kinds[0] != kinds[1]:
+        raise ModelLoadError(f"model folder {model_dir}: {WAN22_HIGH} is a {kinds[0]} DiT but "
+                             f"{WAN22_LOW} a {kinds[1]} one")
+    boundary, shift = WAN22_A14B_SAMPLE[kinds[0]]
+    for name, original in zip(("transformer", "transformer_2"), configs, strict=True):
+        expert = model_dir / (WAN22_HIGH if name == "transformer" else WAN22_LOW)
+        files = wan_dit_files(expert)
+        _write(view / name, "config.json",
+               wan_dit_config(original, safetensors_shapes(files), expert))
+        _source(view / name, "wan_transformer", files)
+    _wan_shared(model_dir, view, vae_file, {**WAN_SCHEDULER, "flow_shift": shift})
+    i2v = kinds[0] == "i2v"
+    index: dict[str, Any] = {
+        "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
+        "boundary_ratio": boundary, "expand_timesteps": False,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5Tokenizer"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    if i2v:  # diffusers' Wan2.2 I2V folders name the CLIP they lack
+        index.update(image_encoder=[None, None], image_processor=[None, None])
     _write(view, "model_index.json", index)
 
 
@@ -392,6 +520,11 @@ def view_of(model_dir: Path, layout: str, dit_file: Path | None = None,
     try:
         if layout == "wan_original":
             _build_wan_original(model_dir, view, dit_file, vae_file)
+        elif layout == "wan22_original" and any((model_dir / e).is_dir()
+                                                for e in (WAN22_HIGH, WAN22_LOW)):
+            _build_wan22_a14b(model_dir, view, dit_file, vae_file)
+        elif layout == "wan22_original":  # the DiT at the top: TI2V-5B
+            _build_wan22_5b(model_dir, view, dit_file, vae_file)
         else:
             _build_overrides(model_dir, view, dit_file, vae_file)
     except BaseException:

@@ -44,9 +44,9 @@ class ModelFolder:
     variant: str
     """Which checkpoints of the class this is, in words (e.g. Edit-2511's ``zero_cond_t``)."""
     layout: str = "diffusers"
-    """The folder's layout (:mod:`workers.models.layouts`): ``diffusers`` or
-    ``wan_original``, with ``+ single-file DiT`` when ``dit_original_ckpt`` replaces its DiT
-    and ``+ VAE from vae_path`` when ``vae_path`` replaces its VAE."""
+    """The folder's layout (:mod:`workers.models.layouts`): ``diffusers``, ``wan_original``
+    or ``wan22_original``, with ``+ single-file DiT`` when ``dit_original_ckpt`` replaces its
+    DiT and ``+ VAE from vae_path`` when ``vae_path`` replaces its VAE."""
     source: Path | None = None
     """Where the stages read the components from: the diffusers-layout view of a folder in
     another layout (None: the folder itself)."""
