@@ -243,8 +243,7 @@ class StageWorker(StageHost):
                     if self.step():
                         self.idle.reset()
                     else:
-                        assert self.link.in_ring is not None
-                        self.idle.wait(self.link.in_ring, self.running)
+                        self.wait_for_work()
                 except ConnectionLost as exc:
                     # The controller went away (restart, network): whatever this worker held
                     # is back in play on the controller's side; reconnect and go on.
@@ -253,6 +252,11 @@ class StageWorker(StageHost):
             self.wait_drained()
         finally:
             self.state = State.STOPPED
+
+    def wait_for_work(self) -> None:
+        """The input was empty: wait for the doorbell of the input ring (or a while)."""
+        assert self.link.in_ring is not None
+        self.idle.wait(self.link.in_ring, self.running)
 
     def wait_drained(self) -> None:
         """Draining: the outputs this worker staged live only in its pool until the next

@@ -358,6 +358,10 @@ class Coordinator:
         """Grant, refuse (windows 2, 5) or defer a claim: :meth:`Claims.claim`."""
         return self.claims.claim(worker, task_id, attempt)
 
+    def on_take(self, worker: WorkerInfo) -> dict[str, Any] | None:
+        """A low-noise worker's ``take`` (window 8, ``split``): :meth:`Claims.take`."""
+        return self.claims.take(worker)
+
     def on_progress(
         self, worker: WorkerInfo, task_id: str, attempt: int, step: int, steps: int,
         expert: str | None = None,
