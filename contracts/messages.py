@@ -106,6 +106,10 @@ class Fault(enum.StrEnum):
     YIELDED = "yielded"
     """The worker handed the task back at a step boundary after checkpointing it (drained,
     or preempted by a more urgent task): resumed from that step, never counted."""
+    HANDOVER = "handover"
+    """Wan2.2-A14B's ``split`` placement: the worker holds one expert and handed the task
+    back at the boundary with its state kept, for a worker holding the other: as YIELDED,
+    never counted (and expected: every request of a split group has one)."""
 
 
 # Ring payload kind each role consumes.

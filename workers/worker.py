@@ -309,8 +309,10 @@ class StageWorker(StageHost):
             self.metrics.tasks.labels(self.role.value, "cancelled").inc()
             self._fail(job, str(exc), "cancelled", Fault.CANCELLED)
         except StageYielded as exc:  # checkpointed at a step boundary: handed back, uncharged
-            self.metrics.tasks.labels(self.role.value, "yielded").inc()
-            self._fail(job, str(exc), "yielded", Fault.YIELDED)
+            # (split: handed over at the boundary to a worker holding the other expert)
+            fault = Fault.HANDOVER if exc.why == "handover" else Fault.YIELDED
+            self.metrics.tasks.labels(self.role.value, fault.value).inc()
+            self._fail(job, str(exc), fault.value, fault)
         except Exception as exc:
             self.metrics.tasks.labels(self.role.value, "failed").inc()
             self._fail(job, *describe_failure(exc))

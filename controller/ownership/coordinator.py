@@ -390,8 +390,12 @@ class Coordinator:
         task = self.table.held(task_id, attempt, worker.worker_id)
         if task is None:
             return  # not this worker's attempt (any more): its failure changes nothing
-        log.warning("task %s failed at worker=%s attempt=%d (%s, %s): %s", task_id,
-                    worker.name, attempt, error_type, fault, error)
+        if fault == Fault.HANDOVER:  # split: expected once per request, not a failure
+            log.info("task %s handed over by worker=%s attempt=%d: %s", task_id, worker.name,
+                     attempt, error)
+        else:
+            log.warning("task %s failed at worker=%s attempt=%d (%s, %s): %s", task_id,
+                        worker.name, attempt, error_type, fault, error)
         if fault is None:  # a worker of an older build: only ``retryable``
             fault = Fault.TASK if retryable else Fault.INPUT
         self.recovery.failed(

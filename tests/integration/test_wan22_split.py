@@ -192,7 +192,8 @@ def test_a_split_group_hands_each_request_over_with_the_pixels_of_one_process(
     dits = [d["worker"] for name, d in events if name == "stage" and d["stage"] == "denoising"]
     assert len(dits) == 2 and dits[0] != dits[1], events  # the high-noise one, the low-noise
     names = [name for name, _ in events]
-    assert names.index("yielded") < names.index("resumed") < len(names) - 1, names
+    assert names.index("handover") < names.index("resumed") < len(names) - 1, names
+    assert "yielded" not in names and "failed" not in names, names
     assert st["failures"] == 0 and st["resumes"] == 1, st
     assert np.array_equal(pixels(got, "mp4"), pixels(want.data, "mp4"))
     assert "task split-1: resuming after step 2 of 3" in low_log

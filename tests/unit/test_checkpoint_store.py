@@ -403,7 +403,7 @@ def test_a_split_handover_waits_for_a_low_noise_worker(setup: Setup,
     assert messages.encode(asyncio.run(s.co.on_checkpoint(s.dit, msg))) == {"accepted": True}
     dit_pool.free_staged(descs)
     s.co.on_fail(s.dit, "s", 1, "handed over to the low-noise expert after step 2 of 4",
-                 "StageYielded", True, Fault.YIELDED)
+                 "handover", True, Fault.HANDOVER)
     assert (t.stage, t.attempt, t.failures) == (Stage.ACCEPTED, 2, 0)
     assert s.rings.peer("phase1").try_pop() is None  # a high-noise worker finds nothing
     assert s.rings.peer("request").try_pop() is None

@@ -64,9 +64,9 @@ class LoopHooks(Protocol):
     def boundary(self, step: int, steps: int, snapshot: Callable[[], LoopState]) -> None:
         """Called after step ``step`` of ``steps``; ``snapshot()`` copies the state."""
 
-    def hand_over(self, step: int, steps: int, snapshot: Callable[[], LoopState]) -> None:
-        """The next step runs an expert this worker does not hold (``split``): hand the
-        state over and end the loop (StageYielded); raises whatever else happens."""
+    # Optional (the worker's hooks have it; a loop of one process needs none):
+    # ``hand_over(step, steps, snapshot)``: the next step runs an expert this worker does
+    # not hold (``split``): hand the state over and end the loop (StageYielded).
 
 
 # -- the scheduler ---------------------------------------------------------------------------
@@ -202,7 +202,8 @@ def hand_over(hooks: LoopHooks | None, step: int, steps: int, scheduler: Any,
     """Wan2.2-A14B's boundary on a worker holding one expert (``split``): the state goes to
     the worker holding ``expert`` (through the controller, as a checkpoint goes), and the
     loop ends here (the hooks raise StageYielded)."""
-    if hooks is None or not hasattr(hooks, "hand_over"):
+    handed = getattr(hooks, "hand_over", None)
+    if handed is None:
         raise CheckpointError(f"the next step (after {step} of {steps}) runs the {expert}-noise "
                               "expert, which this stage does not hold: the split placement "
                               "(experts 'high' / 'low') runs in a DiT worker, whose loop hands "
@@ -212,5 +213,5 @@ def hand_over(hooks: LoopHooks | None, step: int, steps: int, scheduler: Any,
         carried = {k: _copy(v, k) for k, v in tensors().items()}
         return LoopState(step, steps, carried, capture_scheduler(scheduler), expert)
 
-    hooks.hand_over(step, steps, snapshot)
+    handed(step, steps, snapshot)
     raise CheckpointError(f"the loop state after step {step} was not handed over")
