@@ -148,6 +148,17 @@ process inside each is named; ``tests/integration/test_fault_points.py`` fires e
    ``resume`` are refused and its heartbeat tells it to stop; a Phase2 item it still
    publishes is refused at the decoder's claim (5). A restart (7) keeps what the checkpoint
    files hold: the unfinished tasks resume from them.
+   Wan2.2-A14B's ``split`` placement (DiT workers holding one expert) is this window every
+   time: at the boundary the high-noise worker's state is kept as any checkpoint (marked
+   ``split``, its next expert ``low``) and the worker reports fault ``handover``, handled as
+   ``yielded``. The task is put back in play as above, accepted and owned by the controller,
+   but its route is no ring (:data:`controller.ownership.requeue.LOW`): ring claims are FIFO,
+   and a high-noise worker must not pop it. It stays in the waiting list until a low-noise
+   worker asks (``take``): :meth:`Claims.take` moves it to Phase1 and claims it for that
+   worker in one synchronous step of the event loop, so its owner goes from the controller
+   to the worker's lease with no slot, no message and no await between; the reply that
+   carries the item may be lost with the worker, whose lease then ends as in (4), putting
+   the task back in the waiting list. The attempt number fences the taker as any holder.
 
 Cancelling (``cancel``) ends ownership like any terminal stage: a task no worker holds is
 cancelled at once, and whoever claims its ring item next is refused and frees the buffers

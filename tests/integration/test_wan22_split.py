@@ -13,6 +13,7 @@ Every process is started and stopped here by pid.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import signal
@@ -134,11 +135,11 @@ HIGH = {"transformer": {"experts": "high"}}
 LOW = {"transformer": {"experts": "low"}}
 
 
-def _want(models: Path, task: str) -> Any:
+def _want(models: Path, task: str, image: bytes | None = None) -> Any:
     req = GenerationRequest(task=task, prompt="a tiny wave", height=32, width=32,
                             num_frames=9, infer_steps=3, fps=8, seed=11, guidance_scale=4.0,
                             guidance_scale_2=2.0)
-    return LocalPipeline(models / task, task).run(req)
+    return LocalPipeline(models / task, task).run(req, image)
 
 
 def _group(models: Path, task: str, workdir: Path) -> LocalGroup:
@@ -170,18 +171,22 @@ def _handover_seconds(high: Service, low: Service, controller: Service) -> dict[
     return {"send": float(sent[-1]), "wait": float(waited[-1]), "fetch": float(fetched[-1])}
 
 
+@pytest.mark.parametrize("task", A14B)
 def test_a_split_group_hands_each_request_over_with_the_pixels_of_one_process(
-        tiny_models: Path, tmp_path: Path) -> None:
-    """T2V-A14B in a group with ``experts: high`` and ``experts: low`` DiT workers: the
-    request visits both (events: two high-noise steps from one worker, then a low-noise one
-    from the other), its status ends on the low-noise expert, and its MP4 is the
-    one-process pipeline's byte for byte. The handover's parts are logged (and printed)."""
-    task = "wan22_a14b_t2v"
-    want = _want(tiny_models, task)
+        tiny_models: Path, input_png: bytes, tmp_path: Path, task: str) -> None:
+    """T2V- and I2V-A14B in a group with ``experts: high`` and ``experts: low`` DiT workers:
+    the request visits both (events: two high-noise steps from one worker, a ``handover``,
+    then a low-noise step from the other), its status ends on the low-noise expert, and its
+    MP4 is the one-process pipeline's byte for byte. The handover's parts are logged (and
+    printed)."""
+    image = _image(task, input_png)
+    want = _want(tiny_models, task, image)
+    body: dict[str, Any] = {"prompt": "a tiny wave", "task_id": "split-1", **FIELDS}
+    if image is not None:
+        body["image_path"] = base64.b64encode(image).decode()
     with _group(tiny_models, task, tmp_path) as group:
         high, low = _start(group)
-        events = events_of(group, "video", {"prompt": "a tiny wave", "task_id": "split-1",
-                                            **FIELDS})
+        events = events_of(group, "video", body)
         st = wait_task(group.url, "split-1", timeout=300)
         got = result(group.url, "split-1")
         seconds = _handover_seconds(high, low, group.services[0])
