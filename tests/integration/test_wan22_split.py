@@ -246,3 +246,33 @@ def wait_task_stage(group: LocalGroup, tid: str, stage_name: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"task {tid}: not {stage_name} after {timeout} s: {st}")
         time.sleep(0.05)
+
+
+def test_a_drained_low_noise_worker_hands_the_task_to_another(tiny_models: Path,
+                                                              tmp_path: Path) -> None:
+    """Ten steps (the switch after step 7): the low-noise worker, checkpointing, is drained
+    (SIGTERM at its first step boundary, fault point ``dit.step``) and hands the task back
+    after step 8; the task waits at the controller for a low-noise worker -- the high-noise
+    one, idle, never takes it -- and the next one resumes after step 8 with the bytes of one
+    process, uncharged."""
+    task = "wan22_a14b_t2v"
+    req = GenerationRequest(task=task, prompt="a tiny wave", height=32, width=32,
+                            num_frames=9, infer_steps=10, fps=8, seed=11, guidance_scale=4.0,
+                            guidance_scale_2=2.0)
+    want = LocalPipeline(tiny_models / task, task).run(req)
+    ckpt = {"transformer": {"experts": "low", "checkpoint_every_steps": 100}}
+    with _group(tiny_models, task, tmp_path) as group:
+        high, drained = _start(group, {**ckpt, "faults": "dit.step:signal=TERM:nth=1"})
+        post_ok(group.url, "video", {"prompt": "a tiny wave", **FIELDS, "infer_steps": 10,
+                                     "task_id": "drained"})
+        assert drained.proc.wait(300) == 0, drained.log()[-3000:]
+        st = wait_task_stage(group, "drained", "accepted")
+        assert st["checkpoint_step"] == 8, st
+        replacement = group.start("transformer", LOW)
+        st = wait_task(group.url, "drained", timeout=300)
+        got = result(group.url, "drained")
+        high_log, new_log = high.log(), replacement.log()
+    assert st["status"] == "completed" and st["failures"] == 0, st
+    assert np.array_equal(pixels(got, "mp4"), pixels(want.data, "mp4"))
+    assert "task drained: resuming after step 8 of 10" in new_log
+    assert "resuming" not in high_log
