@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.ownership.coordinator import Coordinator
-from controller.tasks.tasks import TERMINAL, WAITING_FOR, Stage, Task
+from controller.tasks.tasks import TERMINAL, Stage, Task, waiting_for
 
 log = logging.getLogger("diffring.events")
 
@@ -82,8 +82,9 @@ def task_event(name: str, task: Task) -> dict[str, Any]:
         "worker": task.worker,
         "at": time.time(),
     }
-    waiting = WAITING_FOR.get(task.stage)
-    data["waiting_for"] = waiting.value if waiting is not None else None
+    data["waiting_for"] = waiting_for(task)
+    if task.waiting_expert is not None and task.stage == Stage.ACCEPTED:
+        data["waiting_expert"] = task.waiting_expert  # split: a DiT of this expert
     if name == "progress" or task.stage == Stage.DENOISING:
         data["step"], data["steps"] = task.step, task.steps
         if task.expert is not None:  # Wan2.2-A14B: which expert ran the step

@@ -136,6 +136,7 @@ class Requeue:
         for _, _, task in sorted(waiting, key=lambda w: w[:2]):
             mine = rank(task.priority)
             route = self._route(task)
+            task.waiting_expert = "low" if route.ring == LOW else None  # (for the status)
             if route.ring == LOW:
                 continue  # a low-noise worker takes it (take)
             counted = route.ring != "phase2"  # a decode-only resume is not ahead of a DiT
@@ -168,6 +169,7 @@ class Requeue:
             return None
         _, _, tid, task, route = min(found, key=lambda f: f[:2])
         del self._waiting[tid]
+        task.waiting_expert = None
         since = task.waiting_since
         waited = 0.0 if since is None else self.clock() - since
         self.table.resumed(task, route.stage, route.step)

@@ -221,6 +221,7 @@ def test_a_low_noise_worker_lost_after_the_take_is_replaced(tiny_models: Path,
         assert faulty.proc.wait(300) == -signal.SIGKILL
         st = wait_task_stage(group, "lost-low", "accepted")
         assert st["checkpoint_step"] == 2, st
+        assert (st["waiting_for"], st["waiting_expert"]) == ("transformer", "low"), st
         post_ok(group.url, "video", {**body, "task_id": "meanwhile", "seed": 12})
         wait_log(high, "task meanwhile: handed over to the low-noise expert", timeout=300)
         assert wait_task_stage(group, "lost-low", "accepted")["stage"] == "accepted"

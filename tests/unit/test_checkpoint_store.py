@@ -408,12 +408,14 @@ def test_a_split_handover_waits_for_a_low_noise_worker(setup: Setup,
     assert s.rings.peer("phase1").try_pop() is None  # a high-noise worker finds nothing
     assert s.rings.peer("request").try_pop() is None
     assert s.co.requeue.low_waiting() == 1
+    assert t.waiting_expert == "low"  # the status says: waiting for a low-noise DiT
     low = s.co.on_register("transformer", "low", 4, PIPE, "s4", checkpoints=False)
     assert s.co.on_take(s.enc) is None  # an encoder never takes one
     item = s.co.on_take(low)
     assert item is not None and item["resume"] == {"step": 2, "steps": 4}
     assert (item["task_id"], item["attempt"]) == ("s", 2)
     assert (t.stage, t.worker, t.resumed_from) == (Stage.DENOISING, "low", 2)
+    assert t.waiting_expert is None
     assert s.co.on_take(low) is None
     _inputs, state = resumed_state(s, low, "s", 2)
     assert state.expert == "low" and state.tensors["latents"].tobytes() == latents(2).tobytes()
