@@ -192,6 +192,9 @@ class Register(Message, tag="register"):
     """The distilled recipe a DiT serves (:mod:`contracts.recipes`), or None."""
     checkpoints: bool = False
     """The DiT checkpoints its loops and can yield at a step boundary."""
+    experts: str | None = None
+    """Wan2.2-A14B's ``split`` placement: the one expert this DiT holds (``high`` / ``low``;
+    a ``low`` one takes its tasks with ``take``); None: every DiT of the model."""
 
 
 class RegisterReply(Reply):

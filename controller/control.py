@@ -347,7 +347,7 @@ class ControlServer:
                 msg.role, msg.name, msg.pid, msg.pipeline, msg.segment,
                 loras=tuple(msg.loras), caches=tuple(msg.caches),
                 fused=tuple((f.name, f.strength) for f in msg.fused), recipe=msg.recipe,
-                checkpoints=msg.checkpoints)
+                checkpoints=msg.checkpoints, experts=msg.experts)
             return RegisterReply(worker_id=worker.worker_id,
                                  heartbeat_interval_s=co.config.heartbeat_interval_s,
                                  lease_timeout_s=co.config.lease_timeout_s,

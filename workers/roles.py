@@ -27,6 +27,7 @@ from contracts.messages import (
 )
 from contracts.request import GenerationRequest
 from contracts.roles import Role
+from contracts.stage_options import SPLIT_EXPERTS
 from tensorplane.descriptor import TensorDescriptor
 from tensorplane.handoff import pull_tensors, stage_tensors
 from workers.checkpoints import DitCheckpoints
@@ -188,7 +189,9 @@ class TransformerWorker(ProducerWorker):
                      ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
 
     def offers(self) -> dict[str, Any]:
-        return {**self.stage.offers(), "checkpoints": self.checkpoints.wanted}
+        experts = self.cfg.transformer.experts
+        return {**self.stage.offers(), "checkpoints": self.checkpoints.wanted,
+                **({"experts": experts} if experts in SPLIT_EXPERTS else {})}
 
     def fetch_inputs(self, job: Job) -> dict[str, Any]:
         if job.item.get("resume"):  # the controller's resume item: its kept checkpoint

@@ -75,8 +75,8 @@ class Claims:
         resume item of one, claimed for it now (no deferral: the task already ran its
         high-noise steps), or None. One synchronous step, so the task goes from the
         controller's hands to ``worker``'s lease with no owner in between."""
-        if worker.role != Role.TRANSFORMER:
-            return None
+        if worker.role != Role.TRANSFORMER or worker.experts != "low":
+            return None  # only a worker holding the low-noise expert runs these
         taken = self.requeue.take()
         if taken is None:
             return None

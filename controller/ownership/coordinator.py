@@ -341,11 +341,12 @@ class Coordinator:
         self, role: str, name: str, pid: int, pipeline: str, segment: str, *,
         loras: tuple[str, ...] = (), caches: tuple[str, ...] = (),
         fused: tuple[tuple[str, float], ...] = (), recipe: str | None = None,
-        checkpoints: bool = False,
+        checkpoints: bool = False, experts: str | None = None,
     ) -> WorkerInfo:
         info = self.registry.register(role, name, pid, pipeline, segment, self.clock(),
                                       loras=loras, caches=caches, fused=fused, recipe=recipe,
-                                      checkpoints=checkpoints and self.checkpoints is not None)
+                                      checkpoints=checkpoints and self.checkpoints is not None,
+                                      experts=experts)
         log.info("worker %d registered: %s %s pid=%d segment=%s", info.worker_id, role, name,
                  pid, segment)
         self.budget.worker_back(name, self.table)  # it was not killed: its connection dropped

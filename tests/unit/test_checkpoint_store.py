@@ -409,8 +409,12 @@ def test_a_split_handover_waits_for_a_low_noise_worker(setup: Setup,
     assert s.rings.peer("request").try_pop() is None
     assert s.co.requeue.low_waiting() == 1
     assert t.waiting_expert == "low"  # the status says: waiting for a low-noise DiT
-    low = s.co.on_register("transformer", "low", 4, PIPE, "s4", checkpoints=False)
-    assert s.co.on_take(s.enc) is None  # an encoder never takes one
+    high = s.co.on_register("transformer", "high", 6, PIPE, "s6", checkpoints=True,
+                            experts="high")
+    low = s.co.on_register("transformer", "low", 4, PIPE, "s4", checkpoints=False,
+                           experts="low")
+    for other in (s.enc, s.dit, high):  # an encoder, a DiT of both experts, a high-noise one
+        assert s.co.on_take(other) is None
     item = s.co.on_take(low)
     assert item is not None and item["resume"] == {"step": 2, "steps": 4}
     assert (item["task_id"], item["attempt"]) == ("s", 2)
@@ -421,7 +425,8 @@ def test_a_split_handover_waits_for_a_low_noise_worker(setup: Setup,
     assert state.expert == "low" and state.tensors["latents"].tobytes() == latents(2).tobytes()
     s.co.on_gone(low, "killed")  # after the take: back at the controller, uncharged
     assert (t.stage, t.attempt, t.failures) == (Stage.ACCEPTED, 3, 0)
-    other = s.co.on_register("transformer", "low2", 5, PIPE, "s5", checkpoints=False)
+    other = s.co.on_register("transformer", "low2", 5, PIPE, "s5", checkpoints=False,
+                             experts="low")
     again = s.co.on_take(other)
     assert again is not None and again["attempt"] == 3 and t.worker == "low2"
     # Exact mode: the same state from a worker holding both experts (no split mark).
