@@ -111,6 +111,22 @@ def test_split_hands_over_at_the_boundary_with_the_bytes_of_both(
         high.denoise(req, cond)
 
 
+def test_a_split_worker_warms_up_alone(tiny_models: Path) -> None:
+    """``warmup_shapes`` on a worker of one expert: its expert runs every warm-up step (no
+    handover, no refusal), and requests afterwards still hand over at the boundary."""
+    task = "wan22_a14b_t2v"
+    for experts in ("high", "low"):
+        dit = _expert(tiny_models, task, experts)
+        assert dit.warm_up(["32x32x9"], steps=3) > 0
+        assert not dit.experts.holds(1 if experts == "high" else 0)
+    req = small_request(task)
+    cond = wire(stage("encoder", tiny_models, task).encode(req))
+    with pytest.raises(CheckpointError, match="split placement"):
+        dit = _expert(tiny_models, task, "high")
+        dit.warm_up(["32x32x9"])
+        dit.denoise(req, cond)
+
+
 def test_the_budget_counts_one_expert_under_split(tiny_models: Path) -> None:
     """``max_vram_gb`` between one expert and two (plus the working memory): ``high`` and
     ``low`` load, ``both`` is refused."""

@@ -39,6 +39,7 @@ moves like any weight.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -121,6 +122,8 @@ class Experts:
         """The expert on the device (``swap``)."""
         self.moves = 0
         """Expert moves so far (``swap``): a switch at a boundary, or a return after it."""
+        self._stand_in = False
+        """A warm-up of a split worker: the held expert runs the other's steps too."""
         self._host: list[dict[str, torch.Tensor]] = [{} for _ in self.dits]
         self._stream: Any = None
         self._ready: Any = None
@@ -138,7 +141,18 @@ class Experts:
 
     def holds(self, index: int) -> bool:
         """This worker holds expert ``index`` (``high`` / ``low``: the one it was given)."""
-        return self.dits[index] is not None
+        return self.dits[index] is not None or self._stand_in
+
+    @contextlib.contextmanager
+    def standing_in(self) -> Iterator[None]:
+        """A split worker's warm-up (its outputs are thrown away): the expert it holds runs
+        every step, the other's too (the same architecture, so the same kernels and compiled
+        graphs), so the loop neither hands over nor refuses a step."""
+        self._stand_in = True
+        try:
+            yield
+        finally:
+            self._stand_in = False
 
     def index_at(self, timestep: Any) -> int:
         """The expert of a step at ``timestep``: high at or above the boundary."""
@@ -163,6 +177,8 @@ class Experts:
     def get(self, index: int) -> Any:
         """The DiT of expert ``index``, on the device (``swap``: moved in now unless it is
         there or on its way; the compute stream then waits for its copy)."""
+        if self.dits[index] is None and self._stand_in:
+            return self.first
         if self.dits[index] is None:
             raise CheckpointError(f"this worker holds the {EXPERT_NAMES[1 - index]}-noise expert "
                                   f"only (experts {self.placement!r}); the step needs the "

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -300,6 +300,12 @@ class WanTransformer(TransformerAdapter):
     @staticmethod
     def held(dits: list[Any]) -> list[Any]:
         return [d for d in dits if d is not None]
+
+    def warm_up(self, shapes: Sequence[str], steps: int = 2) -> float:
+        """``split``: the held expert runs every warm-up step (outputs thrown away), so a
+        worker of one expert warms up without a worker of the other."""
+        with self.experts.standing_in():
+            return super().warm_up(shapes, steps)
 
     def dit_halves(self) -> list[str] | None:
         return [self.options.experts] if self.options.experts in SPLIT_EXPERTS else None
