@@ -440,3 +440,14 @@ def test_a_split_handover_waits_for_a_low_noise_worker(setup: Setup,
     assert s.co.on_take(other) is None
     back = s.rings.peer("phase1").try_pop()
     assert back is not None and back["task_id"] == "u" and back["resume"]["step"] == 2
+    # Cancelled while it waits for a low-noise worker: nobody takes it.
+    v = s.submit("v")
+    s.to_dit("v")
+    msg, descs = staged(s, dit_pool, "v", 1, 2)
+    msg.meta.update(expert="low", split=True)
+    assert messages.encode(asyncio.run(s.co.on_checkpoint(s.dit, msg))) == {"accepted": True}
+    dit_pool.free_staged(descs)
+    s.co.on_fail(s.dit, "v", 1, "handed over", "handover", True, Fault.HANDOVER)
+    assert v.stage == Stage.ACCEPTED and s.co.cancel(v) == "success"
+    assert v.stage == Stage.CANCELLED and s.co.on_take(other) is None
+    assert s.co.requeue.low_waiting() == 0
