@@ -293,3 +293,29 @@ def test_a_drained_low_noise_worker_hands_the_task_to_another(tiny_models: Path,
     assert np.array_equal(pixels(got, "mp4"), pixels(want.data, "mp4"))
     assert "task drained: resuming after step 8 of 10" in new_log
     assert "resuming" not in high_log
+
+
+def test_a_high_noise_worker_lost_as_it_hands_over(tiny_models: Path, tmp_path: Path) -> None:
+    """The high-noise worker dies right after the controller kept its state at the boundary
+    (fault point ``dit.checkpointed``), before it reported the handover: the lost worker's
+    attempt ends (uncharged), the kept state routes the task to the low-noise worker, which
+    finishes it with the bytes of one process; no high-noise step runs again."""
+    task = "wan22_a14b_t2v"
+    want = _want(tiny_models, task)
+    with _group(tiny_models, task, tmp_path) as group:
+        group.start("controller")
+        group.wait_http(timeout=120)
+        group.start("encoder")
+        faulty = group.start("transformer", {**HIGH, "faults": "dit.checkpointed:exit"})
+        low = group.start("transformer", LOW)
+        group.start("decoder")
+        group.wait_workers({"encoder": 1, "transformer": 2, "decoder": 1}, timeout=600)
+        post_ok(group.url, "video", {"prompt": "a tiny wave", **FIELDS, "task_id": "lost-high"})
+        assert faulty.proc.wait(300) == -signal.SIGKILL
+        st = wait_task(group.url, "lost-high", timeout=300)
+        got = result(group.url, "lost-high")
+        low_log = low.log()
+    assert st["status"] == "completed" and st["failures"] == 0 and st["expert"] == "low", st
+    assert (st["resumes"], st["resumed_from"]) == (1, 2), st
+    assert np.array_equal(pixels(got, "mp4"), pixels(want.data, "mp4"))
+    assert "task lost-high: resuming after step 2 of 3" in low_log
