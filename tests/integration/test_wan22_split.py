@@ -6,8 +6,10 @@ In this process: the high-noise loop hands its state over at the boundary, the l
 loop resumes it, and the two give the bytes of ``both`` and the pixels of diffusers; each
 loads one expert, and the budget counts one. In a group started by the launcher (controller,
 encoder, one high-noise and one low-noise DiT worker, decoder, on loopback): a request
-visits both DiT workers and gives the pixels of the one-process pipeline; a low-noise worker
-killed after it took a handed-over task is replaced and the task completes identically.
+visits both DiT workers and gives the pixels of the one-process pipeline (T2V, I2V); a
+low-noise worker killed after it took a handed-over task, a drained low-noise worker and a
+high-noise worker killed as the controller kept its boundary state each leave the task to
+a low-noise worker (never the high-noise one), which completes it identically, uncharged.
 Every process is started and stopped here by pid.
 """
 
