@@ -20,6 +20,7 @@ from contracts.configio import file_fields, from_mapping
 from contracts.disagg import DisaggConfig
 from contracts.errors import ConfigError, InvalidRequestError
 from contracts.lightx2v import MOONCAKE_KEYS, Note, translate
+from contracts.parallel import ParallelLayout
 from contracts.pipelines import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -33,7 +34,7 @@ from contracts.pipelines import (
 )
 from contracts.recipes import recipe
 from contracts.request import check_request_defaults
-from contracts.stage_options import StageOptions
+from contracts.stage_options import SPLIT_EXPERTS, StageOptions
 from rings.layout import RING_NAMES
 
 STAGE_SECTIONS = ("encoder", "transformer", "decoder")
@@ -393,9 +394,14 @@ class ServiceConfig:
                 raise ConfigError(f"transformer.experts {self.transformer.experts!r} places the "
                                   "two experts of Wan2.2-A14B; "
                                   f"{self.pipeline} has one DiT")
-            if self.compile:
+            if self.compile and self.transformer.experts == "swap":
                 raise ConfigError("transformer.experts 'swap' cannot be combined with "
                                   "compile (it moves the weights a compiled graph holds)")
+            if self.transformer.experts in SPLIT_EXPERTS and \
+                    ParallelLayout.parse(self.transformer.parallel).size > 1:
+                raise ConfigError(f"transformer.experts {self.transformer.experts!r} (the split "
+                                  "placement) runs one expert on one device; a transformer "
+                                  "group (parallel) cannot run a two-expert DiT yet")
         if self.attention_fallback is not None and self.attention_fallback not in (
                 ATTENTION_BACKENDS):
             raise ConfigError(f"attention_fallback must be one of {', '.join(ATTENTION_BACKENDS)}"

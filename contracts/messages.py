@@ -9,6 +9,8 @@ Ring payloads
     request ring  {kind: "task", task_id, attempt, pipeline, request, image}
     phase1 ring   {kind: "phase1", task_id, attempt, pipeline, request, tensors, producer}
     phase2 ring   {kind: "phase2", task_id, attempt, pipeline, request, tensors, producer}
+  A task handed over at Wan2.2-A14B's boundary (the ``split`` placement) waits at the
+  controller, not in a ring, and a low-noise worker gets its resume item with ``take``.
   A phase1 item the controller pushes itself to resume a task from its checkpoint carries
   ``tensors: []``, ``producer: "controller"`` and ``resume: {step, steps}`` (the DiT fetches
   the kept tensors with ``resume``); a phase2 item it pushes to re-run only the decoder names
@@ -78,6 +80,7 @@ class Op(enum.StrEnum):
     DROPPED = "dropped"
     CHECKPOINT = "checkpoint"
     RESUME = "resume"
+    TAKE = "take"
 
 
 DOORBELL_CHANNEL: Final = "doorbell"
@@ -103,6 +106,10 @@ class Fault(enum.StrEnum):
     YIELDED = "yielded"
     """The worker handed the task back at a step boundary after checkpointing it (drained,
     or preempted by a more urgent task): resumed from that step, never counted."""
+    HANDOVER = "handover"
+    """Wan2.2-A14B's ``split`` placement: the worker holds one expert and handed the task
+    back at the boundary with its state kept, for a worker holding the other: as YIELDED,
+    never counted (and expected: every request of a split group has one)."""
 
 
 # Ring payload kind each role consumes.
@@ -185,6 +192,9 @@ class Register(Message, tag="register"):
     """The distilled recipe a DiT serves (:mod:`contracts.recipes`), or None."""
     checkpoints: bool = False
     """The DiT checkpoints its loops and can yield at a step boundary."""
+    experts: str | None = None
+    """Wan2.2-A14B's ``split`` placement: the one expert this DiT holds (``high`` / ``low``;
+    a ``low`` one takes its tasks with ``take``); None: every DiT of the model."""
 
 
 class RegisterReply(Reply):
@@ -293,6 +303,19 @@ class ResumeReply(Reply):
     state: list[dict[str, Any]]
 
 
+class Take(Message, tag="take"):
+    """A low-noise DiT worker of the ``split`` placement asks for a task handed over at the
+    boundary: the controller holds those (never in a ring: ring claims are FIFO, and a
+    high-noise worker must not pop one), and grants the claim in the same step."""
+
+
+class TakeReply(Reply):
+    """``item``: the resume item of the task now claimed by the asking worker (its lease
+    started), None when no task waits for a low-noise worker."""
+
+    item: dict[str, Any] | None = None
+
+
 class Handoff(Message, tag="handoff"):
     task_id: str
     attempt: int
@@ -366,13 +389,13 @@ class Empty(Reply):
 
 
 ControlMessage = (Preflight | Describe | Register | Heartbeat | Claim | Progress | Checkpoint
-                  | Resume | Handoff | Complete | Fail | Dropped | Fatal | Bye | Wait)
+                  | Resume | Take | Handoff | Complete | Fail | Dropped | Fatal | Bye | Wait)
 """Every message a worker sends on the control port."""
 
 OP: Final[dict[type[Message], Op]] = {
     cls: Op(str(cls.__struct_config__.tag))
     for cls in (Preflight, Describe, Register, Heartbeat, Claim, Progress, Checkpoint, Resume,
-                Handoff, Complete, Fail, Dropped, Fatal, Bye, Wait)
+                Take, Handoff, Complete, Fail, Dropped, Fatal, Bye, Wait)
 }
 """The op of each message type (its tag); every :class:`Op` has one."""
 assert set(OP.values()) == set(Op), "an Op without its message type"

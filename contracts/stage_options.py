@@ -41,7 +41,10 @@ torch's own mechanisms:
   computes the same bytes.
 * ``experts`` (transformer, Wan2.2-A14B): where its two DiTs live: ``"both"`` on the device,
   or ``"swap"``: one on the device and the other in pinned host memory, swapped at the
-  boundary (:mod:`workers.models.dit.experts`). Exact either way (the same weights, moved).
+  boundary (:mod:`workers.models.dit.experts`); or ``"high"`` / ``"low"``: the ``split``
+  placement, a worker holding one expert, the request handed from a high-noise worker to a
+  low-noise one at the boundary through the controller (:mod:`workers.checkpoints`).
+  Exact in every placement (the same weights; the same loop state, moved).
 * ``parallel`` (transformer): the layout of a transformer group, one DiT worker over several
   devices (``"cfg=2,ulysses=2"``: :mod:`contracts.parallel`; the devices are the service's
   ``devices``), with ``group_timeout_s`` and ``group_restarts`` for its faults.
@@ -60,13 +63,15 @@ from contracts.dit_request import CacheSpec, LoraRef, parse_cache, parse_loras
 from contracts.errors import ConfigError, InvalidRequestError
 from contracts.parallel import ParallelLayout
 
-__all__ = ["EXPERT_PLACEMENTS", "LINEAR_MODES", "OFFLOAD_MODES", "WEIGHT_STORAGE",
-           "StageOptions"]
+__all__ = ["EXPERT_PLACEMENTS", "LINEAR_MODES", "OFFLOAD_MODES", "SPLIT_EXPERTS",
+           "WEIGHT_STORAGE", "StageOptions"]
 
 WEIGHT_STORAGE: Final[tuple[str, ...]] = ("dtype", "fp8")
 OFFLOAD_MODES: Final[tuple[str, ...]] = ("none", "block", "leaf")
 LINEAR_MODES: Final[tuple[str, ...]] = ("dtype", "fp8")
-EXPERT_PLACEMENTS: Final[tuple[str, ...]] = ("both", "swap")
+EXPERT_PLACEMENTS: Final[tuple[str, ...]] = ("both", "swap", "high", "low")
+SPLIT_EXPERTS: Final[tuple[str, ...]] = ("high", "low")
+"""The ``experts`` values of the ``split`` placement: a worker holding one expert."""
 _TRANSFORMER_ONLY = ("linear", "compile_cache_dir", "lora_dir", "lora_fuse", "lora_max_loaded",
                      "lora_max_mb", "lora_max_rank", "cache", "parallel", "group_timeout_s",
                      "group_restarts", "checkpoint_every_s", "checkpoint_every_steps",
@@ -154,7 +159,10 @@ class StageOptions:
     one expert's memory); 'swap': the one running on the device, the other in pinned host
     memory, swapped when the schedule crosses the boundary (on a copy stream, overlapped
     with the last high-noise step where both fit) and back after the loop. Not with
-    ``linear: "fp8"``, offload or ``compile``."""
+    ``linear: "fp8"``, offload or ``compile``. 'high' / 'low' (the ``split`` placement): this
+    worker holds that expert alone and runs its steps; at the boundary a high-noise worker
+    hands the loop state to the controller, and a low-noise worker takes it from there (a
+    group needs both kinds, and a controller that keeps checkpoints)."""
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_PLACEMENTS:

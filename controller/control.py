@@ -59,6 +59,8 @@ from contracts.messages import (
     Reply,
     Resume,
     ResumeReply,
+    Take,
+    TakeReply,
     Wait,
     WaitReply,
 )
@@ -98,6 +100,7 @@ class ControlServer:
             Complete: self._complete,
             Fail: self._fail,
             Resume: self._resume,
+            Take: self._take,
             Dropped: self._dropped,
         }
         """The handler of each message a registered worker sends (``checkpoint`` runs as a
@@ -344,7 +347,7 @@ class ControlServer:
                 msg.role, msg.name, msg.pid, msg.pipeline, msg.segment,
                 loras=tuple(msg.loras), caches=tuple(msg.caches),
                 fused=tuple((f.name, f.strength) for f in msg.fused), recipe=msg.recipe,
-                checkpoints=msg.checkpoints)
+                checkpoints=msg.checkpoints, experts=msg.experts)
             return RegisterReply(worker_id=worker.worker_id,
                                  heartbeat_interval_s=co.config.heartbeat_interval_s,
                                  lease_timeout_s=co.config.lease_timeout_s,
@@ -399,6 +402,9 @@ class ControlServer:
     def _resume(self, msg: Resume, worker: WorkerInfo) -> ResumeReply:
         kept = self.coordinator.on_resume(worker, msg.task_id, msg.attempt)
         return msgspec.convert(kept, ResumeReply)
+
+    def _take(self, msg: Take, worker: WorkerInfo) -> TakeReply:
+        return TakeReply(item=self.coordinator.on_take(worker))
 
     def _dropped(self, msg: Dropped, worker: WorkerInfo) -> Empty:
         reason = msg.reason if msg.slot is None else f"{msg.reason} (slot {msg.slot})"

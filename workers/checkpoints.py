@@ -19,6 +19,15 @@ hands the task back (``fail``, fault ``yielded``: uncharged); refused, the loop 
 the worker finishes the task as before). After the last step the final latents are sent the
 same way (:meth:`DitCheckpoints.send_final`), kept by the controller until the result is
 written, so a lost decoder costs only a decode.
+
+The ``split`` placement (Wan2.2-A14B, ``transformer.experts`` ``high`` / ``low``) hands a
+request over at the boundary the same way (:meth:`JobHooks.hand_over`): the high-noise
+worker's loop state, its next expert the low-noise one, is sent as a checkpoint marked
+``split`` and the task handed back (``yielded``, uncharged); the controller keeps it for a
+low-noise worker (:data:`controller.ownership.requeue.LOW`), which resumes it there. A
+high-noise worker therefore checkpoints without ``checkpoint_every_*`` (its controller must
+keep checkpoints); a handover that is not kept fails the attempt (charged: a retry
+starts from the last kept state).
 """
 
 from __future__ import annotations
@@ -33,9 +42,9 @@ from typing import Any
 from prometheus_client import Counter
 
 from contracts import faults
-from contracts.errors import CheckpointError, DiffringError, StageYielded
+from contracts.errors import CheckpointError, DiffringError, StageError, StageYielded
 from contracts.messages import Checkpoint, CheckpointReply, RegisterReply, Resume, ResumeReply
-from contracts.stage_options import StageOptions
+from contracts.stage_options import SPLIT_EXPERTS, StageOptions
 from tensorplane.descriptor import TensorDescriptor
 from tensorplane.handoff import pull_tensors, stage_tensors
 from workers.metrics import WorkerMetrics
@@ -78,6 +87,9 @@ class Pending:
     state: LoopState
     phase1: Mapping[str, Any] | None
     final: bool = False
+    split: bool = False
+    """Made by a worker holding one expert: the controller routes a resume of it by its
+    next expert (``meta['split']``)."""
 
 
 class Sender:
@@ -115,6 +127,8 @@ class Sender:
         """Stage and send ``pending`` now, on this thread; True when the controller kept it."""
         job = pending.job
         tensors, meta = to_wire(pending.state)
+        if pending.split:
+            meta["split"] = True
         descs: list[TensorDescriptor] = []
         descs1: list[TensorDescriptor] = []
         t0 = time.monotonic()
@@ -196,7 +210,27 @@ class JobHooks:
         this job, which runs on as without them."""
 
     def _pending(self, state: LoopState) -> Pending:
-        return Pending(self.job, state, None if self.job.phase1_kept else self.inputs)
+        return Pending(self.job, state, None if self.job.phase1_kept else self.inputs,
+                       split=self.owner.split)
+
+    def hand_over(self, step: int, steps: int, snapshot: Callable[[], LoopState]) -> None:
+        """``split``: the next step is the other expert's. Send the state (waiting for the
+        controller to keep it) and end the loop: the task goes to a worker holding it."""
+        sender = self.owner.sender
+        t0 = time.monotonic()
+        sender.wait_idle()
+        state = self._timed(snapshot)
+        if state is None or not sender.send(self._pending(state)):
+            raise StageError(f"task {self.job.task_id}: the loop state after step {step} of "
+                             f"{steps} could not be handed over to the other expert's worker "
+                             "(its checkpoint was not kept: see the warning above; a "
+                             "controller with checkpoint_store_mb 0 keeps none)")
+        seconds = time.monotonic() - t0
+        self.owner.metrics.stage_seconds.labels("transformer", "handover_send").observe(seconds)
+        log.info("task %s: handed over to the %s-noise expert after step %d/%d (%.3f s)",
+                 self.job.task_id, state.expert, step, steps, seconds)
+        raise StageYielded(f"handed over to the {state.expert}-noise expert after step {step} "
+                           f"of {steps}", step, steps, "handover")
 
     def boundary(self, step: int, steps: int, snapshot: Callable[[], LoopState]) -> None:
         step_point()
@@ -246,8 +280,12 @@ class DitCheckpoints:
         self.options = options
         self.metrics = metrics
         self.name = name
-        self.wanted = options.checkpointing
-        """This worker is configured to checkpoint (``transformer.checkpoint_every_*``)."""
+        self.split = options.experts in SPLIT_EXPERTS
+        """This worker holds one expert (``split``): its states are routed by their next
+        expert."""
+        self.wanted = options.checkpointing or options.experts == "high"
+        """This worker is configured to checkpoint (``transformer.checkpoint_every_*``), or
+        hands requests over at the boundary (``experts: high``)."""
         self.enabled = False
         """... and its controller keeps checkpoints (said at registration)."""
         self.sender: Sender = None  # type: ignore[assignment]  # start()
@@ -262,9 +300,15 @@ class DitCheckpoints:
     def registered(self, reply: RegisterReply) -> None:
         enabled = self.wanted and reply.checkpoints
         if self.wanted and not enabled:
-            log.warning("worker %s: checkpoint_every_* is set but the controller keeps no "
-                        "checkpoints (its checkpoint_store_mb is 0): not checkpointing",
-                        self.name)
+            if self.options.experts == "high":
+                log.error("worker %s: experts 'high' (split) hands each request over at the "
+                          "boundary as a checkpoint, but the controller keeps none (its "
+                          "checkpoint_store_mb is 0): requests will fail at the boundary",
+                          self.name)
+            else:
+                log.warning("worker %s: checkpoint_every_* is set but the controller keeps "
+                            "no checkpoints (its checkpoint_store_mb is 0): not "
+                            "checkpointing", self.name)
         self.enabled = enabled
 
     def hooks(self, job: Any, inputs: Mapping[str, Any],
@@ -304,9 +348,10 @@ class DitCheckpoints:
             raise CheckpointError(f"cannot resume from the kept checkpoint: {exc}",
                                   task_id=job.task_id) from exc
         job.phase1_kept = True
-        self.metrics.stage_seconds.labels("transformer", "resume_fetch").observe(
-            time.monotonic() - t0)
-        log.info("task %s: resuming after step %d of %d", job.task_id, state.step, state.steps)
+        seconds = time.monotonic() - t0
+        self.metrics.stage_seconds.labels("transformer", "resume_fetch").observe(seconds)
+        log.info("task %s: resuming after step %d of %d (fetched in %.3f s)", job.task_id,
+                 state.step, state.steps, seconds)
         return inputs, state
 
     def close(self) -> None:
@@ -323,6 +368,11 @@ class Plain:
 
     def boundary(self, step: int, steps: int, snapshot: Callable[[], LoopState]) -> None:
         step_point()
+
+    def hand_over(self, step: int, steps: int, snapshot: Callable[[], LoopState]) -> None:
+        raise StageError(f"the loop state after step {step} of {steps} cannot be handed over "
+                         "to the other expert's worker: this worker sends no checkpoints (the "
+                         "controller keeps none: checkpoint_store_mb is 0)")
 
 
 def step_point() -> None:

@@ -13,9 +13,19 @@ from typing import Any, ClassVar
 from contracts import faults
 from contracts.config import ServiceConfig
 from contracts.errors import ConnectionLost, DiffringError, ResultWriteBlocked, storage_fault
-from contracts.messages import Complete, CompleteReply, Empty, Fault, Handoff, Kind
+from contracts.messages import (
+    Complete,
+    CompleteReply,
+    Empty,
+    Fault,
+    Handoff,
+    Kind,
+    Take,
+    TakeReply,
+)
 from contracts.request import GenerationRequest
 from contracts.roles import Role
+from contracts.stage_options import SPLIT_EXPERTS
 from tensorplane.descriptor import TensorDescriptor
 from tensorplane.handoff import pull_tensors, stage_tensors
 from workers.checkpoints import DitCheckpoints
@@ -31,10 +41,14 @@ from workers.models import (
 from workers.models.media import VideoSettings
 from workers.models.prompt_cache import PromptCache
 from workers.startup import StopSignal
-from workers.triage import describe_failure
+from workers.triage import check_item, describe_failure
 from workers.worker import Idle, Job, StageWorker, State
 
 log = logging.getLogger("diffring.worker")
+
+TAKE_POLL_S = 0.01
+"""How often an idle low-noise worker (``split``) asks for a handed-over task: part of the
+handover's latency (at most this), one small control call per poll."""
 
 
 def _request(job: Job) -> GenerationRequest:
@@ -131,6 +145,38 @@ class TransformerWorker(ProducerWorker):
         super().__init__(cfg, token, env)
         self.checkpoints = DitCheckpoints(cfg.transformer, self.metrics, self.name)
         self.link.on_registered = self.checkpoints.registered
+        self.low = cfg.transformer.experts == "low"
+        """``split``'s low-noise worker: its input is the tasks handed over at the boundary,
+        which the controller holds and hands out (``take``), not the Phase1 ring."""
+
+    def claim(self) -> Job | Idle:
+        """Step 1; a low-noise worker (``split``) asks the controller, which claims the task
+        for it in the same step (its lease starts with the reply)."""
+        if not self.low:
+            return super().claim()
+        if self.link.heartbeats.lost.is_set():
+            raise ConnectionLost(f"control channel to {self.link.where} lost")
+        item = self.link.call(Take(), TakeReply).item
+        if item is None:
+            return Idle.EMPTY
+        job = Job(item["task_id"], item["attempt"], item)
+        problem = check_item(item, self.role, self.cfg.pipeline)
+        if problem is not None:  # claimed: handed back as a failure, never dropped silently
+            self.current = job
+            try:
+                self._fail(job, problem, "StageInputError", Fault.INPUT)
+            finally:
+                self.current = None
+            return Idle.SKIPPED
+        return job
+
+    def wait_for_work(self) -> None:
+        """A low-noise worker polls the controller (no ring, so no doorbell) every
+        :data:`TAKE_POLL_S`; a drain or close wakes it at once."""
+        if not self.low:
+            super().wait_for_work()
+            return
+        self._wake.wait(TAKE_POLL_S)
 
     def adapter_options(self) -> dict[str, Any]:
         return transformer_options(self.cfg)
@@ -147,7 +193,9 @@ class TransformerWorker(ProducerWorker):
                      ", ".join(self.cfg.warmup_shapes), seconds, self.cfg.compile)
 
     def offers(self) -> dict[str, Any]:
-        return {**self.stage.offers(), "checkpoints": self.checkpoints.wanted}
+        experts = self.cfg.transformer.experts
+        return {**self.stage.offers(), "checkpoints": self.checkpoints.wanted,
+                **({"experts": experts} if experts in SPLIT_EXPERTS else {})}
 
     def fetch_inputs(self, job: Job) -> dict[str, Any]:
         if job.item.get("resume"):  # the controller's resume item: its kept checkpoint

@@ -243,8 +243,7 @@ class StageWorker(StageHost):
                     if self.step():
                         self.idle.reset()
                     else:
-                        assert self.link.in_ring is not None
-                        self.idle.wait(self.link.in_ring, self.running)
+                        self.wait_for_work()
                 except ConnectionLost as exc:
                     # The controller went away (restart, network): whatever this worker held
                     # is back in play on the controller's side; reconnect and go on.
@@ -253,6 +252,11 @@ class StageWorker(StageHost):
             self.wait_drained()
         finally:
             self.state = State.STOPPED
+
+    def wait_for_work(self) -> None:
+        """The input was empty: wait for the doorbell of the input ring (or a while)."""
+        assert self.link.in_ring is not None
+        self.idle.wait(self.link.in_ring, self.running)
 
     def wait_drained(self) -> None:
         """Draining: the outputs this worker staged live only in its pool until the next
@@ -305,8 +309,10 @@ class StageWorker(StageHost):
             self.metrics.tasks.labels(self.role.value, "cancelled").inc()
             self._fail(job, str(exc), "cancelled", Fault.CANCELLED)
         except StageYielded as exc:  # checkpointed at a step boundary: handed back, uncharged
-            self.metrics.tasks.labels(self.role.value, "yielded").inc()
-            self._fail(job, str(exc), "yielded", Fault.YIELDED)
+            # (split: handed over at the boundary to a worker holding the other expert)
+            fault = Fault.HANDOVER if exc.why == "handover" else Fault.YIELDED
+            self.metrics.tasks.labels(self.role.value, fault.value).inc()
+            self._fail(job, str(exc), fault.value, fault)
         except Exception as exc:
             self.metrics.tasks.labels(self.role.value, "failed").inc()
             self._fail(job, *describe_failure(exc))

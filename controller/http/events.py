@@ -26,6 +26,9 @@ Event names on the wire:
 ``yielded``    its DiT handed it back at a step boundary, checkpointed (drained)
 ``preempting`` its DiT was asked to yield for a more urgent task (``priority``)
 ``preempted``  ... and did: it resumes later (``preemptions`` so far); never charged
+``handover``   Wan2.2-A14B's split placement: the high-noise DiT reached the boundary and
+               handed the task over, its state kept, for a low-noise DiT (``resumed`` next,
+               when one takes it); never charged
 ``lagged``     this subscriber fell too far behind and is dropped; reconnect
 """
 
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.ownership.coordinator import Coordinator
-from controller.tasks.tasks import TERMINAL, WAITING_FOR, Stage, Task
+from controller.tasks.tasks import TERMINAL, Stage, Task, waiting_for
 
 log = logging.getLogger("diffring.events")
 
@@ -54,7 +57,8 @@ GALLERY_SIZE = 24
 
 TERMINAL_EVENTS = frozenset({"completed", "failed", "cancelled"})
 # Coordinator event -> wire event; claimed / handoff / queued are all stage changes.
-_CHECKPOINT_EVENTS = frozenset({"checkpoint", "resumed", "yielded", "preempting", "preempted"})
+_CHECKPOINT_EVENTS = frozenset({"checkpoint", "resumed", "yielded", "preempting", "preempted",
+                                "handover"})
 _WIRE_NAME = {"queued": "stage", "claimed": "stage", "handoff": "stage", "progress": "progress",
               "completed": "completed", "failed": "failed", "cancelled": "cancelled",
               **{e: e for e in _CHECKPOINT_EVENTS}}
@@ -78,8 +82,9 @@ def task_event(name: str, task: Task) -> dict[str, Any]:
         "worker": task.worker,
         "at": time.time(),
     }
-    waiting = WAITING_FOR.get(task.stage)
-    data["waiting_for"] = waiting.value if waiting is not None else None
+    data["waiting_for"] = waiting_for(task)
+    if task.waiting_expert is not None and task.stage == Stage.ACCEPTED:
+        data["waiting_expert"] = task.waiting_expert  # split: a DiT of this expert
     if name == "progress" or task.stage == Stage.DENOISING:
         data["step"], data["steps"] = task.step, task.steps
         if task.expert is not None:  # Wan2.2-A14B: which expert ran the step

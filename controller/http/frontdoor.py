@@ -47,7 +47,7 @@ from controller.http.sizes import plain_defaults, size_fields
 from controller.http.thumbs import make_thumbnail, thumbnail_file
 from controller.ownership.coordinator import Coordinator
 from controller.tasks.store import StoreConflict, StoreError
-from controller.tasks.tasks import TERMINAL, WAITING_FOR, DuplicateTask, Stage, Task
+from controller.tasks.tasks import TERMINAL, DuplicateTask, Stage, Task, waiting_for
 
 log = logging.getLogger("diffring.frontdoor")
 
@@ -321,8 +321,9 @@ class FrontDoor:
         """``GET /v1/tasks/{id}/status``. ``positions``: the table's queue positions, when
         many tasks are reported at once (computed once for them all)."""
         out = task.public()
-        waiting = WAITING_FOR.get(task.stage)
-        out["waiting_for"] = waiting.value if waiting is not None else None
+        out["waiting_for"] = waiting_for(task)
+        if task.waiting_expert is not None and task.stage == Stage.ACCEPTED:
+            out["waiting_expert"] = task.waiting_expert  # split: a DiT of this expert
         if positions is None:
             out["queue_position"] = self.co.table.queue_position(task)
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from contracts.roles import ROLE_RINGS, Role
 from controller.ownership.leases import Leases
@@ -68,6 +69,30 @@ class Claims:
         else:
             log.info("task %s claim by %s refused: %s", task_id, worker.name, reason)
         return ok, reason
+
+    def take(self, worker: WorkerInfo) -> dict[str, Any] | None:
+        """A low-noise worker (``split``) asks for a task handed over at the boundary: the
+        resume item of one, claimed for it now (no deferral: the task already ran its
+        high-noise steps), or None. One synchronous step, so the task goes from the
+        controller's hands to ``worker``'s lease with no owner in between."""
+        if worker.role != Role.TRANSFORMER or worker.experts != "low":
+            return None  # only a worker holding the low-noise expert runs these
+        taken = self.requeue.take()
+        if taken is None:
+            return None
+        task, item, waited = taken
+        ok, reason = self.table.claim(task.task_id, task.attempt, worker.role, worker.name,
+                                      worker.worker_id, self.leases.until(self.clock()))
+        if not ok:  # cancelled meanwhile (the table ended it), or never: nothing to run
+            log.info("task %s take by %s refused: %s", task.task_id, worker.name, reason)
+            if task.stage not in TERMINAL:
+                self.requeue.later(task)
+            return None
+        worker.tasks.add(task.task_id)
+        log.info("task %s stage=%s worker=%s attempt=%d (low-noise expert, waited %.3f s)",
+                 task.task_id, task.stage.value, worker.name, task.attempt, waited)
+        self.out.emit("claimed", task)
+        return item
 
     def progress(self, worker: WorkerInfo, task_id: str, attempt: int, step: int,
                  steps: int, expert: str | None = None) -> bool:

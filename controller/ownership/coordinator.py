@@ -148,6 +148,17 @@ process inside each is named; ``tests/integration/test_fault_points.py`` fires e
    ``resume`` are refused and its heartbeat tells it to stop; a Phase2 item it still
    publishes is refused at the decoder's claim (5). A restart (7) keeps what the checkpoint
    files hold: the unfinished tasks resume from them.
+   Wan2.2-A14B's ``split`` placement (DiT workers holding one expert) is this window every
+   time: at the boundary the high-noise worker's state is kept as any checkpoint (marked
+   ``split``, its next expert ``low``) and the worker reports fault ``handover``, handled as
+   ``yielded``. The task is put back in play as above, accepted and owned by the controller,
+   but its route is no ring (:data:`controller.ownership.requeue.LOW`): ring claims are FIFO,
+   and a high-noise worker must not pop it. It stays in the waiting list until a low-noise
+   worker asks (``take``): :meth:`Claims.take` moves it to Phase1 and claims it for that
+   worker in one synchronous step of the event loop, so its owner goes from the controller
+   to the worker's lease with no slot, no message and no await between; the reply that
+   carries the item may be lost with the worker, whose lease then ends as in (4), putting
+   the task back in the waiting list. The attempt number fences the taker as any holder.
 
 Cancelling (``cancel``) ends ownership like any terminal stage: a task no worker holds is
 cancelled at once, and whoever claims its ring item next is refused and frees the buffers
@@ -330,11 +341,12 @@ class Coordinator:
         self, role: str, name: str, pid: int, pipeline: str, segment: str, *,
         loras: tuple[str, ...] = (), caches: tuple[str, ...] = (),
         fused: tuple[tuple[str, float], ...] = (), recipe: str | None = None,
-        checkpoints: bool = False,
+        checkpoints: bool = False, experts: str | None = None,
     ) -> WorkerInfo:
         info = self.registry.register(role, name, pid, pipeline, segment, self.clock(),
                                       loras=loras, caches=caches, fused=fused, recipe=recipe,
-                                      checkpoints=checkpoints and self.checkpoints is not None)
+                                      checkpoints=checkpoints and self.checkpoints is not None,
+                                      experts=experts)
         log.info("worker %d registered: %s %s pid=%d segment=%s", info.worker_id, role, name,
                  pid, segment)
         self.budget.worker_back(name, self.table)  # it was not killed: its connection dropped
@@ -357,6 +369,10 @@ class Coordinator:
     def on_claim(self, worker: WorkerInfo, task_id: str, attempt: int) -> tuple[bool, str]:
         """Grant, refuse (windows 2, 5) or defer a claim: :meth:`Claims.claim`."""
         return self.claims.claim(worker, task_id, attempt)
+
+    def on_take(self, worker: WorkerInfo) -> dict[str, Any] | None:
+        """A low-noise worker's ``take`` (window 8, ``split``): :meth:`Claims.take`."""
+        return self.claims.take(worker)
 
     def on_progress(
         self, worker: WorkerInfo, task_id: str, attempt: int, step: int, steps: int,
@@ -386,8 +402,12 @@ class Coordinator:
         task = self.table.held(task_id, attempt, worker.worker_id)
         if task is None:
             return  # not this worker's attempt (any more): its failure changes nothing
-        log.warning("task %s failed at worker=%s attempt=%d (%s, %s): %s", task_id,
-                    worker.name, attempt, error_type, fault, error)
+        if fault == Fault.HANDOVER:  # split: expected once per request, not a failure
+            log.info("task %s handed over by worker=%s attempt=%d: %s", task_id, worker.name,
+                     attempt, error)
+        else:
+            log.warning("task %s failed at worker=%s attempt=%d (%s, %s): %s", task_id,
+                        worker.name, attempt, error_type, fault, error)
         if fault is None:  # a worker of an older build: only ``retryable``
             fault = Fault.TASK if retryable else Fault.INPUT
         self.recovery.failed(

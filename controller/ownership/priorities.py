@@ -89,7 +89,9 @@ class Priorities:
         task asked to yield, or None."""
         if self.preempt_after_s is None:
             return None
-        dits = [w for w in self.registry if w.role == Role.TRANSFORMER]
+        # The Phase1 ring's DiTs (split: not the low-noise ones, which cannot run the
+        # waiting tasks; a task waiting for one of those does not preempt).
+        dits = [w for w in self.registry if w.role == Role.TRANSFORMER and w.experts != "low"]
         running = {t.worker_id: t for t in self.table
                    if t.stage == Stage.DENOISING and t.worker_id is not None}
         if not dits or any(w.worker_id not in running for w in dits):

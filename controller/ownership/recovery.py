@@ -80,6 +80,9 @@ class Recovery:
         elif fault == Fault.INPUT:
             self.table.failed(task, error, error_type)
             self.out.emit("failed", task)
+        elif fault == Fault.HANDOVER:  # window 8, split: for a worker of the other expert
+            self.out.emit("handover", task)
+            self.retry(task, reason, Cause.SYSTEM)
         elif fault == Fault.YIELDED:  # window 8: drained or preempted, its state kept
             self.out.emit("preempted" if preempted(task) else "yielded", task)
             self.retry(task, reason, Cause.SYSTEM)

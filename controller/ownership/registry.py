@@ -44,6 +44,9 @@ class WorkerInfo:
     """What its last heartbeat reported (a model stage: resident and peak GPU bytes)."""
     checkpoints: bool = False
     """A transformer worker that checkpoints its loops: it can yield at a step boundary."""
+    experts: str | None = None
+    """Wan2.2-A14B ``split``: the one expert this DiT holds (``high`` pulls the Phase1 ring,
+    ``low`` takes the tasks handed over at the boundary); None: every DiT of the model."""
 
     def public(self) -> dict[str, Any]:
         return {
@@ -60,6 +63,7 @@ class WorkerInfo:
                 "fused": [{"name": n, "strength": w} for n, w in self.fused],
                 "recipe": self.recipe, "checkpoints": self.checkpoints}
                if self.role == Role.TRANSFORMER else {}),
+            **({"experts": self.experts} if self.experts is not None else {}),
             "stats": dict(self.stats),
         }
 
@@ -76,7 +80,7 @@ class WorkerRegistry:
     def register(self, role: str, name: str, pid: int, pipeline: str, segment: str,
                  now: float, *, loras: tuple[str, ...] = (), caches: tuple[str, ...] = (),
                  fused: tuple[tuple[str, float], ...] = (), recipe: str | None = None,
-                 checkpoints: bool = False) -> WorkerInfo:
+                 checkpoints: bool = False, experts: str | None = None) -> WorkerInfo:
         """A new worker (ids are never reused), or ControlError saying why not."""
         if pipeline != self.pipeline:
             raise ControlError(
@@ -89,7 +93,7 @@ class WorkerRegistry:
             raise ControlError(f"unknown worker role {role!r}") from None
         info = WorkerInfo(self._next, known, name, pid, segment, pipeline, heard_at=now,
                           loras=tuple(loras), caches=tuple(caches), fused=tuple(fused),
-                          recipe=recipe, checkpoints=checkpoints)
+                          recipe=recipe, checkpoints=checkpoints, experts=experts)
         self._workers[info.worker_id] = info
         self._next += 1
         return info

@@ -13,6 +13,12 @@ controller keeps a checkpoint of it (:mod:`controller.tasks.checkpoints`), an it
 makes itself -- the Phase1 ring for a DiT to resume the loop, the Phase2 ring for a decoder
 to decode kept final latents (window 8). Every push is announced (the doorbell that wakes
 idle workers of that ring).
+
+One route is no ring: :data:`LOW`, a task handed over at Wan2.2-A14B's boundary by a
+high-noise worker of the ``split`` placement (its checkpoint's next expert is the low-noise
+one). It stays here, waiting and owned by the controller like any accepted task, until a
+low-noise worker asks for one (:meth:`Requeue.take`), which claims it in the same step: ring
+claims are FIFO, so a shared ring would let a high-noise worker pop it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from controller.ownership.outbox import Outbox
 from controller.tasks.table import TaskTable
 from controller.tasks.tasks import Stage, Task
 from rings.ring import Ring
+
+LOW = "low"
+"""The route of a task waiting for a low-noise worker (``split``): held here, not a ring."""
 
 AHEAD = (Stage.QUEUED, Stage.ENCODING, Stage.PHASE1)
 """The stages of a task released and not yet claimed by a DiT (what ``limit()`` bounds)."""
@@ -73,7 +82,7 @@ class Requeue:
 
     def _route(self, task: Task) -> Route:
         resumed = self.route(task) if self.route is not None else None
-        if resumed is not None and resumed.ring in self.rings:
+        if resumed is not None and (resumed.ring in self.rings or resumed.ring == LOW):
             return resumed
         return Route("request", task.descriptor(), Stage.QUEUED)
 
@@ -127,6 +136,9 @@ class Requeue:
         for _, _, task in sorted(waiting, key=lambda w: w[:2]):
             mine = rank(task.priority)
             route = self._route(task)
+            task.waiting_expert = "low" if route.ring == LOW else None  # (for the status)
+            if route.ring == LOW:
+                continue  # a low-noise worker takes it (take)
             counted = route.ring != "phase2"  # a decode-only resume is not ahead of a DiT
             if route.ring in full or (counted and ahead[mine] >= bound):
                 continue  # a later sweep, claim or registration tries again
@@ -138,6 +150,36 @@ class Requeue:
                 for r in range(mine + 1):
                     ahead[r] += 1
             self.out.emit("queued" if task.stage == Stage.QUEUED else "resumed", task)
+
+    def take(self) -> tuple[Task, dict[str, Any], float] | None:
+        """The most urgent (then oldest) task waiting for a low-noise worker, now in its
+        Phase1 stage as a pushed resume item would be, its resume item and the seconds it
+        waited (since it was handed back); None when none waits. The caller claims it for
+        the asking worker before it returns to the event loop: from the controller's hands
+        to the worker's lease, with nothing between."""
+        found = []
+        for tid, n in self._waiting.items():
+            task = self.table.get(tid)
+            if task is None or task.stage != Stage.ACCEPTED:
+                continue
+            route = self._route(task)
+            if route.ring == LOW:
+                found.append((-rank(task.priority), n, tid, task, route))
+        if not found:
+            return None
+        _, _, tid, task, route = min(found, key=lambda f: f[:2])
+        del self._waiting[tid]
+        task.waiting_expert = None
+        since = task.waiting_since
+        waited = 0.0 if since is None else self.clock() - since
+        self.table.resumed(task, route.stage, route.step)
+        self.out.emit("resumed", task)
+        return task, route.item, waited
+
+    def low_waiting(self) -> int:
+        """Tasks waiting for a low-noise worker (``split``)."""
+        return sum(1 for tid in self._waiting if (t := self.table.get(tid)) is not None
+                   and t.stage == Stage.ACCEPTED and self._route(t).ring == LOW)
 
     def __len__(self) -> int:
         return len(self._waiting)

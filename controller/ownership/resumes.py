@@ -14,7 +14,7 @@ from contracts.messages import CheckpointReply
 from controller.errors import ControlError
 from controller.ownership.outbox import Outbox
 from controller.ownership.registry import WorkerInfo
-from controller.ownership.requeue import Route
+from controller.ownership.requeue import LOW, Route
 from controller.tasks.checkpoints import Checkpoint, CheckpointStore
 from controller.tasks.table import TaskTable
 from controller.tasks.tasks import Stage, Task
@@ -104,8 +104,12 @@ class Resumes:
             return Route("phase2", {"kind": "phase2", **item,
                                     "tensors": [k.desc.to_dict() for k in ckpt.state]},
                          Stage.PHASE2, ckpt.step)
-        return Route("phase1", {"kind": "phase1", **item, "tensors": [],
-                                "resume": {"step": ckpt.step, "steps": ckpt.steps}},
+        # split: a state whose next expert is the low-noise one, made by a worker holding
+        # one expert, waits for a low-noise worker (requeue.LOW); any other for any DiT.
+        low = ckpt.meta.get("split") is True and ckpt.meta.get("expert") == "low"
+        return Route(LOW if low else "phase1",
+                     {"kind": "phase1", **item, "tensors": [],
+                      "resume": {"step": ckpt.step, "steps": ckpt.steps}},
                      Stage.PHASE1, ckpt.step)
 
     def load(self, unfinished: list[Task]) -> None:

@@ -71,6 +71,15 @@ WAITING_FOR = {
 }
 
 
+def waiting_for(task: Task) -> str | None:
+    """The role ``task`` waits for (None: it waits for none): a DiT for a task handed over
+    at Wan2.2-A14B's boundary (``split``: it waits accepted, at the controller)."""
+    if task.waiting_expert is not None and task.stage == Stage.ACCEPTED:
+        return Role.TRANSFORMER.value
+    waiting = WAITING_FOR.get(task.stage)
+    return waiting.value if waiting is not None else None
+
+
 def coarse_status(stage: Stage) -> str:
     """LightX2V's word for ``stage``: pending while waiting for any stage's worker,
     processing while one holds it."""
@@ -120,6 +129,7 @@ class Task:
     yield_requested: bool = False  # its DiT was asked to yield (preemption under way)
     waiting_since: float | None = None  # monotonic: its current attempt began waiting
     expert: str | None = None  # Wan2.2-A14B: the expert of its last step (high / low)
+    waiting_expert: str | None = None  # split: it waits (accepted) for a DiT of this expert
 
     @property
     def status(self) -> str:
@@ -169,7 +179,8 @@ class DuplicateTask(Exception):
 
 
 _TASK_FIELDS = {f.name for f in fields(Task)} - {"stage", "image_bytes", "lease_expires",
-                                                  "yield_requested", "waiting_since"}
+                                                  "yield_requested", "waiting_since",
+                                                  "waiting_expert"}
 FIXED_FIELDS = ("kind", "pipeline", "request", "save_result_path", "created_at")
 """Written once, when the task is accepted; the rest is rewritten at every state change."""
 _RECORD_FIELDS = tuple(sorted(_TASK_FIELDS - {"image"}))

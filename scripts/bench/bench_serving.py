@@ -41,6 +41,9 @@ in its own config file. Before its G-replica levels the baseline measures one re
 ``--single-requests`` requests) unless ``--single-qps`` gives that figure; a row's efficiency
 is its QPS over G x that. N defaults to G, 2G, 4G.
 
+Wan2.2-A14B's split placement: a mode with ``transformer.experts="high"`` starts every second
+DiT worker with ``"low"`` instead (``--transformers 2``: one of each; refused with fewer).
+
 Transformer groups (``--dit-parallel cfg=2,ulysses=2``, contracts/parallel.py): each DiT
 worker of the placement is one group spanning G consecutive devices from its own (default
 placement: the encoder and the decoder on d0, the group on d1..dG when the run has G + 1
@@ -143,6 +146,14 @@ def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[s
     group = LocalGroup(cfg, workdir)
     host = cfg["server"]["host"]
     parallel, span = dit or (None, 1)
+    # A mode whose DiT workers are set to experts 'high' is Wan2.2-A14B's split placement:
+    # every second DiT worker holds the low-noise expert instead (a pair per two workers).
+    split = mode != "baseline" and cfg.get("transformer", {}).get("experts") == "high"
+    if split and sum(role == "transformer" for role, _ in workers) < 2:
+        raise SystemExit("a split mode (transformer.experts 'high') needs two DiT workers or "
+                         "more, every second one holding the low-noise expert: give "
+                         "--transformers 2 (or a --placement with two t)")
+    dits = 0
     urls: list[str] = []
     endpoints: list[Endpoint] = []
     try:
@@ -169,6 +180,10 @@ def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[s
                 if role == "transformer" and span > 1:
                     extra["devices"] = devices[index:index + span]
                     extra["transformer"] = {"parallel": parallel}
+                if role == "transformer" and split:
+                    extra["transformer"] = {**extra.get("transformer", {}),
+                                            "experts": SPLIT_PAIR[dits % 2]}
+                    dits += 1
                 group.start(role, extra)
                 endpoints.append(Endpoint(f"http://{host}:{mport}/metrics", role, index))
                 if serial:
@@ -178,6 +193,10 @@ def running(mode: str, cfg: dict[str, Any], workdir: Path, workers: list[tuple[s
         yield Deployment(group, urls, endpoints)
     finally:
         group.stop(timeout=120)
+
+
+SPLIT_PAIR = ("high", "low")
+"""The experts of a split mode's DiT workers, in start order."""
 
 
 # ------------------------------------------------------------------------------- load

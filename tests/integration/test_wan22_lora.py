@@ -164,3 +164,43 @@ def test_unknown_pairs_and_caches_are_refused(tiny_models: Path, lora_dir: Path)
     with pytest.raises(InvalidRequestError, match="step caches are not available on "
                                                   "wan22_a14b_t2v"):
         dit.denoise(req.replace(cache={"kind": "first_block_cache", "threshold": 0.05}), cond)
+
+
+class _Handover:
+    """Loop hooks of a split worker in one process: hand the state on as it is."""
+
+    def __init__(self, resume: Any = None) -> None:
+        self.resume = resume
+        self.taken: Any = None
+
+    def boundary(self, step: int, steps: int, snapshot: Callable[[], Any]) -> None:
+        pass
+
+    def hand_over(self, step: int, steps: int, snapshot: Callable[[], Any]) -> None:
+        from contracts.errors import StageYielded
+
+        self.taken = snapshot()
+        raise StageYielded("handed over", step, steps, "handover")
+
+
+def test_split_workers_each_load_their_half(tiny_models: Path, lora_dir: Path) -> None:
+    """``split``: a ``high`` worker loads the high-noise half of each pair, a ``low`` worker
+    the low-noise half; a request handed from one to the other equals diffusers' pair."""
+    from contracts.errors import StageYielded
+
+    high, low = (TransformerAdapter.for_task(tiny_models / TASK, TASK, options=StageOptions(
+        lora_dir=str(lora_dir), experts=e)) for e in ("high", "low"))
+    high.load()
+    low.load()
+    assert high.offers()["loras"] == low.offers()["loras"] == sorted([*PAIRS, "style"])
+    loras = [("seko", 0.8), ("style", 0.5)]
+    req = small_request(TASK, loras=[{"name": n, "strength": w} for n, w in loras])
+    cond = wire(stage("encoder", tiny_models, TASK).encode(req))
+    hooks = _Handover()
+    with pytest.raises(StageYielded):
+        high.denoise(req, cond, loop=hooks)
+    latents = low.denoise(req, cond, loop=_Handover(resume=hooks.taken))
+    ours = stage("decoder", tiny_models, TASK).decode_float(req, wire(latents))
+    want = diffusers_reference(tiny_models, req, None, "float32",
+                               setup=with_pairs(lora_dir, loras))
+    assert float(np.abs(ours - want).max()) == 0.0

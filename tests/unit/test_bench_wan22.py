@@ -18,7 +18,7 @@ def test_planned_wan22_commands_parse_and_their_plans_are_complete(
     from scripts.bench import bench_serving
 
     commands = planned_commands(HEADING)
-    assert {c[0] for c in commands} == {"scripts.bench.bench_serving"} and len(commands) == 7
+    assert {c[0] for c in commands} == {"scripts.bench.bench_serving"} and len(commands) == 8
     for _module, *argv in commands:
         argv = [a.replace("$OUT", "/tmp/out") for a in argv]
         assert bench_serving.main([*argv, "--dry-run"]) == 0, argv
@@ -26,10 +26,12 @@ def test_planned_wan22_commands_parse_and_their_plans_are_complete(
     modes = {line.split(":")[0] for line in printed.splitlines() if line.startswith(
         ("disagg@", "baseline@")) and " requests:" not in line}
     assert modes >= {"disagg@both", "baseline@both", "disagg@fp8", "disagg@swap",
-                     "disagg@swap24g", "disagg@fp8c", "disagg@plain", "disagg@tiled"}
-    for expected in ('"experts": "swap"', '"max_vram_gb": 24', '"weight_storage": "fp8"',
-                     '"linear": "fp8"', '"compile": true', '"vae_tiling": true',
-                     '"flow_shift": 5.0', 'requests: {"guidance_scale": 1.0}'):
+                     "disagg@swap24g", "disagg@fp8c", "disagg@plain", "disagg@tiled",
+                     "disagg@split"}
+    for expected in ('"experts": "swap"', '"experts": "high"', '"max_vram_gb": 24',
+                     '"weight_storage": "fp8"', '"linear": "fp8"', '"compile": true',
+                     '"vae_tiling": true', '"flow_shift": 5.0',
+                     'requests: {"guidance_scale": 1.0}'):
         assert expected in printed, expected
     # Every arch of the plan is a Wan2.2 folder modelkit.real builds.
     from modelkit.real import ARCHS, PIPELINE

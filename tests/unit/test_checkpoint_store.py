@@ -386,3 +386,68 @@ def test_store_reads_back_what_it_wrote_exactly(tmp_path: Path, engine: FakeTran
         assert i is not None and i.stage == Stage.QUEUED and i.checkpoint_step is None
     finally:
         again.close()
+
+
+def test_a_split_handover_waits_for_a_low_noise_worker(setup: Setup,
+                                                       dit_pool: StagingPool) -> None:
+    """``split`` (Wan2.2-A14B, experts high / low): a state whose next expert is the
+    low-noise one, sent by a worker holding one expert, is no ring's: the task waits at the
+    controller (no DiT can pop it) until a low-noise worker takes it, which claims it in the
+    same call; a lost taker puts it back there, uncharged. The same state from a worker
+    holding both experts resumes through the Phase1 ring, as before."""
+    s = setup
+    t = s.submit("s")
+    s.to_dit("s")
+    msg, descs = staged(s, dit_pool, "s", 1, 2)
+    msg.meta.update(expert="low", split=True)
+    assert messages.encode(asyncio.run(s.co.on_checkpoint(s.dit, msg))) == {"accepted": True}
+    dit_pool.free_staged(descs)
+    s.co.on_fail(s.dit, "s", 1, "handed over to the low-noise expert after step 2 of 4",
+                 "handover", True, Fault.HANDOVER)
+    assert (t.stage, t.attempt, t.failures) == (Stage.ACCEPTED, 2, 0)
+    assert s.rings.peer("phase1").try_pop() is None  # a high-noise worker finds nothing
+    assert s.rings.peer("request").try_pop() is None
+    assert s.co.requeue.low_waiting() == 1
+    assert t.waiting_expert == "low"  # the status says: waiting for a low-noise DiT
+    high = s.co.on_register("transformer", "high", 6, PIPE, "s6", checkpoints=True,
+                            experts="high")
+    low = s.co.on_register("transformer", "low", 4, PIPE, "s4", checkpoints=False,
+                           experts="low")
+    for other in (s.enc, s.dit, high):  # an encoder, a DiT of both experts, a high-noise one
+        assert s.co.on_take(other) is None
+    item = s.co.on_take(low)
+    assert item is not None and item["resume"] == {"step": 2, "steps": 4}
+    assert (item["task_id"], item["attempt"]) == ("s", 2)
+    assert (t.stage, t.worker, t.resumed_from) == (Stage.DENOISING, "low", 2)
+    assert t.waiting_expert is None
+    assert s.co.on_take(low) is None
+    _inputs, state = resumed_state(s, low, "s", 2)
+    assert state.expert == "low" and state.tensors["latents"].tobytes() == latents(2).tobytes()
+    s.co.on_gone(low, "killed")  # after the take: back at the controller, uncharged
+    assert (t.stage, t.attempt, t.failures) == (Stage.ACCEPTED, 3, 0)
+    other = s.co.on_register("transformer", "low2", 5, PIPE, "s5", checkpoints=False,
+                             experts="low")
+    again = s.co.on_take(other)
+    assert again is not None and again["attempt"] == 3 and t.worker == "low2"
+    # Exact mode: the same state from a worker holding both experts (no split mark).
+    s.submit("u")
+    s.to_dit("u")
+    msg, descs = staged(s, dit_pool, "u", 1, 2)
+    msg.meta.update(expert="low")
+    assert messages.encode(asyncio.run(s.co.on_checkpoint(s.dit, msg))) == {"accepted": True}
+    dit_pool.free_staged(descs)
+    s.co.on_fail(s.dit, "u", 1, "handed back (drain)", "StageYielded", True, Fault.YIELDED)
+    assert s.co.on_take(other) is None
+    back = s.rings.peer("phase1").try_pop()
+    assert back is not None and back["task_id"] == "u" and back["resume"]["step"] == 2
+    # Cancelled while it waits for a low-noise worker: nobody takes it.
+    v = s.submit("v")
+    s.to_dit("v")
+    msg, descs = staged(s, dit_pool, "v", 1, 2)
+    msg.meta.update(expert="low", split=True)
+    assert messages.encode(asyncio.run(s.co.on_checkpoint(s.dit, msg))) == {"accepted": True}
+    dit_pool.free_staged(descs)
+    s.co.on_fail(s.dit, "v", 1, "handed over", "handover", True, Fault.HANDOVER)
+    assert v.stage == Stage.ACCEPTED and s.co.cancel(v) == "success"
+    assert v.stage == Stage.CANCELLED and s.co.on_take(other) is None
+    assert s.co.requeue.low_waiting() == 0

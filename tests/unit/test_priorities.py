@@ -193,3 +193,27 @@ def test_priority_values_and_settings_are_checked() -> None:
     for bad in ({"release_ahead": 0}, {"preempt_after_s": -1}, {"max_preemptions": -1}):
         with pytest.raises(ConfigError):
             ServiceConfig.from_dict(bad)
+
+
+def test_split_preempts_only_a_dit_that_can_run_the_waiting_task(tmp_path: Path) -> None:
+    """``split``: a task waiting in the Phase1 ring needs a high-noise DiT. An idle
+    low-noise DiT is no free DiT for it (the busy high-noise one yields), and a task on a
+    low-noise DiT is never asked to yield for it (it could not take the urgent one)."""
+    rings, clock = Rings(), Clock()
+    co = ring_coordinator(tmp_path, rings, clock=clock, preempt_after_s=1.0)
+    enc = co.on_register("encoder", "e", 1, PIPE, "s1")
+    high = checkpointing(co.on_register("transformer", "th", 2, PIPE, "s2", experts="high"))
+    low_dit = checkpointing(co.on_register("transformer", "tl", 3, PIPE, "s3",
+                                           experts="low"))
+    on_high = running(co, enc, high, "on-high", "low")
+    co.submit(task("urgent", "high"))
+    encoded(co, enc, "urgent")
+    co.sweep(clock.advance(5.0))
+    assert on_high.yield_requested  # the idle low-noise DiT could not take "urgent"
+    co.on_fail(high, "on-high", 1, "handed back (preempted)", "yielded", True, Fault.YIELDED)
+    assert co.on_claim(high, "urgent", 1)[0]
+    on_low = running(co, enc, low_dit, "on-low", "low")
+    co.submit(task("urgent2", "high"))
+    encoded(co, enc, "urgent2")
+    co.sweep(clock.advance(5.0))
+    assert not on_low.yield_requested  # its DiT could not run the urgent task

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from contracts.config import ServiceConfig
-from contracts.errors import ConfigError, InvalidRequestError, ModelLoadError
+from contracts.errors import CheckpointError, ConfigError, InvalidRequestError, ModelLoadError
 from contracts.messages import Progress, decode, encode
 from contracts.pipelines import pipeline_name, rows_for_folder, task_spec
 from contracts.request import GenerationRequest
@@ -180,7 +180,7 @@ def test_lightx2v_pair_of_scales_is_high_then_low() -> None:
 
 # -- the experts option -------------------------------------------------------------------------
 def test_experts_option_is_checked() -> None:
-    with pytest.raises(ConfigError, match="experts must be one of both, swap"):
+    with pytest.raises(ConfigError, match="experts must be one of both, swap, high, low"):
         StageOptions(experts="split")
     with pytest.raises(ConfigError, match="wan_t2v has one DiT"):
         ServiceConfig.from_dict({"model_cls": "wan2.1", "task": "t2v",
@@ -196,6 +196,40 @@ def test_experts_option_is_checked() -> None:
     with pytest.raises(ModelLoadError, match="cannot move FP8 linear layers"):
         check_placement(StageOptions(experts="swap", linear="fp8"), 2, compiled=False)
     check_placement(StageOptions(experts="swap", weight_storage="fp8"), 2, compiled=False)
+
+
+def test_split_experts_option_is_checked() -> None:
+    """``high`` / ``low`` (the split placement): one expert per worker, so the weight options
+    and compile of any one DiT apply; not a one-DiT model, not a transformer group."""
+    for experts in ("high", "low"):
+        with pytest.raises(ConfigError, match=f"experts '{experts}' places the two experts of "
+                                              "Wan2.2-A14B; wan_i2v has one DiT"):
+            ServiceConfig.from_dict({"model_cls": "wan2.1", "task": "i2v",
+                                     "transformer": {"experts": experts}})
+        with pytest.raises(ConfigError, match="runs one expert on one device"):
+            ServiceConfig.from_dict({"model_cls": "wan2.2_moe", "task": "t2v",
+                                     "transformer": {"experts": experts,
+                                                     "parallel": "cfg=2"}})
+        cfg = ServiceConfig.from_dict({"model_cls": "wan2.2_moe", "task": "t2v",
+                                       "compile": True, "warmup_shapes": ["480x832x81"],
+                                       "dtype": "bfloat16",
+                                       "transformer": {"experts": experts, "linear": "fp8"}})
+        assert cfg.transformer.experts == experts
+        check_placement(StageOptions(experts=experts, linear="fp8"), 2,
+                        compiled=True)
+        with pytest.raises(ModelLoadError, match="this model has one DiT"):
+            check_placement(StageOptions(experts=experts), 1, compiled=False)
+
+
+def test_a_split_worker_holds_one_expert() -> None:
+    """The rule still names both experts; the one not held is refused, not run."""
+    high = Experts([_Toy(1.0), None], 875.0, "high", torch.device("cpu"))
+    assert high.holds(0) and not high.holds(1) and len(high.all()) == 1
+    assert high.index_at(874) == 1 and high.name(1) == "low"
+    with pytest.raises(CheckpointError, match="holds the high-noise expert only"):
+        high.get(1)
+    low = Experts([None, _Toy(2.0)], 875.0, "low", torch.device("cpu"))
+    assert low.first is low.get(1) and not low.holds(0)
 
 
 class _Toy(torch.nn.Module):

@@ -261,7 +261,7 @@ class TransformerAdapter(StageAdapter):
 
             self.requests = RequestOptions(self.dits(), self.spec.family, self.task,
                                            self.options, self.compile,
-                                           self.recipe_name())
+                                           self.recipe_name(), self.dit_halves())
         if self.compile:
             # Blocks only: the embeddings and RoPE tables around them change shape with the
             # request and are cheap; dynamic=None lets a second text length turn that
@@ -273,6 +273,11 @@ class TransformerAdapter(StageAdapter):
         """The DiTs of this stage: one, or Wan2.2-A14B's two experts (high-noise first).
         FP8 linear layers and compile apply to each."""
         return [self.transformer]
+
+    def dit_halves(self) -> list[str] | None:
+        """The experts :meth:`dits` are, where this worker holds part of a two-expert
+        checkpoint (``split``); None: all of the model's DiTs."""
+        return None
 
     def working_bytes(self) -> int:
         """Activations of one DiT forward at the largest of ``budget_shapes`` (the worker's

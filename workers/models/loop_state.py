@@ -64,6 +64,10 @@ class LoopHooks(Protocol):
     def boundary(self, step: int, steps: int, snapshot: Callable[[], LoopState]) -> None:
         """Called after step ``step`` of ``steps``; ``snapshot()`` copies the state."""
 
+    # Optional (the worker's hooks have it; a loop of one process needs none):
+    # ``hand_over(step, steps, snapshot)``: the next step runs an expert this worker does
+    # not hold (``split``): hand the state over and end the loop (StageYielded).
+
 
 # -- the scheduler ---------------------------------------------------------------------------
 def capture_scheduler(scheduler: Any) -> dict[str, Any]:
@@ -191,3 +195,23 @@ def boundary(hooks: LoopHooks | None, step: int, steps: int, scheduler: Any,
                          expert)
 
     hooks.boundary(step, steps, snapshot)
+
+
+def hand_over(hooks: LoopHooks | None, step: int, steps: int, scheduler: Any,
+              tensors: Callable[[], dict[str, Any]], expert: str) -> None:
+    """Wan2.2-A14B's boundary on a worker holding one expert (``split``): the state goes to
+    the worker holding ``expert`` (through the controller, as a checkpoint goes), and the
+    loop ends here (the hooks raise StageYielded)."""
+    handed = getattr(hooks, "hand_over", None)
+    if handed is None:
+        raise CheckpointError(f"the next step (after {step} of {steps}) runs the {expert}-noise "
+                              "expert, which this stage does not hold: the split placement "
+                              "(experts 'high' / 'low') runs in a DiT worker, whose loop hands "
+                              "the request over; use experts 'both' or 'swap' in one process")
+
+    def snapshot() -> LoopState:
+        carried = {k: _copy(v, k) for k, v in tensors().items()}
+        return LoopState(step, steps, carried, capture_scheduler(scheduler), expert)
+
+    handed(step, steps, snapshot)
+    raise CheckpointError(f"the loop state after step {step} was not handed over")

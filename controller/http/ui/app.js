@@ -200,7 +200,7 @@ function listen() {
   source.onopen = () => { live.className = "live on"; live.textContent = "events: live"; };
   source.onerror = () => { live.className = "live off"; live.textContent = "events: reconnecting"; };
   for (const name of ["stage", "progress", "completed", "failed", "cancelled", "checkpoint",
-    "resumed", "yielded", "preempting", "preempted"]) {
+    "resumed", "yielded", "preempting", "preempted", "handover"]) {
     source.addEventListener(name, onEvent);
   }
 }

@@ -28,10 +28,11 @@ class RequestOptions:
     """The request-level options of one loaded DiT."""
 
     def __init__(self, dits: Sequence[Any], family: str, task: str, options: StageOptions,
-                 compiled: bool, recipe_name: str | None = None) -> None:
+                 compiled: bool, recipe_name: str | None = None,
+                 halves: Sequence[str] | None = None) -> None:
         transformer = dits[0]
         self.transformer = transformer
-        self.two = len(dits) == 2
+        self.two = len(dits) == 2 or halves is not None
         """Wan2.2-A14B: each expert has its own adapters (its half of each pair) and no
         step cache is offered (diffusers' cache hooks are per model: not served yet)."""
         self.recipe = recipe(recipe_name, family)
@@ -53,12 +54,14 @@ class RequestOptions:
         self.libraries: list[LoraLibrary | HotswapSlots] = []
         """One per DiT (Wan2.2-A14B: the high-noise expert's, then the low-noise one's)."""
         folder = Path(options.lora_dir) if options.lora_dir is not None else None
-        halves = ("high", "low") if self.two else (None,)
+        # ``halves``: the experts this worker holds (split: one of them), else both / none.
+        named: Sequence[str | None] = tuple(halves) if halves is not None else \
+            ("high", "low") if self.two else (None,)
         # A folder holding only the fused adapters offers none per request: no library, so a
         # compiled worker compiles no slots (a distilled deployment pays nothing per step).
         if folder is not None and not (
-                self.fused and set(scan_half(folder, halves[0])) <= self.fused):
-            for dit, half in zip(dits, halves, strict=True):
+                self.fused and set(scan_half(folder, named[0])) <= self.fused):
+            for dit, half in zip(dits, named, strict=True):
                 library: LoraLibrary | HotswapSlots
                 if compiled:
                     library = HotswapSlots(dit, family, folder, task,

@@ -19,6 +19,12 @@ Where the experts are is the ``transformer.experts`` option (:data:`PLACEMENTS`)
   loop the high-noise expert is moved back, so the next request starts on it: one switch and
   one return per request (:attr:`Experts.moves` counts them).
 
+* ``high`` / ``low`` (the ``split`` placement): this worker loads and holds one expert; the
+  other is another worker's. Its loop runs the steps of its expert only: a high-noise
+  worker hands the request over at the boundary (the loop state, as a checkpoint carries
+  it: :mod:`workers.checkpoints`), a low-noise worker resumes it there. :meth:`Experts.get`
+  of the expert it does not hold is a bug, refused.
+
 The host copies of both experts' weights are made at load (pinned on CUDA: host memory of
 both experts, 57 GiB for A14B in bf16, 29 GiB in FP8 storage) and kept, since weights do not
 change after load: parking an expert only drops its device copy, and the move in is one
@@ -33,14 +39,15 @@ moves like any weight.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from contracts.errors import ModelLoadError
-from contracts.stage_options import EXPERT_PLACEMENTS, StageOptions
+from contracts.errors import CheckpointError, ModelLoadError
+from contracts.stage_options import EXPERT_PLACEMENTS, SPLIT_EXPERTS, StageOptions
 
 log = logging.getLogger("diffring.experts")
 
@@ -60,6 +67,8 @@ def check_placement(options: StageOptions, experts: int, compiled: bool) -> None
     if experts != 2:
         raise ModelLoadError(f"transformer.experts {options.experts!r} places the two experts "
                              "of a Wan2.2-A14B checkpoint; this model has one DiT")
+    if options.experts in SPLIT_EXPERTS:  # one expert, placed like any one DiT
+        return
     if options.linear == "fp8" or options.offload != "none" or compiled:
         raise ModelLoadError("transformer.experts 'swap' moves plain tensors: it cannot move "
                              "FP8 linear layers (linear 'fp8'), offloaded weights or a "
@@ -97,12 +106,12 @@ class Experts:
     """The DiTs of one checkpoint (one for every model but Wan2.2-A14B) and the rule that
     picks the one of a step."""
 
-    def __init__(self, dits: Sequence[Any], boundary: float | None, placement: str,
+    def __init__(self, dits: Sequence[Any | None], boundary: float | None, placement: str,
                  device: torch.device, limit_bytes: int | None = None) -> None:
         if placement not in PLACEMENTS:
             raise ModelLoadError(f"transformer.experts must be one of {', '.join(PLACEMENTS)}, "
                                  f"got {placement!r}")
-        self.dits = list(dits)
+        self.dits: list[Any] = list(dits)  # None: an expert this worker does not hold
         self.boundary = boundary
         """The boundary timestep (None: one expert)."""
         self.placement = placement if len(self.dits) == 2 else "both"
@@ -113,6 +122,8 @@ class Experts:
         """The expert on the device (``swap``)."""
         self.moves = 0
         """Expert moves so far (``swap``): a switch at a boundary, or a return after it."""
+        self._stand_in = False
+        """A warm-up of a split worker: the held expert runs the other's steps too."""
         self._host: list[dict[str, torch.Tensor]] = [{} for _ in self.dits]
         self._stream: Any = None
         self._ready: Any = None
@@ -124,8 +135,24 @@ class Experts:
 
     @property
     def first(self) -> Any:
-        """The high-noise expert (the one DiT of other models)."""
-        return self.dits[HIGH]
+        """The high-noise expert (the one DiT of other models; with ``low``, the low-noise
+        expert, the one held)."""
+        return self.all()[0]
+
+    def holds(self, index: int) -> bool:
+        """This worker holds expert ``index`` (``high`` / ``low``: the one it was given)."""
+        return self.dits[index] is not None or self._stand_in
+
+    @contextlib.contextmanager
+    def standing_in(self) -> Iterator[None]:
+        """A split worker's warm-up (its outputs are thrown away): the expert it holds runs
+        every step, the other's too (the same architecture, so the same kernels and compiled
+        graphs), so the loop neither hands over nor refuses a step."""
+        self._stand_in = True
+        try:
+            yield
+        finally:
+            self._stand_in = False
 
     def index_at(self, timestep: Any) -> int:
         """The expert of a step at ``timestep``: high at or above the boundary."""
@@ -150,6 +177,12 @@ class Experts:
     def get(self, index: int) -> Any:
         """The DiT of expert ``index``, on the device (``swap``: moved in now unless it is
         there or on its way; the compute stream then waits for its copy)."""
+        if self.dits[index] is None and self._stand_in:
+            return self.first
+        if self.dits[index] is None:
+            raise CheckpointError(f"this worker holds the {EXPERT_NAMES[1 - index]}-noise expert "
+                                  f"only (experts {self.placement!r}); the step needs the "
+                                  f"{EXPERT_NAMES[index]}-noise one")
         if self.placement == "swap":
             if self.resident != index:
                 self._bring(index)
@@ -247,4 +280,5 @@ class Experts:
             self._ready.record(self._stream)
 
     def all(self) -> list[Any]:
-        return list(self.dits)
+        """The DiTs this worker holds (high-noise first)."""
+        return [d for d in self.dits if d is not None]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,8 +44,10 @@ from contracts.errors import (
     InvalidRequestError,
     ModelLoadError,
     StageInputError,
+    StageYielded,
 )
 from contracts.request import GenerationRequest
+from contracts.stage_options import SPLIT_EXPERTS
 
 from .. import loop_state
 from ..base import (
@@ -253,23 +255,27 @@ class WanTransformer(TransformerAdapter):
         if two and self.options.fused:  # each expert gets its half of a fused pair
             high = dataclasses.replace(high, before=functools.partial(self._fuse, half="high"))
             low = dataclasses.replace(low, before=functools.partial(self._fuse, half="low"))
-        self.transformer: Any = self._component(
-            lambda p: load_diffusers_model(WanTransformer3DModel, p, high), "transformer")
-        dits = [self.transformer]
-        if two:
+        # split ('high' / 'low'): this worker loads its own expert only.
+        dits: list[Any] = [None, None] if two else [None]
+        if self.options.experts != "low":
+            dits[0] = self._component(
+                lambda p: load_diffusers_model(WanTransformer3DModel, p, high), "transformer")
+        if two and self.options.experts != "high":
             # With swap the low-noise expert is built in host memory: the device never holds
             # both (the point of swap on a card that cannot).
             if self.options.experts == "swap":
                 low = dataclasses.replace(low, device=torch.device("cpu"))
             self.transformer_2: Any = self._component(
                 lambda p: load_diffusers_model(WanTransformer3DModel, p, low), "transformer_2")
-            dits.append(self.transformer_2)
+            dits[1] = self.transformer_2
+        # The DiT whose configuration and dtype the loop reads (the experts share them).
+        self.transformer: Any = next(d for d in dits if d is not None)
         overrides = self.scheduler_overrides()  # flow_shift: the option's, else the recipe's
         self.scheduler: Any = self._component(lambda p: load_scheduler(p, **overrides),
                                               "scheduler")
         config = self.transformer.config
         self.patch = tuple(config.patch_size)
-        for dit in dits:
+        for dit in self.held(dits):
             self.attention = apply_attention_backend(
                 dit, self.attention, self.device, self.dtype, config.attention_head_dim,
                 fallback=self.attention_fallback)
@@ -292,11 +298,25 @@ class WanTransformer(TransformerAdapter):
     def dits(self) -> list[Any]:
         return self.experts.all()
 
+    @staticmethod
+    def held(dits: list[Any]) -> list[Any]:
+        return [d for d in dits if d is not None]
+
+    def warm_up(self, shapes: Sequence[str], steps: int = 2) -> float:
+        """``split``: the held expert runs every warm-up step (outputs thrown away), so a
+        worker of one expert warms up without a worker of the other."""
+        with self.experts.standing_in():
+            return super().warm_up(shapes, steps)
+
+    def dit_halves(self) -> list[str] | None:
+        return [self.options.experts] if self.options.experts in SPLIT_EXPERTS else None
+
     def resident_components(self) -> list[str]:
-        """With ``swap`` one expert is on the device at a time (they are the same size)."""
+        """With ``swap`` one expert is on the device at a time (they are the same size);
+        with ``high`` / ``low`` this worker holds one (``split``)."""
         found = super().resident_components()
-        return [c for c in found if c != "transformer_2"] if \
-            self.options.experts == "swap" else found
+        other = {"swap": "transformer_2", "high": "transformer_2", "low": "transformer"}
+        return [c for c in found if c != other.get(self.options.experts)]
 
     def _check_geometry(self, req: GenerationRequest) -> tuple[int, int, int]:
         assert req.height is not None and req.width is not None and req.num_frames is not None
@@ -367,6 +387,12 @@ class WanTransformer(TransformerAdapter):
             timesteps = scheduler.timesteps
             total = len(timesteps)
             self._check_resume(loop, timesteps, first)
+            if first < total and not self.experts.holds(self.experts.index_at(timesteps[first])):
+                # split: a task whose next step is the other expert's (a checkpoint routed
+                # to the wrong kind of worker): handed back untouched, rerouted by its state.
+                name = self.experts.name(self.experts.index_at(timesteps[first]))
+                raise StageYielded(f"step {first + 1} runs the {name}-noise expert, which "
+                                   "this worker does not hold", first, total, "other expert")
             for i in range(first, total):
                 t = timesteps[i]
                 self._check_stop(should_stop, i, total)
@@ -409,6 +435,11 @@ class WanTransformer(TransformerAdapter):
                     if i + 1 < total else None
                 loop_state.boundary(loop, i + 1, total, scheduler,
                                     functools.partial(dict, latents=latents), upcoming)
+                if upcoming is not None and not self.experts.holds(
+                        self.experts.index_at(timesteps[i + 1])):
+                    # split: the boundary; the state goes to a worker holding the other one.
+                    loop_state.hand_over(loop, i + 1, total, scheduler,
+                                         functools.partial(dict, latents=latents), upcoming)
             if keep is not None and condition is not None:
                 latents = (1 - keep) * condition + keep * latents
             latents = latents.contiguous()
