@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +278,13 @@ def _write_original_shared(src: Path, dst: Path) -> None:
     vae_original = vae_to_original(vae)
     _check_inverse("vae", vae_original, vae)
     torch.save(vae_original, dst / "Wan2.1_VAE.pth")
+    _write_original_text(src, dst)
+
+
+def _write_original_text(src: Path, dst: Path) -> None:
+    """The T5 ``.pth`` and the tokenizer of Wan folder ``src``."""
+    import torch
+
     torch.save(t5_to_original(_load_dir(src / "text_encoder")),
                dst / "models_t5_umt5-xxl-enc-bf16.pth")
     shutil.copytree(src / "tokenizer", dst / "google" / "umt5-xxl")
@@ -312,9 +320,7 @@ def write_wan22_original(src: Path, dst: Path) -> Path:
         original = vae22_to_original(vae)
         _check_inverse("vae22", original, vae)
         torch.save(original, dst / "Wan2.2_VAE.pth")
-        torch.save(t5_to_original(_load_dir(src / "text_encoder")),
-                   dst / "models_t5_umt5-xxl-enc-bf16.pth")
-        shutil.copytree(src / "tokenizer", dst / "google" / "umt5-xxl")
+        _write_original_text(src, dst)
         return dst
     kind = "i2v" if cfg["in_channels"] != cfg["out_channels"] else "t2v"
     _write_original_dit(src / "transformer", dst / "high_noise_model", kind)
@@ -380,30 +386,35 @@ def build_qwen_published_vae(src: Path, dest: Path, seed: int = 0) -> Path:
 def build_wan22_pair(out: Path, task: str, seed: int = 0) -> tuple[Path, Path]:
     """(diffusers folder, original folder) of the same tiny Wan2.2 ``task`` weights
     (``wan22_a14b_t2v``, ``wan22_a14b_i2v`` or ``wan22_5b``), built once under ``out``."""
-    from modelkit.tiny import _in_place, build_published_wan22
+    from modelkit.tiny import build_published_wan22
 
     diffusers_dir, original_dir = out / f"{task}-diffusers", out / f"{task}-original"
     if not (diffusers_dir / "model_index.json").is_file():
         build_published_wan22(diffusers_dir, seed, task)
-    done = lambda: (original_dir / "models_t5_umt5-xxl-enc-bf16.pth").is_file()  # noqa: E731
-    if not done():
-        with _in_place(original_dir, original_dir.name, keep=done) as tmp:
-            tmp.rmdir()  # written whole below
-            write_wan22_original(diffusers_dir, tmp)
+    _write_once(original_dir, original_dir / "models_t5_umt5-xxl-enc-bf16.pth",
+                lambda tmp: write_wan22_original(diffusers_dir, tmp))
     return diffusers_dir, original_dir
 
 
 def build_wan_pair(out: Path, task: str, seed: int = 0) -> tuple[Path, Path]:
     """(diffusers folder, original folder) of the same tiny Wan2.1 ``task`` weights, built
     once under ``out``."""
-    from modelkit.tiny import _in_place, build_published_wan
+    from modelkit.tiny import build_published_wan
 
     diffusers_dir, original_dir = out / f"{task}-diffusers", out / f"{task}-original"
     if not (diffusers_dir / "model_index.json").is_file():
         build_published_wan(diffusers_dir, seed, i2v=task == "wan_i2v")
-    done = lambda: (original_dir / "config.json").is_file()  # noqa: E731
-    if not done():
-        with _in_place(original_dir, original_dir.name, keep=done) as tmp:
-            tmp.rmdir()  # written whole below
-            write_wan_original(diffusers_dir, tmp)
+    _write_once(original_dir, original_dir / "config.json",
+                lambda tmp: write_wan_original(diffusers_dir, tmp))
     return diffusers_dir, original_dir
+
+
+def _write_once(folder: Path, marker: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` a whole folder into place at ``folder`` unless ``marker`` is there
+    (one builder at a time: :func:`modelkit.tiny._in_place`)."""
+    from modelkit.tiny import _in_place
+
+    if not marker.is_file():
+        with _in_place(folder, folder.name, keep=marker.is_file) as tmp:
+            tmp.rmdir()  # written whole by write()
+            write(tmp)

@@ -232,9 +232,9 @@ def test_swap_with_fp8_storage_equals_both_with_it(tiny_models: Path) -> None:
     assert not torch.equal(out["both"], plain)  # FP8 storage is lossy: it did apply
 
 
-def test_the_budget_counts_one_expert_under_swap(tiny_models: Path) -> None:
-    """``max_vram_gb`` between one expert and two (plus the working memory): ``swap``
-    loads, ``both`` is refused naming the estimate."""
+def test_the_budget_counts_one_expert_under_swap_and_split(tiny_models: Path) -> None:
+    """``max_vram_gb`` between one expert and two (plus the working memory): ``swap`` and
+    split's ``high`` / ``low`` load, ``both`` is refused naming the estimate."""
     import json
 
     from workers.models.memory import GIB, dit_working_bytes, estimate_weights
@@ -246,5 +246,6 @@ def test_the_budget_counts_one_expert_under_swap(tiny_models: Path) -> None:
     with pytest.raises(ModelLoadError, match="but max_vram_gb is"):
         TransformerAdapter.for_task(tiny_models / task, task, options=StageOptions(
             max_vram_gb=budget)).load()
-    TransformerAdapter.for_task(tiny_models / task, task, options=StageOptions(
-        experts="swap", max_vram_gb=budget)).load()
+    for experts in ("swap", "high", "low"):  # split: each worker holds one expert
+        TransformerAdapter.for_task(tiny_models / task, task, options=StageOptions(
+            experts=experts, max_vram_gb=budget)).load()

@@ -16,7 +16,6 @@ Every process is started and stopped here by pid.
 from __future__ import annotations
 
 import base64
-import json
 import re
 import signal
 import time
@@ -30,7 +29,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from contracts.errors import CheckpointError, ModelLoadError, StageYielded  # noqa: E402
+from contracts.errors import CheckpointError, StageYielded  # noqa: E402
 from contracts.request import GenerationRequest  # noqa: E402
 from contracts.stage_options import StageOptions  # noqa: E402
 from launcher import LocalGroup, Service, group_config, wait_task  # noqa: E402
@@ -127,23 +126,6 @@ def test_a_split_worker_warms_up_alone(tiny_models: Path) -> None:
         dit = _expert(tiny_models, task, "high")
         dit.warm_up(["32x32x9"])
         dit.denoise(req, cond)
-
-
-def test_the_budget_counts_one_expert_under_split(tiny_models: Path) -> None:
-    """``max_vram_gb`` between one expert and two (plus the working memory): ``high`` and
-    ``low`` load, ``both`` is refused."""
-    from workers.models.memory import GIB, dit_working_bytes, estimate_weights
-
-    task = "wan22_a14b_t2v"
-    config = json.loads((tiny_models / task / "transformer" / "config.json").read_text())
-    one = estimate_weights([tiny_models / task / "transformer"], 4).full
-    budget = (dit_working_bytes(config, "video", (), False, 4) + 1.5 * one) / GIB
-    with pytest.raises(ModelLoadError, match="but max_vram_gb is"):
-        TransformerAdapter.for_task(tiny_models / task, task, options=StageOptions(
-            max_vram_gb=budget)).load()
-    for experts in ("high", "low"):
-        TransformerAdapter.for_task(tiny_models / task, task, options=StageOptions(
-            experts=experts, max_vram_gb=budget)).load()
 
 
 # -- a group -------------------------------------------------------------------------------------

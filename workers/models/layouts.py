@@ -331,6 +331,26 @@ def _vae_component(view: Path, vae: Path, own_config: Path | None, wan: bool) ->
     _source(view, "wan_vae", [vae])
 
 
+def _require(model_dir: Path, need: list[str], layout: str) -> None:
+    """Refuse a folder of ``layout`` lacking any of ``need`` (a trailing '/': a folder),
+    naming each missing one."""
+    missing = [n for n in need if not (model_dir / n.rstrip("/")).exists()]
+    if missing:
+        raise ModelLoadError(f"model folder {model_dir} is {layout} but lacks "
+                             f"{', '.join(missing)}")
+
+
+def _original_dit(model_dir: Path, view: Path, original: dict[str, Any],
+                  dit_file: Path | None, name: str = "transformer") -> None:
+    """The view's DiT component ``name``: the folder's DiT files (or ``dit_file``),
+    converted at load by diffusers' Wan converter, with the config sized from their shapes."""
+    dit_files = [dit_file] if dit_file is not None else wan_dit_files(model_dir)
+    shapes = (checkpoint_shapes(dit_file) if dit_file is not None
+              else safetensors_shapes(dit_files))
+    _write(view / name, "config.json", wan_dit_config(original, shapes, model_dir))
+    _source(view / name, "wan_transformer", dit_files)
+
+
 def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None,
                         vae_file: Path | None = None) -> None:
     original = json.loads((model_dir / "config.json").read_text())
@@ -338,15 +358,8 @@ def _build_wan_original(model_dir: Path, view: Path, dit_file: Path | None,
     i2v = original.get("model_type") == "i2v" or int(original.get("in_dim", 16)) != 16
     if i2v:
         need.append(WAN_CLIP)
-    missing = [n for n in need if not (model_dir / n.rstrip("/")).exists()]
-    if missing:
-        raise ModelLoadError(f"model folder {model_dir} is the original Wan2.1 layout "
-                             f"({'I2V' if i2v else 'T2V'}) but lacks {', '.join(missing)}")
-    dit_files = [dit_file] if dit_file is not None else wan_dit_files(model_dir)
-    shapes = (checkpoint_shapes(dit_file) if dit_file is not None
-              else safetensors_shapes(dit_files))
-    _write(view / "transformer", "config.json", wan_dit_config(original, shapes, model_dir))
-    _source(view / "transformer", "wan_transformer", dit_files)
+    _require(model_dir, need, f"the original Wan2.1 layout ({'I2V' if i2v else 'T2V'})")
+    _original_dit(model_dir, view, original, dit_file)
     _wan_shared(model_dir, view, vae_file, WAN_SCHEDULER)
     index: dict[str, Any] = {
         "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
@@ -378,16 +391,9 @@ def _build_wan22_5b(model_dir: Path, view: Path, dit_file: Path | None,
                              f"Wan2.2-TI2V-5B layout, whose {WAN22_VAE} is read as it is; "
                              "vae_path replaces Wan2.1 and Qwen-Image VAEs only")
     original = json.loads((model_dir / "config.json").read_text())
-    need = [WAN22_VAE, WAN_T5, f"{WAN_TOKENIZER}/"]
-    missing = [n for n in need if not (model_dir / n.rstrip("/")).exists()]
-    if missing:
-        raise ModelLoadError(f"model folder {model_dir} is the original Wan2.2-TI2V-5B layout "
-                             f"but lacks {', '.join(missing)}")
-    dit_files = [dit_file] if dit_file is not None else wan_dit_files(model_dir)
-    shapes = (checkpoint_shapes(dit_file) if dit_file is not None
-              else safetensors_shapes(dit_files))
-    _write(view / "transformer", "config.json", wan_dit_config(original, shapes, model_dir))
-    _source(view / "transformer", "wan_transformer", dit_files)
+    _require(model_dir, [WAN22_VAE, WAN_T5, f"{WAN_TOKENIZER}/"],
+             "the original Wan2.2-TI2V-5B layout")
+    _original_dit(model_dir, view, original, dit_file)
     vae = model_dir / WAN22_VAE
     _write(view / "vae", "config.json", wan22_vae_config(checkpoint_shapes(vae), vae))
     _source(view / "vae", "wan22_vae", [vae])
@@ -437,10 +443,7 @@ def _build_wan22_a14b(model_dir: Path, view: Path, dit_file: Path | None,
             "cannot replace; give the experts in the folder")
     need = [f"{WAN22_HIGH}/config.json", f"{WAN22_LOW}/config.json", WAN_T5,
             f"{WAN_TOKENIZER}/"] + ([] if vae_file is not None else [WAN_VAE])
-    missing = [n for n in need if not (model_dir / n.rstrip("/")).exists()]
-    if missing:
-        raise ModelLoadError(f"model folder {model_dir} is the original Wan2.2-A14B layout "
-                             f"but lacks {', '.join(missing)}")
+    _require(model_dir, need, "the original Wan2.2-A14B layout")
     configs = [_expert_config(model_dir / e) for e in (WAN22_HIGH, WAN22_LOW)]
     # As for Wan2.1: the model_type, else the input channels (36: I2V's mask and condition).
     kinds = ["i2v" if c.get("model_type") == "i2v" or int(c.get("in_dim", 16)) != 16
@@ -451,10 +454,7 @@ def _build_wan22_a14b(model_dir: Path, view: Path, dit_file: Path | None,
     boundary, shift = WAN22_A14B_SAMPLE[kinds[0]]
     for name, original in zip(("transformer", "transformer_2"), configs, strict=True):
         expert = model_dir / (WAN22_HIGH if name == "transformer" else WAN22_LOW)
-        files = wan_dit_files(expert)
-        _write(view / name, "config.json",
-               wan_dit_config(original, safetensors_shapes(files), expert))
-        _source(view / name, "wan_transformer", files)
+        _original_dit(expert, view, original, None, name)
     _wan_shared(model_dir, view, vae_file, {**WAN_SCHEDULER, "flow_shift": shift})
     i2v = kinds[0] == "i2v"
     index: dict[str, Any] = {
