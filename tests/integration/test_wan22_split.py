@@ -11,7 +11,7 @@ low-noise worker killed after it took a handed-over task, a drained low-noise wo
 high-noise worker killed as the controller kept its boundary state each leave the task to
 a low-noise worker (never the high-noise one), which completes it identically, uncharged.
 Through the launcher's own entry (the start script with ``EXPERTS=split``, the role files
-``wan22_a14b_t2v_transformer_{high,low}.json``): a split group starts, a request completes
+``wan22_a14b_{t2v,i2v}_transformer_{high,low}.json``): a split group starts, a request completes
 after the handover. Every process is started and stopped here by pid.
 """
 
@@ -329,33 +329,41 @@ def test_a_high_noise_worker_lost_as_it_hands_over(tiny_models: Path, tmp_path: 
 
 
 # -- the launcher --------------------------------------------------------------------------------
-START_A14B_T2V = ROOT / "scripts" / "server" / "disagg" / "wan" / "start_wan22_a14b_t2v_disagg.sh"
+START_SCRIPTS = ROOT / "scripts" / "server" / "disagg" / "wan"
+PORTS = {"wan22_a14b_t2v": (8020, 18021, 18023), "wan22_a14b_i2v": (8024, 18025, 18027)}
+"""Front door and the high- and low-noise workers' metrics ports of each split group."""
 
 
 @pytest.mark.timeout(900)  # five services starting on a loaded machine
-def test_the_start_script_starts_a_split_group(tiny_models: Path, tmp_path: Path) -> None:
-    """``EXPERTS=split`` on the T2V-A14B start script (``python -m launcher --split``): the
+@pytest.mark.parametrize("task", A14B)
+def test_the_start_script_starts_a_split_group(tiny_models: Path, input_png: bytes,
+                                               tmp_path: Path, task: str) -> None:
+    """``EXPERTS=split`` on the A14B start scripts (``python -m launcher --split``): the
     launcher starts a high-noise and a low-noise DiT worker from the two transformer role
     files, each with its own metrics port, log and pid; a request visits both (the high-noise
     worker hands over at the boundary, the low-noise one resumes) and completes; SIGINT stops
     all five services."""
-    task = "wan22_a14b_t2v"
     offset = free_offset(task, "wan", split=True)
+    front, high_metrics, low_metrics = (port + offset for port in PORTS[task])
     env = {**launcher_env(tmp_path, tiny_models / task, offset), "EXPERTS": "split",
            "TRANSFORMER_GPU": "cpu,cpu"}
-    group = Launched(START_A14B_T2V, env, tmp_path / "logs")
+    group = Launched(START_SCRIPTS / f"start_{task}_disagg.sh", env, tmp_path / "logs")
     try:
         group.wait_for("group ready", timeout=600)
         out = group.output()
         assert "transformer high cpu, transformer low cpu" in out, out
-        for port in (18021, 18023):  # each half's metrics port, from its own role file
-            assert f"127.0.0.1:{port + offset}/metrics" in out, out
+        for port in (high_metrics, low_metrics):  # each half's, from its own role file
+            assert f"127.0.0.1:{port}/metrics" in out, out
         assert "2 transformers registered with the controller" in out, out
         pids = group.pids()
         assert sorted(pids) == sorted(["controller", "encoder", "transformer_high",
                                        "transformer_low", "decoder"]), pids
-        url = f"http://127.0.0.1:{8020 + offset}"
-        post_ok(url, "video", {"prompt": "a tiny wave", "task_id": "launched-split", **FIELDS})
+        url = f"http://127.0.0.1:{front}"
+        body: dict[str, Any] = {"prompt": "a tiny wave", "task_id": "launched-split", **FIELDS}
+        image = _image(task, input_png)
+        if image is not None:
+            body["image_path"] = base64.b64encode(image).decode()
+        post_ok(url, "video", body)
         st = wait_task(url, "launched-split", timeout=600)
         assert st["status"] == "completed" and st["expert"] == "low", st
         assert st["failures"] == 0 and st["resumes"] == 1, st
