@@ -4,7 +4,7 @@
         [--encoder-device N|cuda:N|cpu] [--transformer-device ...] [--decoder-device ...]
         [--port-offset N] [--log-dir DIR] [--output-dir DIR] [--mooncake-config FILE]
         [--ready-timeout S] [--metrics-timeout S] [--metrics-required] [--stop-timeout S]
-        [--lightx2v-ports]
+        [--lightx2v-ports] [--split]
 
 What the start scripts (``scripts/server/disagg/``) run; their environment variables map onto
 these options (``scripts/server/disagg/common.sh`` lists them). It loads and checks the four
@@ -21,6 +21,14 @@ Every service runs in a session of its own (a Ctrl+C in the terminal reaches onl
 launcher) and gets SIGTERM should the launcher be killed. Logs, a ``pids`` file (``ROLE PID``
 per line) and, when ``DIFFRING_CLUSTER_TOKEN`` is unset, the fresh token shared by the group
 (``cluster_token``, mode 600, for workers started by hand) go to ``--log-dir``.
+
+``--split`` (Wan2.2-A14B): the split placement, one expert per DiT worker. The group's
+transformer files are ``<pipeline>_transformer_high.json`` and
+``<pipeline>_transformer_low.json`` (``transformer.experts`` ``high`` / ``low``) in place
+of ``<pipeline>_transformer.json``; one high-noise and one low-noise DiT worker start,
+each on its device (``--transformer-device HIGH,LOW``, e.g. ``cuda:1,cuda:2``; one device:
+both there), each with its own metrics port and log (``transformer_high.log``,
+``transformer_low.log``).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from contracts.roles import Role
 from launcher import current
 from launcher.local import ROOT, LocalGroup, Service
 from launcher.ports import port_busy
-from launcher.role_files import GroupError, Prepared, prepare, probe_host
+from launcher.role_files import SPLIT_HALVES, GroupError, Prepared, prepare, probe_host, role_of
 
 WORKERS = tuple(role.value for role in Role)
 SIGNALS = {signal.SIGINT: ("INT", 130), signal.SIGTERM: ("TERM", 143),
@@ -119,7 +127,7 @@ class Launch:
         output_dir = str(Path(a.output_dir).resolve()) if a.output_dir else None
         try:
             prep = prepare(self.name, config_dir.resolve(), log_dir, a.port_offset, output_dir,
-                           lightx2v_ports=a.lightx2v_ports)
+                           lightx2v_ports=a.lightx2v_ports, split=a.split)
         except GroupError as exc:
             raise LaunchError(str(exc)) from None
         results = (ROOT / prep.loaded["controller"].output_dir).resolve()
@@ -154,13 +162,13 @@ class Launch:
             # starts from its own role file.
             {"server": {"host": probe_host(ctl.host), "port": ctl.port, "api_key": ctl.api_key}},
             log_dir, env=env, files=prep.configs, log_dir=log_dir, detached=True,
-            args={r: ["--model_path", str(model), "--device", devices[r]] for r in WORKERS})
+            args={k: ["--model_path", str(model), "--device", devices[k]] for k in devices})
         self.pids_file = log_dir / "pids"
         self.pids_file.write_text("")
         for signum in SIGNALS:
             signal.signal(signum, self.on_signal)
-        self.say(f"model {model}; devices: encoder {devices['encoder']}, transformer "
-                 f"{devices['transformer']}, decoder {devices['decoder']}")
+        self.say(f"model {model}; devices: " + ", ".join(
+            f"{k.replace('_', ' ')} {d}" for k, d in devices.items()))
         if a.port_offset:
             self.say(f"PORT_OFFSET={a.port_offset}: configs in {log_dir / 'config'}")
         try:
@@ -172,12 +180,16 @@ class Launch:
     def _serve(self, prep: Prepared, log_dir: Path) -> int:
         assert self.group is not None
         metrics = metric_urls(prep)
+        workers = [k for k in prep.configs if k != "controller"]
         try:
             self._start("controller")
-            self._wait_ready([], {}, 0.0)
-            for role in WORKERS:
-                self._start(role)
-            self._wait_ready(list(WORKERS), metrics, self.args.metrics_timeout)
+            self._wait_ready({}, {}, 0.0)
+            for key in workers:
+                self._start(key)
+            counts: dict[str, int] = {}
+            for key in workers:
+                counts[role_of(key)] = counts.get(role_of(key), 0) + 1
+            self._wait_ready(counts, metrics, self.args.metrics_timeout)
         except _Interrupted:
             return self._stopped_by_signal()
         except _Gone as gone:
@@ -203,24 +215,27 @@ class Launch:
             except _Gone as gone:
                 svc = gone.services[0]
                 self._log_tail(svc, 40)
-                self.say(f"{svc.role} is gone; stopping the group")
+                self.say(f"{svc.label} is gone; stopping the group")
                 self.stop()
                 return 1
             self.wake.wait(1.0)
 
-    def _start(self, role: str) -> None:
+    def _start(self, key: str) -> None:
+        """Start the service of role file ``key`` (a role, or a half of a split group's
+        transformer: ``transformer_high``)."""
         assert self.group is not None and self.pids_file is not None
         # Signals are not blocked here: a child inherits the signal mask through exec, and
         # would never see the SIGTERM that asks it to drain. The handler only records a
         # first signal, so the pid is written down before anything acts on it.
-        svc = self.group.start(role)
+        svc = self.group.start(role_of(key), name=key)
         with self.pids_file.open("a") as f:
-            f.write(f"{role} {svc.proc.pid}\n")
-        self.say(f"started {role} (pid {svc.proc.pid}), log {svc.log_path}")
+            f.write(f"{key} {svc.proc.pid}\n")
+        self.say(f"started {key.replace('_', ' ')} (pid {svc.proc.pid}), log {svc.log_path}")
 
-    def _wait_ready(self, roles: list[str], metrics: dict[str, str],
+    def _wait_ready(self, roles: dict[str, int], metrics: dict[str, str],
                     metrics_timeout: float) -> None:
-        """Until the controller answers ``/health``, ``roles`` are registered and each
+        """Until the controller answers ``/health``, ``roles`` (role -> how many) are
+        registered and each
         metrics URL answers (given ``metrics_timeout`` more once the services are up; a
         silent one is only a warning unless ``--metrics-required``)."""
         import httpx
@@ -248,9 +263,10 @@ class Launch:
                 mark("health", f"controller {self.group.url}/health")
             if "health" in done and roles:
                 have = self.group.registered() or {}
-                for role in roles:
-                    if have.get(role):
-                        mark(role, f"{role} registered with the controller")
+                for role, n in roles.items():
+                    if have.get(role, 0) >= n:
+                        mark(role, f"{role} registered with the controller" if n == 1 else
+                             f"{n} {role}s registered with the controller")
             for role, url in metrics.items():
                 if f"metrics:{role}" not in done and answers(url):
                     mark(f"metrics:{role}", f"{role} metrics {url}")
@@ -299,7 +315,7 @@ class Launch:
         return 1
 
     def _log_tail(self, svc: Service, lines: int) -> None:
-        self.say(f"{svc.role} (pid {svc.proc.pid}) exited with status {svc.status()}; "
+        self.say(f"{svc.label} (pid {svc.proc.pid}) exited with status {svc.status()}; "
                  f"last lines of {svc.log_path}:")
         self._print_tail(svc, lines)
 
@@ -318,9 +334,9 @@ class Launch:
         # The command as this shell can run it: bare when it is on the PATH.
         cli = "diffring" if shutil.which("diffring") else str(
             Path(sys.executable).with_name("diffring"))
-        rows = "\n".join(f"  {'metrics' if i == 0 else '':<11} {role:<11} "
-                         f"{metrics.get(role, 'off')}"
-                         for i, role in enumerate(("controller", *WORKERS)))
+        rows = "\n".join(f"  {'metrics' if i == 0 else '':<11} {key.replace('_', ' '):<11} "
+                         f"{metrics.get(key, 'off')}"
+                         for i, key in enumerate(prep.configs))
         stage_ports = prep.loaded["controller"].server.lightx2v_ports
         lightx2v = "" if not stage_ports else "\n  LightX2V    " + ", ".join(
             f"{r} {p}" for r, p in stage_ports.items()) + "   (its three-POST request scripts)"
@@ -336,11 +352,11 @@ Ctrl+C stops the group.""")
 
 
 def metric_urls(prep: Prepared) -> dict[str, str]:
-    """Role -> its ``/metrics`` URL (roles without a metrics port left out)."""
+    """Role file -> its ``/metrics`` URL (those without a metrics port left out)."""
     out = {}
-    for role, cfg in prep.loaded.items():
+    for key, cfg in prep.loaded.items():
         if cfg.server.metric_port is not None:
-            out[role] = f"http://{probe_host(cfg.server.host)}:{cfg.server.metric_port}/metrics"
+            out[key] = f"http://{probe_host(cfg.server.host)}:{cfg.server.metric_port}/metrics"
     return out
 
 
@@ -360,32 +376,48 @@ def resolve_devices(args: argparse.Namespace, say: Callable[[str], None] | None 
     decoder on GPU 0, the transformer on GPU 1 when two or more are visible (else 0), cpu
     when none is. A GPU asked for where torch sees none is the CPU, with a one-line notice
     (so the README's command, which names GPUs, runs as written on a CPU machine); a GPU
-    past the ones it sees is an error."""
-    given = {r: getattr(args, f"{r}_device") for r in WORKERS}
+    past the ones it sees is an error. A split group (``args.split``) has
+    ``transformer_high`` and ``transformer_low`` in place of ``transformer``:
+    ``--transformer-device HIGH,LOW``, one device for both, or unset: GPUs 1 and 2 (the
+    last one torch sees where it sees fewer)."""
+    split = bool(getattr(args, "split", False))
+    given: dict[str, str | None] = {r: getattr(args, f"{r}_device") for r in WORKERS}
+    halves = (given["transformer"] or "").split(",")
+    if len(halves) > 2 or (len(halves) == 2 and not split):
+        raise LaunchError(f"--transformer-device {given['transformer']} (TRANSFORMER_GPU): "
+                          "two devices, HIGH,LOW, are for a split group's two DiT workers "
+                          "(--split, EXPERTS=split)")
+    if split:
+        del given["transformer"]
+        given["transformer_high"] = halves[0] or None
+        given["transformer_low"] = halves[-1] or None
+        given = {k: given[k] for k in ("encoder", *SPLIT_HALVES, "decoder")}
     gpus = 0
     if any(v != "cpu" for v in given.values()):
         gpus = gpu_count()
-    default = {"encoder": 0, "transformer": 1, "decoder": 0}
+    default = {"encoder": 0, "transformer": 1, "transformer_high": 1, "transformer_low": 2,
+               "decoder": 0}
     devices = {}
-    for role, value in given.items():
+    for key, value in given.items():
+        role = role_of(key)
         if not value:
-            devices[role] = "cpu" if gpus == 0 else f"cuda:{min(default[role], gpus - 1)}"
+            devices[key] = "cpu" if gpus == 0 else f"cuda:{min(default[key], gpus - 1)}"
         elif value == "cpu":
-            devices[role] = value
+            devices[key] = value
         elif re.fullmatch(r"(cuda:)?\d+", value):
             index = int(value.removeprefix("cuda:"))
             if gpus == 0:
-                devices[role] = "cpu"
+                devices[key] = "cpu"
             elif index >= gpus:
                 raise LaunchError(f"--{role}-device {value} ({role.upper()}_GPU): torch sees "
                                   f"{gpus} GPU(s) here, cuda:0 to cuda:{gpus - 1}")
             else:
-                devices[role] = f"cuda:{index}"
+                devices[key] = f"cuda:{index}"
         else:
             raise LaunchError(f"--{role}-device {value} ({role.upper()}_GPU): give N, cuda:N "
                               "or cpu")
-    moved = [f"{role.upper()}_GPU={given[role]}" for role in WORKERS
-             if given[role] and given[role] != "cpu" and devices[role] == "cpu"]
+    moved = list(dict.fromkeys(f"{role_of(k).upper()}_GPU={v}" for k, v in given.items()
+                               if v and v != "cpu" and devices[k] == "cpu"))
     if moved and say is not None:
         say(f"notice: torch sees no GPU here; {' '.join(moved)} run on the CPU instead")
     return devices
@@ -418,6 +450,10 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
                     "so that its three-POST request scripts work unchanged")
     ap.add_argument("--stop-timeout", type=float, default=30.0,
                     help="seconds each shutdown phase may take before SIGKILL")
+    ap.add_argument("--split", action="store_true",
+                    help="Wan2.2-A14B's split placement: one high-noise and one low-noise DiT "
+                    "worker, from <pipeline>_transformer_high.json and "
+                    "<pipeline>_transformer_low.json; --transformer-device HIGH,LOW")
     args = ap.parse_args(argv)
     if args.group and args.pipeline and args.group != args.pipeline:
         ap.error(f"two pipelines named: {args.pipeline} and --group {args.group}")

@@ -97,6 +97,13 @@ class Service:
     role: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    name: str | None = None
+    """The key it was started under (:meth:`LocalGroup.start`'s ``name``), if not its role."""
+
+    @property
+    def label(self) -> str:
+        """What messages call it: its name (``transformer high``), else its role."""
+        return (self.name or self.role).replace("_", " ")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -135,12 +142,14 @@ class LocalGroup:
     segment there, and keeps its results in a folder of its own (``<workdir>/<address>/``),
     as on a host of its own; it gets a metrics port too."""
     files: Mapping[str, Path] = field(default_factory=dict)
-    """Role -> a config file its services start from as it is (the start scripts' role
-    files); the other roles get one written from :attr:`config`."""
+    """Role (or a service's ``name``, :meth:`start`) -> a config file its services start
+    from as it is (the start scripts' role files); the others get one written from
+    :attr:`config`."""
     args: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    """Role -> more ``run_service.py`` arguments (e.g. ``--model_path``, ``--device``)."""
+    """Role (or ``name``) -> more ``run_service.py`` arguments (e.g. ``--model_path``,
+    ``--device``)."""
     log_dir: Path | None = None
-    """Logs as ``<log_dir>/<role>.log`` (an earlier one kept as ``.log.prev``); default
+    """Logs as ``<log_dir>/<role or name>.log`` (an earlier one kept as ``.log.prev``); default
     ``<workdir>/<role>-<n>.log``, beside the config written for it."""
     detached: bool = False
     """Each service in a session of its own, so a Ctrl+C in the terminal reaches only the
@@ -184,14 +193,22 @@ class LocalGroup:
             path.replace(path.with_name(path.name + ".prev"))
         return path
 
-    def start(self, role: str, extra: Mapping[str, Any] | None = None) -> Service:
+    def start(self, role: str, extra: Mapping[str, Any] | None = None,
+              name: str | None = None) -> Service:
+        """Start a ``role`` service; ``name`` (e.g. ``transformer_high``, a split group's
+        high-noise DiT worker): its key in :attr:`files` and :attr:`args` and its log's name,
+        where two services of one role start from files of their own."""
         n = self.started
         self.started += 1
-        path = self._config_path(role, n, extra)
-        log_path = self._log_path(role, n)
+        key = name or role
+        if key in self.files and not extra:
+            path = self.files[key]
+        else:
+            path = self._config_path(role, n, extra)
+        log_path = self._log_path(key, n)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         cmd = [sys.executable, str(ROOT / "run_service.py"), "--service", role,
-               "--config", str(path), *self.args.get(role, ())]
+               "--config", str(path), *self.args.get(key, ())]
         if self.detached and _pdeathsig_works():
             cmd = ["setpriv", "--pdeathsig", "TERM", "--", *cmd]  # setpriv execs: same pid
         with log_path.open("wb") as out:
@@ -199,7 +216,7 @@ class LocalGroup:
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 cwd=str(ROOT), env=env, start_new_session=self.detached,
             )
-        svc = Service(role, proc, log_path)
+        svc = Service(role, proc, log_path, name)
         self.services.append(svc)
         return svc
 

@@ -6,6 +6,12 @@ anything starts), checks that the four describe one group (same pipeline, same r
 used twice), and applies the launcher's overrides (a port offset, a results folder) into
 copies under ``LOG_DIR/config/``; :meth:`Prepared.ports` lists every port the group binds,
 for :func:`launcher.ports.port_busy`. Used by :mod:`launcher.launch`.
+
+A ``split`` group (Wan2.2-A14B, one expert per DiT worker: ``transformer.experts`` ``high`` /
+``low``) has two transformer files in place of ``<pipeline>_transformer.json``:
+``<pipeline>_transformer_high.json`` and ``<pipeline>_transformer_low.json`` (keys
+``transformer_high`` / ``transformer_low`` of :attr:`Prepared.configs`), each a worker of
+its own with a metrics port of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from contracts.roles import Role
 from launcher.lightx2v_files import PREFIXES, ROOT, lightx2v_files, role_data
 
 ROLES = ("controller", *(role.value for role in Role))
+SPLIT_HALVES = ("transformer_high", "transformer_low")
+"""The two transformer files of a split group, in start order."""
 DISAGG_PORT_KEYS = (
     "control_port",
     "rdma_request_handshake_port",
@@ -42,10 +50,34 @@ class GroupError(Exception):
     """A problem with the group's files or ports, worded for the operator."""
 
 
-def role_files(group: str, config_dir: Path) -> tuple[dict[str, Path], bool]:
+def role_of(key: str) -> str:
+    """The role a key of :attr:`Prepared.configs` is a service of (``transformer_high``:
+    ``transformer``)."""
+    return "transformer" if key in SPLIT_HALVES else key
+
+
+def role_keys(split: bool = False) -> tuple[str, ...]:
+    """The keys of a group's role files: :data:`ROLES`, the transformer's in two when
+    ``split``."""
+    if not split:
+        return ROLES
+    return ("controller", "encoder", *SPLIT_HALVES, "decoder")
+
+
+def role_files(group: str, config_dir: Path,
+               split: bool = False) -> tuple[dict[str, Path], bool]:
     """The role files of ``group`` in ``config_dir`` and whether they are LightX2V's stage
-    files (``<prefix>_disagg_{encoder,transformer,decode}.json``, no controller's)."""
-    files = {role: config_dir / f"{group}_{role}.json" for role in ROLES}
+    files (``<prefix>_disagg_{encoder,transformer,decode}.json``, no controller's);
+    ``split``: the two transformer files of the split placement in place of the one."""
+    files = {key: config_dir / f"{group}_{key}.json" for key in role_keys(split)}
+    if split:
+        missing = [str(p) for p in files.values() if not p.is_file()]
+        if missing:
+            raise GroupError(
+                f"split group {group}: missing config file(s): {', '.join(missing)} (a split "
+                "group runs one high-noise and one low-noise DiT worker, each from a file of "
+                "its own)")
+        return files, False
     missing = [str(p) for p in files.values() if not p.is_file()]
     if not missing:
         return files, False
@@ -100,10 +132,10 @@ class Prepared:
         for ring in ("request", "phase1", "phase2"):
             host, port = d.ring_address(ring)
             out.append((f"{ring} ring handshake", host, port))
-        for role in ROLES:
-            srv = self.loaded[role].server
+        for key, cfg in self.loaded.items():
+            srv = cfg.server
             if srv.metric_port is not None:
-                out.append((f"{role} metrics", srv.host, srv.metric_port))
+                out.append((f"{key.replace('_', ' ')} metrics", srv.host, srv.metric_port))
         return out
 
 
@@ -114,13 +146,17 @@ def prepare(
     port_offset: int = 0,
     output_dir: str | None = None,
     lightx2v_ports: bool = False,
+    split: bool = False,
 ) -> Prepared:
     """The group's role files loaded, checked, and with the launcher's changes applied in
     copies under ``log_dir/config``: a port offset, a results folder, and
     ``lightx2v_ports``: the controller opens LightX2V's per-stage API ports of the group
     (its request scripts' table: contracts/lightx2v.py) and moves its front door to the
-    encoder's."""
-    files, theirs = role_files(group, config_dir)
+    encoder's. ``split``: the group of the split placement (:func:`role_files`)."""
+    if split and TASK_SPECS[group].experts != 2:
+        raise GroupError(f"split: {group} has one DiT; the split placement (one expert per "
+                         "DiT worker) is Wan2.2-A14B's (wan22_a14b_t2v, wan22_a14b_i2v)")
+    files, theirs = role_files(group, config_dir, split)
     raw: dict[str, dict[str, Any]] = {}
     if theirs:  # LightX2V's stage files: completed for diffring (launcher/lightx2v_files.py)
         raw = role_data(group, files)
@@ -131,7 +167,7 @@ def prepare(
             if theirs:
                 ServiceConfig.from_dict(raw[role], role)
             else:
-                ServiceConfig.load(str(path))  # the file as written must be valid on its own
+                ServiceConfig.load(str(path), role_of(role))  # valid on its own as written
                 raw[role] = json.loads(path.read_text())
         except ConfigError as exc:
             raise GroupError(f"{path}: {exc}") from None
@@ -154,19 +190,41 @@ def prepare(
     loaded: dict[str, ServiceConfig] = {}
     for role, path in configs.items():
         try:
-            loaded[role] = ServiceConfig.load(str(path), role)
+            loaded[role] = ServiceConfig.load(str(path), role_of(role))
         except ConfigError as exc:
             hint = " (PORT_OFFSET too large?)" if port_offset else ""
             raise GroupError(f"{path}: {exc}{hint}") from None
+    check_experts(group, files, loaded, split)
     check_group(group, files, loaded)
     return Prepared(configs, loaded)
+
+
+def check_experts(group: str, files: dict[str, Path], loaded: dict[str, ServiceConfig],
+                  split: bool) -> None:
+    """A split group's halves say ``experts`` ``high`` and ``low``; a group started with one
+    transformer must not hold a single expert (its requests would wait at the boundary
+    for a low-noise worker that never comes)."""
+    if split:
+        for key, want in zip(SPLIT_HALVES, ("high", "low"), strict=True):
+            got = loaded[key].transformer.experts
+            if got != want:
+                raise GroupError(f"{files[key]}: transformer.experts is {got!r}; this split "
+                                 f"group's {want}-noise worker needs \"experts\": \"{want}\"")
+        return
+    got = loaded["transformer"].transformer.experts
+    if got in ("high", "low"):
+        raise GroupError(
+            f"{files['transformer']}: transformer.experts is {got!r} (the split placement), "
+            "but the group starts one DiT worker; start a split group with --split "
+            f"(EXPERTS=split), from {group}_transformer_high.json and "
+            f"{group}_transformer_low.json")
 
 
 def check_group(group: str, files: dict[str, Path], loaded: dict[str, ServiceConfig]) -> None:
     """The four files must describe one group: same pipeline, same rings, no port clash."""
     ctl = loaded["controller"]
-    for role, cfg in loaded.items():
-        where = files[role]
+    for key, cfg in loaded.items():
+        where, role = files[key], role_of(key)
         if cfg.disagg_mode is not None and cfg.disagg_mode not in MODES[role]:
             raise GroupError(
                 f"{where}: disagg_mode is {cfg.disagg_mode!r}, but the file is the {role}'s"

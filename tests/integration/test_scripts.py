@@ -31,6 +31,8 @@ GROUPS = {"wan_t2v": "wan", "wan_i2v": "wan", "qwen_t2i": "qwen", "qwen_i2i": "q
           "qwen_i2i_plus": "qwen", "wan22_a14b_t2v": "wan", "wan22_a14b_i2v": "wan",
           "wan22_5b_t2v": "wan", "wan22_5b_i2v": "wan"}
 ROLES = ("controller", "encoder", "transformer", "decoder")
+SPLIT = ("wan22_a14b_t2v", "wan22_a14b_i2v")
+"""Groups with the split placement's two transformer files (``_transformer_{high,low}``)."""
 START_T2I = ROOT / "scripts" / "server" / "disagg" / "qwen" / "start_qwen_t2i_disagg.sh"
 POST_T2I = ("-m", "scripts.post.post_qwen_t2i")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -56,11 +58,13 @@ def service_ports(cfg: ServiceConfig, role: str) -> set[int]:
 def test_every_config_file_loads_and_groups_share_no_port() -> None:
     files = sorted(CONFIG_DIR.glob("*/*.json"))
     expected = {CONFIG_DIR / sub / f"{g}_{r}.json" for g, sub in GROUPS.items() for r in ROLES}
+    expected |= {CONFIG_DIR / "wan" / f"{g}_transformer_{h}.json" for g in SPLIT
+                 for h in ("high", "low")}
     assert set(files) == expected
     ports: dict[str, set[int]] = {g: set() for g in GROUPS}
     for path in files:
         cfg = ServiceConfig.load(str(path))  # unknown keys or bad values raise
-        group, role = path.stem.rsplit("_", 1)
+        group, role = path.stem.removesuffix("_high").removesuffix("_low").rsplit("_", 1)
         assert cfg.pipeline == group, path
         ports[group] |= service_ports(cfg, role)
     for a in GROUPS:
@@ -77,6 +81,61 @@ def test_each_group_is_consistent(group: str, tmp_path: Path) -> None:
     ports = [port for _what, _host, port in prep.ports()]
     assert len(ports) == 9 and len(set(ports)) == 9  # front, control, 3 rings, 4 metrics
     assert not list(tmp_path.iterdir())  # nothing to override: the files are used as they are
+
+
+@pytest.mark.parametrize("group", SPLIT)
+def test_each_split_group_is_consistent(group: str, tmp_path: Path) -> None:
+    """The split files: a high-noise and a low-noise transformer in place of the one, each
+    with a metrics port of its own; 10 ports, none twice."""
+    prep = role_files.prepare(group, CONFIG_DIR / "wan", tmp_path, split=True)
+    keys = ("controller", "encoder", "transformer_high", "transformer_low", "decoder")
+    assert prep.configs == {k: CONFIG_DIR / "wan" / f"{group}_{k}.json" for k in keys}
+    assert [prep.loaded[k].transformer.experts for k in keys[2:4]] == ["high", "low"]
+    ports = [port for _what, _host, port in prep.ports()]
+    assert len(ports) == 10 and len(set(ports)) == 10
+    shifted = role_files.prepare(group, CONFIG_DIR / "wan", tmp_path / "b", port_offset=7,
+                                 split=True)
+    assert [p + 7 for p in ports] == [p for *_, p in shifted.ports()]
+
+
+def test_a_split_group_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    """Split on a group of one DiT, a missing half, a half with the wrong expert, a split
+    transformer file in a group of one DiT worker, two devices without --split."""
+    import argparse
+
+    from launcher.launch import LaunchError, resolve_devices
+
+    with pytest.raises(role_files.GroupError, match="wan22_5b_t2v has one DiT"):
+        role_files.prepare("wan22_5b_t2v", CONFIG_DIR / "wan", tmp_path, split=True)
+    for role in (*ROLES, "transformer_high"):
+        shutil.copy(CONFIG_DIR / "wan" / f"wan22_a14b_t2v_{role}.json", tmp_path)
+    with pytest.raises(role_files.GroupError, match=r"missing .*transformer_low\.json"):
+        role_files.prepare("wan22_a14b_t2v", tmp_path, tmp_path / "logs", split=True)
+    shutil.copy(tmp_path / "wan22_a14b_t2v_transformer_high.json",
+                tmp_path / "wan22_a14b_t2v_transformer_low.json")
+    with pytest.raises(role_files.GroupError, match="low-noise worker needs"):
+        role_files.prepare("wan22_a14b_t2v", tmp_path, tmp_path / "logs", split=True)
+    low = tmp_path / "wan22_a14b_t2v_transformer_low.json"
+    low.write_text(low.read_text().replace('"high"', '"low"'))
+    with pytest.raises(role_files.GroupError, match="port 18021 is used twice: transformer "
+                       "high metrics and transformer low metrics"):
+        role_files.prepare("wan22_a14b_t2v", tmp_path, tmp_path / "logs", split=True)
+    shutil.copy(tmp_path / "wan22_a14b_t2v_transformer_high.json",
+                tmp_path / "wan22_a14b_t2v_transformer.json")
+    with pytest.raises(role_files.GroupError, match=r"starts one DiT worker.*--split"):
+        role_files.prepare("wan22_a14b_t2v", tmp_path, tmp_path / "logs")
+
+    def devices(value: str | None, split: bool) -> dict[str, str]:
+        args = argparse.Namespace(encoder_device=None, transformer_device=value,
+                                  decoder_device=None, split=split)
+        return resolve_devices(args, gpu_count=lambda: 4)
+
+    with pytest.raises(LaunchError, match="two devices, HIGH,LOW, are for a split group"):
+        devices("1,2", split=False)
+    assert devices("1,cuda:3", split=True) == {"encoder": "cuda:0", "transformer_high": "cuda:1",
+                                               "transformer_low": "cuda:3", "decoder": "cuda:0"}
+    assert devices(None, split=True)["transformer_low"] == "cuda:2"
+    assert devices("cpu", split=True)["transformer_low"] == "cpu"
 
 
 def test_ports_follow_lightx2v_table() -> None:

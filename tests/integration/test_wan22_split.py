@@ -10,12 +10,15 @@ visits both DiT workers and gives the pixels of the one-process pipeline (T2V, I
 low-noise worker killed after it took a handed-over task, a drained low-noise worker and a
 high-noise worker killed as the controller kept its boundary state each leave the task to
 a low-noise worker (never the high-noise one), which completes it identically, uncharged.
-Every process is started and stopped here by pid.
+Through the launcher's own entry (the start script with ``EXPERTS=split``, the role files
+``wan22_a14b_{t2v,i2v}_transformer_{high,low}.json``): a split group starts, a request completes
+after the handover. Every process is started and stopped here by pid.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import re
 import signal
 import time
@@ -36,6 +39,8 @@ from launcher import LocalGroup, Service, group_config, wait_task  # noqa: E402
 from tests.support.groups import events_of  # noqa: E402
 from tests.support.http import pixels, post_ok, result, status  # noqa: E402
 from tests.support.models import diffusers_reference, small_request, stage, wire  # noqa: E402
+from tests.support.paths import ROOT  # noqa: E402
+from tests.support.scripts import Launched, free_offset, launcher_env, pid_alive  # noqa: E402
 from tests.support.waits import wait_log  # noqa: E402
 from workers.models import LocalPipeline, TransformerAdapter  # noqa: E402
 from workers.models.loop_state import LoopState, from_wire, to_wire  # noqa: E402
@@ -303,3 +308,57 @@ def test_a_high_noise_worker_lost_as_it_hands_over(tiny_models: Path, tmp_path: 
     assert (st["resumes"], st["resumed_from"]) == (1, 2), st
     assert np.array_equal(pixels(got, "mp4"), pixels(want.data, "mp4"))
     assert "task lost-high: resuming after step 2 of 3" in low_log
+
+
+# -- the launcher --------------------------------------------------------------------------------
+START_SCRIPTS = ROOT / "scripts" / "server" / "disagg" / "wan"
+PORTS = {"wan22_a14b_t2v": (8020, 18021, 18023), "wan22_a14b_i2v": (8024, 18025, 18027)}
+"""Front door and the high- and low-noise workers' metrics ports of each split group."""
+
+
+@pytest.mark.timeout(900)  # five services starting on a loaded machine
+@pytest.mark.parametrize("task", A14B)
+def test_the_start_script_starts_a_split_group(tiny_models: Path, input_png: bytes,
+                                               tmp_path: Path, task: str) -> None:
+    """``EXPERTS=split`` on the A14B start scripts (``python -m launcher --split``): the
+    launcher starts a high-noise and a low-noise DiT worker from the two transformer role
+    files, each with its own metrics port, log and pid; a request visits both (the high-noise
+    worker hands over at the boundary, the low-noise one resumes) and completes; SIGINT stops
+    all five services."""
+    offset = free_offset(task, "wan", split=True)
+    front, high_metrics, low_metrics = (port + offset for port in PORTS[task])
+    env = {**launcher_env(tmp_path, tiny_models / task, offset), "EXPERTS": "split",
+           "TRANSFORMER_GPU": "cpu,cpu"}
+    group = Launched(START_SCRIPTS / f"start_{task}_disagg.sh", env, tmp_path / "logs")
+    try:
+        group.wait_for("group ready", timeout=600)
+        out = group.output()
+        assert "transformer high cpu, transformer low cpu" in out, out
+        for port in (high_metrics, low_metrics):  # each half's, from its own role file
+            assert f"127.0.0.1:{port}/metrics" in out, out
+        assert "2 transformers registered with the controller" in out, out
+        pids = group.pids()
+        assert sorted(pids) == sorted(["controller", "encoder", "transformer_high",
+                                       "transformer_low", "decoder"]), pids
+        url = f"http://127.0.0.1:{front}"
+        body: dict[str, Any] = {"prompt": "a tiny wave", "task_id": "launched-split", **FIELDS}
+        image = _image(task, input_png)
+        if image is not None:
+            body["image_path"] = base64.b64encode(image).decode()
+        post_ok(url, "video", body)
+        st = wait_task(url, "launched-split", timeout=600)
+        assert st["status"] == "completed" and st["expert"] == "low", st
+        assert st["failures"] == 0 and st["resumes"] == 1, st
+        assert result(url, "launched-split")
+        logs = tmp_path / "logs"
+        high_log = (logs / "transformer_high.log").read_text(errors="replace")
+        low_log = (logs / "transformer_low.log").read_text(errors="replace")
+        assert "task launched-split: handed over to the low-noise expert" in high_log
+        assert "task launched-split: resuming after step 2 of 3" in low_log
+        assert "resuming" not in high_log
+        os.kill(group.proc.pid, signal.SIGINT)
+        assert group.proc.wait(180) == 130
+        left = {key: pid for key, pid in pids.items() if pid_alive(pid)}
+        assert not left, f"left running: {left}\n{group.output()}"
+    finally:
+        group.cleanup()  # whatever happened: the script, then any service it left, by pid

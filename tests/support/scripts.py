@@ -22,13 +22,13 @@ MOONCAKE_PORTS = range(12000, 17001)
 12001 as the default, 15xxx-16xxx picked at random)."""
 
 
-def free_offset(group: str, subdir: str) -> int:
+def free_offset(group: str, subdir: str, split: bool = False) -> int:
     """A PORT_OFFSET under which every port of the group is free. The shifted ports stay
     below Linux's ephemeral range (32768+), so other tests' free_ports() cannot race us, and
     out of the range Mooncake picks its own ports from (MOONCAKE_PORTS), so the engines of
     tests running beside this one cannot take one between this check and the bind."""
     prep = role_files.prepare(group, ROOT / "configs" / "disagg" / subdir,
-                                Path("/nonexistent"))
+                              Path("/nonexistent"), split=split)
     ports = [(host, port) for _what, host, port in prep.ports()]
     top = 32767 - max(port for _host, port in ports)
     rng = random.Random()

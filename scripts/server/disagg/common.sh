@@ -24,6 +24,13 @@
 #                            Unset: encoder and decoder on GPU 0, transformer on GPU 1 when
 #                            two or more GPUs are visible to torch (else GPU 0); cpu when
 #                            none is visible.
+#   EXPERTS=split            Wan2.2-A14B only: the split placement, one expert per DiT
+#                            worker: one high-noise and one low-noise DiT worker, from
+#                            GROUP_transformer_high.json and GROUP_transformer_low.json
+#                            (in place of GROUP_transformer.json). TRANSFORMER_GPU=HIGH,LOW
+#                            (e.g. 1,2) puts each on its GPU; one value: both there; unset:
+#                            GPUs 1 and 2. (both / swap are transformer.experts in the
+#                            transformer's role file, no variable.)
 #   PORT_OFFSET              added to every port of the group (default 0)
 #   LOG_DIR                  logs, pids file, effective configs (default out/logs/GROUP)
 #   OUTPUT_DIR               results folder (default: output_dir of the config files)
@@ -77,6 +84,13 @@ diffring_run_group() {
     [[ -z "${STOP_TIMEOUT:-}" ]] || args+=(--stop-timeout "$STOP_TIMEOUT")
     [[ -z "${MOONCAKE_CONFIG_PATH:-}" ]] || args+=(--mooncake-config "$MOONCAKE_CONFIG_PATH")
     [[ "${LIGHTX2V_PORTS:-0}" != 1 ]] || args+=(--lightx2v-ports)
+    case "${EXPERTS:-}" in
+        "") ;;
+        split) args+=(--split) ;;
+        *) echo "[$group] error: EXPERTS=${EXPERTS}: the one value is split (both and swap" \
+               "are transformer.experts in ${group}_transformer.json)" >&2
+           exit 1 ;;
+    esac
     # The launcher imports the repository's packages: found from here even when the script is
     # started elsewhere and the project is not installed into $py.
     PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m launcher "${args[@]}"
