@@ -10,6 +10,8 @@ visits both DiT workers and gives the pixels of the one-process pipeline (T2V, I
 low-noise worker killed after it took a handed-over task, a drained low-noise worker and a
 high-noise worker killed as the controller kept its boundary state each leave the task to
 a low-noise worker (never the high-noise one), which completes it identically, uncharged.
+So does a controller SIGKILLed and started again while a handed-over task waits for a
+low-noise worker: restored from its journal and checkpoint files, it waits for one again.
 Through the launcher's own entry (the start script with ``EXPERTS=split``, the role files
 ``wan22_a14b_{t2v,i2v}_transformer_{high,low}.json``): a split group starts, a request completes
 after the handover. Every process is started and stopped here by pid.
@@ -41,7 +43,7 @@ from tests.support.http import pixels, post_ok, result, status  # noqa: E402
 from tests.support.models import diffusers_reference, small_request, stage, wire  # noqa: E402
 from tests.support.paths import ROOT  # noqa: E402
 from tests.support.scripts import Launched, free_offset, launcher_env, pid_alive  # noqa: E402
-from tests.support.waits import wait_log  # noqa: E402
+from tests.support.waits import wait_for, wait_log  # noqa: E402
 from workers.models import LocalPipeline, TransformerAdapter  # noqa: E402
 from workers.models.loop_state import LoopState, from_wire, to_wire  # noqa: E402
 
@@ -362,3 +364,65 @@ def test_the_start_script_starts_a_split_group(tiny_models: Path, input_png: byt
         assert not left, f"left running: {left}\n{group.output()}"
     finally:
         group.cleanup()  # whatever happened: the script, then any service it left, by pid
+
+
+def wait_waiting_low(group: LocalGroup, tid: str, timeout: float = 300) -> dict[str, Any]:
+    """``tid``'s status once it waits, accepted at the controller, for a low-noise worker."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st: dict[str, Any] = status(group.url, tid)
+        if st["stage"] == "accepted" and st.get("waiting_expert") == "low":
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"task {tid}: not waiting for a low-noise worker: {st}")
+        time.sleep(0.05)
+
+
+def test_a_controller_restart_keeps_a_handed_over_task_for_a_low_noise_worker(
+        tiny_models: Path, tmp_path: Path) -> None:
+    """The controller is SIGKILLed while a handed-over task waits for a low-noise worker
+    (none started yet) and started again on the same task store: the task, restored from its
+    journal and checkpoint files (their ``split`` and next-expert marks), waits again for a
+    low-noise worker -- never in the Phase1 ring, so the reconnected high-noise worker never
+    takes it -- and the low-noise worker started then completes it with the pixels of one
+    process, uncharged."""
+    task, tid = "wan22_a14b_t2v", "restart-low"
+    want = _want(tiny_models, task)
+    state_file = tmp_path / "results" / ".journal" / "checkpoints" / f"{tid}.state"
+    with _group(tiny_models, task, tmp_path) as group:
+        group.start("controller")
+        group.wait_http(timeout=120)
+        group.start("encoder")
+        high = group.start("transformer", HIGH)
+        group.start("decoder")
+        group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1}, timeout=600)
+        post_ok(group.url, "video", {"prompt": "a tiny wave", **FIELDS, "task_id": tid})
+        st = wait_waiting_low(group, tid)
+        assert (st["checkpoint_step"], st["failures"]) == (2, 0), st
+        wait_for(state_file.exists, f"{state_file} written")  # files are written off the loop
+        old = group.services[0]
+        os.kill(old.proc.pid, signal.SIGKILL)
+        old.proc.wait()
+        group.services.remove(old)  # reaped: no longer part of the group
+        group.start("controller")
+        group.wait_http(timeout=120)
+        group.wait_workers({"encoder": 1, "transformer": 1, "decoder": 1}, timeout=300)
+        st = wait_waiting_low(group, tid)
+        assert st["checkpoint_step"] == 2 and st["failures"] == 0, st
+        # A second request runs on the reconnected high-noise worker meanwhile (it would pull
+        # the restored task first were it in the Phase1 ring) and waits behind it.
+        post_ok(group.url, "video", {"prompt": "a tiny wave", **FIELDS, "seed": 12,
+                                     "task_id": "after-restart"})
+        wait_log(high, "task after-restart: handed over to the low-noise expert", timeout=300)
+        assert wait_waiting_low(group, tid)["stage"] == "accepted"
+        low = group.start("transformer", LOW)
+        st = wait_task(group.url, tid, timeout=300)
+        other = wait_task(group.url, "after-restart", timeout=300)
+        got = result(group.url, tid)
+        high_log, low_log = high.log(), low.log()
+    assert st["status"] == "completed" and other["status"] == "completed", (st, other)
+    assert st["failures"] == 0 and st["expert"] == "low", st
+    assert (st["resumes"], st["resumed_from"]) == (1, 2), st
+    assert np.array_equal(pixels(got, "mp4"), pixels(want.data, "mp4"))
+    assert f"task {tid}: resuming after step 2 of 3" in low_log
+    assert "resuming" not in high_log
