@@ -43,6 +43,8 @@ from .prompt_cache import PromptCache, PromptKey, image_digest
 if TYPE_CHECKING:
     import torch
 
+    from contracts.recipes import Recipe
+
     from .dit.dit_requests import RequestOptions
     from .loop_state import LoopHooks
 
@@ -293,13 +295,10 @@ class TransformerAdapter(StageAdapter):
         recipe's guidance, the path its requests take), so that compilation, kernel selection
         and allocator growth happen now and not in the first requests. Returns the seconds
         it took."""
-        from contracts.recipes import recipe
-
-        found = recipe(self.recipe_name(), self.spec.family)
+        found = self.served_recipe()
         guidance: dict[str, Any] = {}
         if found is not None and found.cfg_distilled:
-            guidance = {k: v for k, v in found.request_defaults.items()
-                        if k in ("guidance_scale", "true_cfg_scale")}
+            guidance = {found.guidance_key: found.request_defaults[found.guidance_key]}
         t0 = time.perf_counter()
         for shape in shapes:
             geometry = warmup_geometry(shape, self.spec)
@@ -361,14 +360,18 @@ class TransformerAdapter(StageAdapter):
     def scheduler_overrides(self) -> dict[str, Any]:
         """Scheduler config values replacing the folder's: ``transformer.flow_shift``, else
         the recipe's settings (Wan's shift, Qwen-Image-Lightning's scheduler)."""
-        from contracts.recipes import recipe
-
-        found = recipe(self.recipe_name(), self.spec.family)
+        found = self.served_recipe()
         out: dict[str, Any] = dict(found.scheduler) if found is not None else {}
         shift = self.options.flow_shift or (found.flow_shift if found is not None else None)
         if shift is not None:
             out["flow_shift"] = shift
         return out
+
+    def served_recipe(self) -> Recipe | None:
+        """The recipe this stage serves (:meth:`recipe_name`), None: none."""
+        from contracts.recipes import recipe
+
+        return recipe(self.recipe_name(), self.spec.family)
 
     def recipe_name(self) -> str | None:
         """The service's recipe, else the one the model folder declares."""

@@ -65,8 +65,8 @@ measured on an H200 (torch 2.11, CUDA 13.0), for batch 1 and 2: up to 42 rows at
 
 def _block_linears(model: Any) -> list[tuple[str, str, torch.nn.Linear, tuple[str, ...]]]:
     """Every linear layer inside the model's repeated blocks (diffusers'
-    ``_repeated_blocks``): qualified name, name inside its block, the layer, and the block's
-    :data:`PROMPT_ROW_LAYERS`."""
+    ``_repeated_blocks``): its block's qualified name, its name inside the block, the layer,
+    and the block's :data:`PROMPT_ROW_LAYERS`."""
     blocks = set(getattr(model, "_repeated_blocks", ()) or ())
     if not blocks:
         raise ModelLoadError(f"{type(model).__name__} declares no repeated blocks for FP8")
@@ -77,7 +77,18 @@ def _block_linears(model: Any) -> list[tuple[str, str, torch.nn.Linear, tuple[st
         prompt_rows = PROMPT_ROW_LAYERS.get(type(block).__name__, ())
         for name, module in block.named_modules():
             if isinstance(module, torch.nn.Linear):
-                out.append((f"{block_name}.{name}", name, module, prompt_rows))
+                out.append((block_name, name, module, prompt_rows))
+    return out
+
+
+def _fp8_targets_by_block(model: Any) -> dict[str, list[str]]:
+    """:func:`fp8_linear_targets` by block, in model order: the block's qualified name ->
+    the layers' names inside it."""
+    out: dict[str, list[str]] = {}
+    for block_name, name, module, prompt_rows in _block_linears(model):
+        if not any(part in name for part in _MODULATION + prompt_rows) \
+                and not module.in_features % _ALIGN and not module.out_features % _ALIGN:
+            out.setdefault(block_name, []).append(name)
     return out
 
 
@@ -86,15 +97,14 @@ def fp8_linear_targets(model: Any) -> list[str]:
     the model's repeated blocks, minus modulation layers, the layers whose rows are the
     prompt's tokens (:func:`prompt_row_layers`) and layers whose sizes FP8 matmuls cannot
     take."""
-    return [qualified for qualified, name, module, prompt_rows in _block_linears(model)
-            if not any(part in name for part in _MODULATION + prompt_rows)
-            and not module.in_features % _ALIGN and not module.out_features % _ALIGN]
+    return [f"{block}.{name}" for block, names in _fp8_targets_by_block(model).items()
+            for name in names]
 
 
 def prompt_row_layers(model: Any) -> list[str]:
     """Qualified names of the block linear layers left in bf16 because their rows are the
     prompt's tokens (:data:`PROMPT_ROW_LAYERS`)."""
-    return [qualified for qualified, name, _, prompt_rows in _block_linears(model)
+    return [f"{block}.{name}" for block, name, _, prompt_rows in _block_linears(model)
             if any(part in name for part in prompt_rows)]
 
 
@@ -164,29 +174,19 @@ def apply_fp8_linear(model: Any, device: torch.device) -> int:
     ``model.to(device)``. Each layer is converted from the same values on the same device
     as a whole-model conversion would, so the FP8 weights are the same."""
     check_fp8_linear(device)
-    targets = fp8_linear_targets(model)
-    by_block: dict[str, set[str]] = {}
-    for qualified in targets:
-        for block_name in _block_names(model):
-            if qualified.startswith(block_name + "."):
-                by_block.setdefault(block_name, set()).add(qualified[len(block_name) + 1:])
-                break
+    by_block = _fp8_targets_by_block(model)
     for block_name, names in by_block.items():
         block = model.get_submodule(block_name)
         block.to(device)
+        targets = set(names)
 
-        def chosen(_module: torch.nn.Module, fqn: str, names: set[str] = names) -> bool:
-            return fqn in names
+        def chosen(_module: torch.nn.Module, fqn: str, targets: set[str] = targets) -> bool:
+            return fqn in targets
 
         quantize_fp8(block, chosen)
-    log.info("FP8 linear layers: %d of the DiT's linear layers converted", len(targets))
-    return len(targets)
-
-
-def _block_names(model: Any) -> list[str]:
-    """Qualified names of the model's repeated blocks (diffusers' ``_repeated_blocks``)."""
-    kinds = set(getattr(model, "_repeated_blocks", ()) or ())
-    return [name for name, module in model.named_modules() if type(module).__name__ in kinds]
+    count = sum(len(names) for names in by_block.values())
+    log.info("FP8 linear layers: %d of the DiT's linear layers converted", count)
+    return count
 
 
 def configure_compile_cache(folder: str | Path) -> Path:
